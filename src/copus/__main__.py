@@ -1,0 +1,3 @@
+from copus.cli import main
+
+raise SystemExit(main())

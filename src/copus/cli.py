@@ -1,0 +1,59 @@
+"""`copus` command line: train | plan | profile | simulate | report.
+
+Each subcommand lives in its own module under `copus.commands`, imported only when used, so
+`copus plan` and `copus simulate` never import torch. User mistakes exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from copus import __version__
+
+SUBCOMMANDS = {
+    "train": "train a model with adaptive batch size and parallelism",
+    "plan": "rank parallel plans by predicted goodput (what-if, no GPUs needed)",
+    "profile": "measure step time and memory of parallel plans",
+    "simulate": "simulate every policy on a cluster of 8 to 1,024+ GPUs",
+    "report": "plots and a summary table from run folders",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="copus", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"copus {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module = _command_module(name)
+        if module is not None:
+            module.add_arguments(p)
+    return parser
+
+
+def _command_module(name: str):
+    try:
+        return importlib.import_module(f"copus.commands.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"copus.commands.{name}":
+            return None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = _command_module(args.command)
+    if module is None:
+        print(f"copus {args.command}: not implemented yet", file=sys.stderr)
+        return 2
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as exc:  # user mistakes: one line, exit 2, no traceback
+        print(f"copus {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""The torch integration of copus: model, data, parallelism, statistics, trainer, checkpoints."""

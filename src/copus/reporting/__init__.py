@@ -1,0 +1,1 @@
+"""Reading run folders and turning them into plots and tables (no torch)."""

@@ -1,0 +1,145 @@
+"""`copus report`: PNG plots and a Markdown summary of one or more run folders."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from copus.reporting.runs import Run, first_time_below, plan_label, plan_segments
+
+
+def _smooth(values: list[float], window: int = 9) -> list[float]:
+    """Trailing mean over `window` finite values (train loss is noisy per step)."""
+    out, buf = [], []
+    for v in values:
+        if not math.isnan(v):
+            buf.append(v)
+            buf = buf[-window:]
+        out.append(sum(buf) / len(buf) if buf else float("nan"))
+    return out
+
+
+def _fmt(v: float, spec: str = ".3f") -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
+    """One row per run: totals, final losses, batches, plans, and wall time to each target."""
+    rows = []
+    for run in runs:
+        last = run.steps[-1]
+        val = run.series("val_loss", run.evals) if run.evals else []
+        val_t = run.series("wall_s", run.evals) if run.evals else []
+        row = {
+            "run": run.name, "policy": run.policy, "steps": int(last.get("step", len(run.steps))),
+            "tokens": int(last.get("tokens") or 0), "wall_s": float(last.get("wall_s") or 0.0),
+            "final_loss": _smooth(run.series("loss"))[-1],
+            "final_val_loss": val[-1] if val else float("nan"),
+            "batch_start": int(run.steps[0].get("global_batch_size") or 0),
+            "batch_end": int(last.get("global_batch_size") or 0),
+            "plans": " → ".join(s[2] for s in plan_segments(run)),
+            "num_decisions": len(run.decisions),
+        }
+        for target in targets:
+            row[f"time_to_{target:g}"] = first_time_below(val_t, val, target)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict], targets: list[float]) -> str:
+    head = ["run", "policy", "steps", "tokens", "wall s", "train loss", "val loss", "batch",
+            "plans"] + [f"t→{t:g} (s)" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["run"], r["policy"], str(r["steps"]), f"{r['tokens']:,}", _fmt(r["wall_s"], ".1f"),
+                 _fmt(r["final_loss"]), _fmt(r["final_val_loss"]),
+                 f"{r['batch_start']}→{r['batch_end']}", r["plans"]]
+        cells += [_fmt(r[f"time_to_{t:g}"], ".1f") for t in targets]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot_lines(ax, runs: list[Run], x_key: str, y_key: str, smooth: bool = False) -> None:
+    for run in runs:
+        ys = run.series(y_key)
+        ax.plot(run.series(x_key), _smooth(ys) if smooth else ys, label=f"{run.name} ({run.policy})")
+
+
+def write_plots(runs: list[Run], out: Path) -> list[Path]:
+    """Six PNGs: loss vs wall time and tokens, batch and b_noise vs tokens, plan timeline, tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    for x_key, xlabel, name in (("wall_s", "wall time (s)", "loss_vs_time.png"),
+                                ("tokens", "tokens", "loss_vs_tokens.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _plot_lines(ax, runs, x_key, "loss", smooth=True)
+        for run in runs:
+            if run.evals:
+                ax.plot(run.series(x_key, run.evals), run.series("val_loss", run.evals), "o--",
+                        ms=3, label=f"{run.name} validation")
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)",
+               title="Training loss (smoothed) and validation loss")
+        ax.legend(fontsize=7)
+        save(fig, name)
+    for y_key, ylabel, name, log in (("global_batch_size", "global batch (samples)",
+                                      "batch_vs_tokens.png", True),
+                                     ("b_noise", "b_noise (samples)", "bnoise_vs_tokens.png", True)):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _plot_lines(ax, runs, "tokens", y_key)
+        ax.set(xlabel="tokens", ylabel=ylabel, title=f"{ylabel} as training proceeds")
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        save(fig, name)
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(runs)))
+    labels = sorted({s[2] for run in runs for s in plan_segments(run)})
+    colors = {lab: plt.cm.tab10(i % 10) for i, lab in enumerate(labels)}
+    for i, run in enumerate(runs):
+        for start, end, lab in plan_segments(run):
+            ax.barh(i, max(end - start, 1e-3), left=start, color=colors[lab], edgecolor="k", lw=0.3)
+    ax.set_yticks(range(len(runs)), [r.name for r in runs])
+    ax.set(xlabel="wall time (s)", title="Parallel plan timeline")
+    ax.legend(handles=[matplotlib.patches.Patch(color=colors[lab], label=lab) for lab in labels],
+              fontsize=7, loc="upper right")
+    save(fig, "plan_timeline.png")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    _plot_lines(ax, runs, "wall_s", "tokens_per_s", smooth=True)
+    ax.set(xlabel="wall time (s)", ylabel="tokens/s", title="Throughput")
+    ax.legend(fontsize=7)
+    save(fig, "tokens_per_s.png")
+    return paths
+
+
+def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
+    """Plots + `summary.md` in `out`; returns the Markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(runs, out)
+    rows = summary_rows(runs, targets)
+    md = ["# copus report", "",
+          "Each row is one training run. *val loss* is the last validation loss; *t→X* is the "
+          "wall time at which the validation loss first reached X (– if never). *plans* lists "
+          "the data·tensor·pipeline layouts the run used, in order.", "",
+          markdown_table(rows, targets), ""]
+    for run in runs:
+        if run.decisions:
+            md += [f"## Decisions of {run.name}", ""]
+            for d in run.decisions:
+                md.append(f"- step {d.get('step')}: {d.get('kind')} → {plan_label(d)} "
+                          f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
+            md.append("")
+    md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path = out / "summary.md"
+    path.write_text("\n".join(md) + "\n")
+    return path

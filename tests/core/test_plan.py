@@ -9,7 +9,7 @@ from copus.core.plan import ParallelPlan, enumerate_plans, layouts, plan_problem
 def test_global_batch_and_world():
     p = ParallelPlan(dp=2, tp=2, pp=1, micro_batch_size=4, num_microbatches=3)
     assert p.global_batch_size == 24 and p.world_size == 4
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):
         p.dp = 3  # frozen
 
 
@@ -62,7 +62,7 @@ def test_enumeration_yields_only_valid_plans(world, model, batches, mbs):
         assert p.global_batch_size in batches and p.micro_batch_size in mbs
     # completeness: every valid combination is present
     expect = 0
-    for dp, tp, pp in layouts(world, shape):
+    for dp, _tp, pp in layouts(world, shape):
         for b in set(batches):
             for m in set(mbs):
                 if b % (dp * m) == 0 and (pp == 1 or b // (dp * m) >= pp):

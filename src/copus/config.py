@@ -1,0 +1,322 @@
+"""Run configuration: TOML sections → frozen dataclasses, `--set section.key=value` overrides.
+
+Pure (stdlib only + `copus.core.models`): `copus plan` and `copus simulate` load it without torch.
+Keys, defaults and meanings: docs/internals.md "Configuration". Config files are TOML only, so a
+config file can never run code. Every user mistake raises `ValueError` with one line:
+`<section>.<key>=<value!r>: <what is allowed>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomli_w
+
+from copus.core.models import MODELS
+
+POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput")
+
+# A check returns None when the value is allowed, else a short "what is allowed" text.
+Check = Callable[[Any], str | None]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(lo: int, hi: int | None = None) -> Check:
+    text = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    return lambda v: None if _is_int(v) and v >= lo and (hi is None or v <= hi) else text
+
+
+def _real(lo: float, hi: float | None = None, *, lo_open: bool = False,
+          hi_open: bool = False) -> Check:
+    """A finite number in the interval; open/closed ends as given."""
+    left = "(" if lo_open else "["
+    right = ")" if hi_open or hi is None else "]"
+    text = f"a number in {left}{lo}, {'inf' if hi is None else hi}{right}"
+
+    def check(v: Any) -> str | None:
+        if not _is_real(v):
+            return text
+        if v < lo or (lo_open and v == lo):
+            return text
+        if hi is not None and (v > hi or (hi_open and v == hi)):
+            return text
+        return None
+
+    return check
+
+
+def _choice(*names: str) -> Check:
+    text = "one of " + ", ".join(repr(n) for n in names)
+    return lambda v: None if isinstance(v, str) and v in names else text
+
+
+def _bool() -> Check:
+    return lambda v: None if isinstance(v, bool) else "true or false"
+
+
+def _nonempty_str() -> Check:
+    return lambda v: None if isinstance(v, str) and v.strip() else "a non-empty string"
+
+
+def _opt(default: Any, check: Check) -> Any:
+    """A dataclass field with its default and its validity check (kept in the metadata)."""
+    return field(default=default, metadata={"check": check})
+
+
+_FROZEN = dict(frozen=True, slots=True, kw_only=True)
+
+
+@dataclass(**_FROZEN)
+class ModelConfig:
+    name: str = _opt("tiny", _choice(*MODELS))
+
+
+@dataclass(**_FROZEN)
+class DataConfig:
+    source: str = _opt("embedded", _nonempty_str())
+    tokenizer: str = _opt("byte", _choice("byte", "bpe"))
+    bpe_vocab_size: int = _opt(4096, _int(260, 1_000_000))
+    val_fraction: float = _opt(0.01, _real(0.0, 0.5))
+    max_chars: int = _opt(0, _int(0))
+
+
+@dataclass(**_FROZEN)
+class TrainConfig:
+    max_steps: int = _opt(0, _int(0))
+    max_tokens: int = _opt(0, _int(0))
+    seed: int = _opt(0, _int(0, 2**63 - 1))
+    lr: float = _opt(3e-3, _real(0.0, lo_open=True))
+    lr_schedule: str = _opt("cosine", _choice("constant", "cosine", "linear"))
+    warmup_tokens: int = _opt(0, _int(0))
+    min_lr_ratio: float = _opt(0.1, _real(0.0, 1.0))
+    lr_rule: str = _opt("sqrt", _choice("none", "linear", "sqrt", "adascale"))
+    weight_decay: float = _opt(0.1, _real(0.0))
+    beta1: float = _opt(0.9, _real(0.0, 1.0, hi_open=True))
+    beta2: float = _opt(0.95, _real(0.0, 1.0, hi_open=True))
+    eps: float = _opt(1e-8, _real(0.0, lo_open=True))
+    grad_clip: float = _opt(1.0, _real(0.0))
+    max_nonfinite_steps: int = _opt(5, _int(1))
+    dtype: str = _opt("auto", _choice("auto", "fp32", "bf16"))
+
+
+@dataclass(**_FROZEN)
+class ParallelConfig:
+    nproc: int = _opt(1, _int(1))
+    dp: int = _opt(0, _int(0))
+    tp: int = _opt(0, _int(0))
+    pp: int = _opt(0, _int(0))
+    micro_batch_size: int = _opt(0, _int(0))
+    pp_schedule: str = _opt("1f1b", _choice("1f1b", "gpipe"))
+    activation_checkpointing: bool = _opt(False, _bool())
+    reshard_after_forward: bool = _opt(True, _bool())
+    memory_budget_gb: float = _opt(0.0, _real(0.0))
+    backend: str = _opt("auto", _choice("auto", "gloo", "nccl"))
+
+
+@dataclass(**_FROZEN)
+class BatchConfig:
+    policy: str = _opt("goodput", _choice(*POLICY_NAMES))
+    initial: int = _opt(8, _int(1))
+    min: int = _opt(8, _int(1))
+    max: int = _opt(256, _int(1))
+    max_growth: float = _opt(2.0, _real(1.0))
+    interval_steps: int = _opt(10, _int(1))
+    warmup_steps: int = _opt(10, _int(0))
+    ramp_kind: str = _opt("linear", _choice("linear", "stepwise"))
+    ramp_to: int = _opt(64, _int(1))
+    ramp_samples: int = _opt(20000, _int(1))
+    ramp_steps: int = _opt(4, _int(1))
+    norm_test_eta: float = _opt(0.5, _real(0.0, lo_open=True))
+    norm_test_form: str = _opt("per-sample", _choice("per-sample", "paper"))
+    ip_theta: float = _opt(0.5, _real(0.0, lo_open=True))
+    orth_nu: float = _opt(2.0, _real(0.0, lo_open=True))
+    gns_c: float = _opt(2.0, _real(0.0, lo_open=True))
+
+
+@dataclass(**_FROZEN)
+class GnsConfig:
+    small: str = _opt("microbatch", _choice("microbatch", "rank"))
+    decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
+    decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
+    decay_switch_tokens: int = _opt(8_000_000, _int(0))
+    calibration: float = _opt(2.0, _real(0.0, lo_open=True))
+    max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
+
+
+@dataclass(**_FROZEN)
+class ControllerConfig:
+    margin: float = _opt(0.10, _real(0.0))
+    lr_aware: bool = _opt(True, _bool())
+    reconfig_cost_s: float = _opt(2.0, _real(0.0))
+    allow_reconfigure: bool = _opt(True, _bool())
+    refit_interval_steps: int = _opt(20, _int(1))
+
+
+@dataclass(**_FROZEN)
+class CheckpointConfig:
+    interval_steps: int = _opt(100, _int(0))
+    keep: int = _opt(2, _int(1))
+
+
+@dataclass(**_FROZEN)
+class EvalConfig:
+    interval_steps: int = _opt(50, _int(0))
+    num_samples: int = _opt(64, _int(1))
+
+
+@dataclass(**_FROZEN)
+class LogConfig:
+    progress: bool = _opt(True, _bool())
+    tensorboard: bool = _opt(True, _bool())
+
+
+@dataclass(**_FROZEN)
+class Config:
+    """The whole run configuration, one frozen dataclass per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    gns: GnsConfig = field(default_factory=GnsConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def allowed_keys(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
+def _bad(section: str, key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{section}.{key}={value!r}: {allowed}")
+
+
+def _build_section(section: str, values: Mapping[str, Any]) -> Any:
+    """One section from a {key: value} mapping; each value is checked by its field's rule."""
+    cls = SECTIONS[section]
+    kwargs: dict[str, Any] = {}
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in by_name:
+            raise ValueError(f"unknown config key {section}.{key}; allowed in [{section}]: "
+                             f"{', '.join(by_name)}")
+        problem = by_name[key].metadata["check"](value)
+        if problem is not None:
+            raise _bad(section, key, value, f"allowed: {problem}")
+        if by_name[key].type == "float":
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """A validated `Config` from nested {section: {key: value}}; missing keys take defaults."""
+    sections: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown config section [{section}]; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{section}={values!r}: allowed: a table of keys "
+                             f"({', '.join(allowed_keys(section))})")
+        sections[section] = _build_section(section, values)
+    cfg = Config(**sections)
+    check_consistency(cfg)
+    return cfg
+
+
+def check_consistency(cfg: Config) -> None:
+    """Rules that relate keys to each other (each key alone was checked by its field)."""
+    b = cfg.batch
+    if b.min > b.max:
+        raise _bad("batch", "min", b.min, f"allowed: an integer <= batch.max={b.max}")
+    if not b.min <= b.initial <= b.max:
+        raise _bad("batch", "initial", b.initial,
+                   f"allowed: batch.min={b.min} <= batch.initial <= batch.max={b.max}")
+    if not b.min <= b.ramp_to <= b.max:
+        raise _bad("batch", "ramp_to", b.ramp_to,
+                   f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
+    if cfg.eval.interval_steps > 0 and cfg.data.val_fraction == 0:
+        raise _bad("data", "val_fraction", 0.0,
+                   "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "
+                   "(or set eval.interval_steps=0)")
+
+
+def check_run_length(cfg: Config) -> None:
+    """A training run needs an end: train.max_steps > 0 or train.max_tokens > 0.
+
+    Not part of `load_config` (planning and simulation need no run length); `copus train` calls it.
+    A decaying LR schedule (cosine, linear) decays over max_tokens, so it needs max_tokens > 0.
+    """
+    t = cfg.train
+    if t.max_steps == 0 and t.max_tokens == 0:
+        raise _bad("train", "max_tokens", 0,
+                   "allowed: an integer > 0 when train.max_steps=0 (set one of them)")
+    if t.lr_schedule != "constant" and t.max_tokens == 0:
+        raise _bad("train", "max_tokens", 0,
+                   f"allowed: an integer > 0 with train.lr_schedule={t.lr_schedule!r} "
+                   "(it decays over max_tokens), or train.lr_schedule='constant'")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` → (section, key, value); value parsed as TOML, else a bare string."""
+    name, sep, raw = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key or "." in key:
+        raise ValueError(f"--set {text!r}: allowed: section.key=value, e.g. batch.max=512")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def apply_overrides(data: dict[str, dict[str, Any]], overrides: Iterable[str]) -> None:
+    for text in overrides:
+        section, key, value = parse_override(text)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ValueError(f"{section}={data[section]!r}: allowed: a table")
+        data[section][key] = value
+
+
+def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Defaults ← TOML file at `path` (if any) ← each `section.key=value` override, validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ValueError(f"config file {path!r} cannot be read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
+    apply_overrides(data, overrides)
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def config_to_toml(cfg: Config) -> str:
+    """Every key written out, so a run folder's config.toml reproduces the run exactly."""
+    return tomli_w.dumps(config_to_dict(cfg))

@@ -1,0 +1,242 @@
+"""Atomic, verifiable checkpoints: DCP for tensors, JSON for everything else.
+
+Layout of one checkpoint, `<root>/step-N/`:
+
+    .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (model + flattened optimizer state)
+    trainer_state.json             step, samples, tokens, sampler offset, plan, GNS, policy, LR, RNG
+    manifest.json                  {"step": N, "files": {name: {"bytes": n, "sha256": hex}}}
+
+Atomicity (design §6): everything is written to `<root>/tmp-step-N`, every file is fsync'ed,
+`manifest.json` (checksums of every other file) is written last, the folder is renamed to `step-N`
+and the parent folder is fsync'ed. A crash at any point leaves either a complete `step-N` or a
+`tmp-*` folder that is ignored and removed by the next save. "latest" is simply the highest
+`step-N` whose manifest and checksums verify; a corrupt or truncated one is reported by file name
+and the previous good one is used. DCP reshards on load, so a checkpoint loads under any plan and
+world size. Nothing is unpickled from our files: the trainer state is JSON.
+
+With a process group, every rank calls `save`/`load` (DCP is collective); only rank 0 touches
+the folder structure, and multi-node runs need `<root>` on a shared file system (as DCP does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = "tmp-step-"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or a checkpoint that does not match what is being loaded."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (directory entries, e.g. after a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """Every `step-N` folder under `root`, highest step first (validity not checked)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir()
+           if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return sorted(out, reverse=True)
+
+
+def verify(path: str | Path) -> str | None:
+    """None if `path` is a complete checkpoint, else a one-line problem naming the bad file."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return f"{manifest} is missing (incomplete checkpoint)"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{manifest} is unreadable ({exc.__class__.__name__})"
+    for name, meta in sorted(entries.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != meta["bytes"]:
+            return f"{f} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
+        if _sha256(f) != meta["sha256"]:
+            return f"{f} fails its sha256 checksum (corrupt)"
+    for name in (TRAINER_STATE, ".metadata"):
+        if name not in entries:
+            return f"{path} has no {name} in its manifest"
+    return None
+
+
+def find_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
+    """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped."""
+    bad: list[str] = []
+    for _, path in step_dirs(root):
+        problem = verify(path)
+        if problem is None:
+            for msg in bad:
+                log(f"checkpoint: {msg}; using {path.name}")
+            return path
+        bad.append(problem)
+    for msg in bad:
+        log(f"checkpoint: {msg}; no older good checkpoint")
+    return None
+
+
+def agree_on_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
+    """`find_latest` decided on rank 0 and broadcast, so every rank loads the same step."""
+    found = [str(p) if (p := find_latest(root, log if _rank() == 0 else _quiet)) else ""]
+    if _distributed():
+        dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else None
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(folder)}
+    tmp = folder / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    _fsync_path(folder)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict,
+         *, keep: int = 0) -> Path:
+    """Write checkpoint `step` atomically (collective); return `<root>/step-N`.
+
+    `dcp_state` maps names to (D)Tensor state dicts, e.g. {"model": ..., "optim": ...};
+    `trainer_state` must be JSON-serialisable (rank 0's copy is written). `keep` > 0 deletes all
+    but the newest `keep` checkpoints after a successful save.
+    """
+    root = Path(root)
+    tmp, final = root / f"{_TMP_PREFIX}{step}", root / f"step-{step}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(_TMP_PREFIX + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    _barrier()
+    if _rank() == 0:
+        json.dumps(trainer_state)  # fail before touching the folder if not serialisable
+        _write_json(tmp / TRAINER_STATE, trainer_state)
+        for f in _files(tmp):
+            _fsync_path(f)
+        _write_manifest(tmp, step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        _apply_retention(root, keep)
+    _barrier()
+    return final
+
+
+def _apply_retention(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    for _, path in step_dirs(root)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> dict:
+    """Load tensors into `dcp_state` in place (resharding to its layout); return trainer state.
+
+    `dcp_state` must be the target structure (the current engine's state dicts). With
+    `check`, the manifest and checksums are verified first (CheckpointError names the file).
+    """
+    path = Path(path)
+    if check and _rank() == 0:
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+    dcp.load(dcp_state, checkpoint_id=str(path), no_dist=not _distributed())
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, numpy legacy global, python) as JSON data."""
+    import random
+
+    import numpy as np
+
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Inverse of `rng_state`."""
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))

@@ -26,14 +26,14 @@ def test_efficiency_in_unit_interval_and_non_increasing(phi, b1, b2):
 
 def test_efficiency_values_and_broadcasting():
     assert statistical_efficiency(99.0, 1) == 1.0
-    assert statistical_efficiency(99.0, 199) == pytest.approx(0.5)
+    assert statistical_efficiency(99.0, 101) == pytest.approx(0.5)
     assert statistical_efficiency(0.0, 8, ref_batch=2) == pytest.approx(0.25)
     assert statistical_efficiency(math.inf, 1024) == 1.0
     assert math.isnan(statistical_efficiency(math.nan, 8))
     assert statistical_efficiency(-5.0, 4) == pytest.approx(0.25)  # negative phi -> 0
     out = statistical_efficiency(np.array([[10.0], [100.0]]), np.array([1, 10, 100]))
     assert out.shape == (2, 3)
-    assert np.allclose(out, [[1, 11 / 20, 11 / 110], [1, 101 / 110, 0.5 + 0.5 / 200]])
+    assert np.allclose(out, [[1, 11 / 20, 11 / 110], [1, 101 / 110, 101 / 200]])
     assert isinstance(statistical_efficiency(3.0, 4), float)
 
 

@@ -1,0 +1,323 @@
+"""Text → token windows → a deterministic global sample stream, split across data-parallel ranks.
+
+The data position of a run is ONE integer, the global sample offset (design §6): step t consumes
+the samples at stream positions offset .. offset + global_batch_size − 1 of an infinite stream of
+per-epoch permutations, and each dp rank takes a contiguous block of them. Because the stream does
+not depend on the batch, micro-batch or dp degree, changing any of them between steps neither skips
+nor repeats a sample. Everything here is numpy; torch is not needed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+EMBEDDED = "embedded"
+# Order of the package corpus (see src/copus/data/SOURCES.md).
+EMBEDDED_FILES = ("shakespeare_plays.txt.gz", "gutenberg_selection.txt.gz")
+DOC_SEPARATOR = "\n\n"
+
+
+# --------------------------------------------------------------------------------------- text
+
+def _read_one(path: Path | Traversable, limit: int) -> str:
+    """Read a .txt or .txt.gz file as UTF-8, at most `limit` characters (0 = all)."""
+    try:
+        with path.open("rb") as raw:
+            stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+            with io.TextIOWrapper(stream, encoding="utf-8") as fh:
+                return fh.read(limit) if limit > 0 else fh.read()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise ValueError(f"data.source={str(path)!r}: cannot be read as UTF-8 text "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
+def _text_files(source: str) -> list[Path | Traversable]:
+    if source == EMBEDDED:
+        root = resources.files("copus") / "data"
+        return [root / name for name in EMBEDDED_FILES]
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir()
+                       if p.is_file() and p.name.endswith((".txt", ".txt.gz")))
+        if not files:
+            raise ValueError(f"data.source={source!r}: the folder holds no .txt or .txt.gz files")
+        return files
+    if not path.exists():
+        raise ValueError(f"data.source={source!r}: no such file or folder; allowed: 'embedded', "
+                         "a .txt/.txt.gz file or a folder of them")
+    if not path.name.endswith((".txt", ".txt.gz")):
+        raise ValueError(f"data.source={source!r}: allowed: a .txt or .txt.gz file, a folder of "
+                         "them, or 'embedded'")
+    return [path]
+
+
+def load_text(source: str, max_chars: int = 0) -> str:
+    """The training text: `"embedded"` (the package corpus), a .txt/.txt.gz file, or a folder of
+    them (read in sorted order). Files are joined with a blank line. `max_chars` > 0 stops reading
+    once that many characters are in hand (fast test slices). ValueError names the bad path."""
+    if max_chars < 0:
+        raise ValueError(f"data.max_chars={max_chars!r}: allowed: an integer >= 0")
+    parts: list[str] = []
+    num_chars = 0
+    for path in _text_files(source):
+        if parts:
+            parts.append(DOC_SEPARATOR)
+            num_chars += len(DOC_SEPARATOR)
+            if max_chars and num_chars >= max_chars:
+                break
+        parts.append(_read_one(path, max_chars - num_chars if max_chars else 0))
+        num_chars += len(parts[-1])
+        if max_chars and num_chars >= max_chars:
+            break
+    text = "".join(parts)[:max_chars] if max_chars else "".join(parts)
+    if not text.strip():
+        raise ValueError(f"data.source={source!r}: the text is empty")
+    return text
+
+
+# --------------------------------------------------------------------------------- tokenizers
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab 256, lossless, no training (token = byte value)."""
+
+    vocab_size = 256
+    kind = "byte"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class BpeTokenizer:
+    """A byte-level BPE model from the `tokenizers` library (lossless on any UTF-8 text)."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> BpeTokenizer:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        return cls(HfTokenizer.from_file(str(path)))
+
+    def encode(self, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
+        """Encode in line-aligned chunks (batched, multi-threaded in Rust); chunks decode back
+        to the same text because byte-level BPE is lossless and adds no prefix space."""
+        chunks = _line_chunks(text, chunk_chars)
+        out = [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(chunks)]
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _line_chunks(text: str, chunk_chars: int) -> list[str]:
+    chunks, start = [], 0
+    while start < len(text):
+        end = min(start + chunk_chars, len(text))
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        chunks.append(text[start:end])
+        start = end
+    return chunks
+
+
+def default_cache_dir() -> Path:
+    """$COPUS_CACHE_DIR, else $XDG_CACHE_HOME/copus, else ~/.cache/copus (run-independent)."""
+    if os.environ.get("COPUS_CACHE_DIR"):
+        return Path(os.environ["COPUS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "copus"
+
+
+def bpe_cache_key(text: str, vocab_size: int) -> str:
+    """sha256 of (format version, tokenizers version, vocab size, text): same input → same file."""
+    import tokenizers
+
+    h = hashlib.sha256(f"copus-bpe-v1|{tokenizers.__version__}|{vocab_size}|".encode())
+    h.update(text.encode("utf-8"))
+    return h.hexdigest()[:24]
+
+
+def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -> BpeTokenizer:
+    """Train (or load from cache) a byte-level BPE of `vocab_size` tokens on `text`, offline.
+
+    Deterministic for a given text and vocab size; cached as `<cache_dir>/bpe-<hash>.json`, written
+    atomically (temp file + rename), so concurrent ranks can race safely."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 260:
+        raise ValueError(f"data.bpe_vocab_size={vocab_size!r}: allowed: an integer >= 260 "
+                         "(256 bytes + merges)")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / f"bpe-{bpe_cache_key(text, vocab_size)}.json"
+    if path.is_file():
+        try:
+            return BpeTokenizer.from_file(path)
+        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt, not fatal
+            pass
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_line_chunks(text, 1 << 16), trainer=trainer, length=None)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return BpeTokenizer(tok)
+
+
+def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
+                    cache_dir: str | Path | None = None) -> ByteTokenizer | BpeTokenizer:
+    """`"byte"` → ByteTokenizer; `"bpe"` → train_bpe(text, vocab_size, cache_dir)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return train_bpe(text, vocab_size, cache_dir)
+    raise ValueError(f"data.tokenizer={kind!r}: allowed: 'byte', 'bpe'")
+
+
+# ------------------------------------------------------------------------------------ samples
+
+@dataclass(frozen=True, slots=True)
+class TokenDataset:
+    """Non-overlapping windows: sample i = tokens[i·L : i·L + L + 1] with L = seq_len (inputs are
+    the first L tokens, targets the last L). len = (n − 1) // L, so the last window is complete."""
+
+    tokens: np.ndarray
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len!r}: allowed: an integer >= 1")
+        if self.tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        start = i * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1]
+
+    def batch(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Samples `ids` stacked: int array [len(ids), seq_len + 1] (one gather, no Python loop)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"sample ids must lie in [0, {len(self)}), got "
+                             f"[{ids.min()}, {ids.max()}]")
+        idx = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return self.tokens[idx]
+
+
+def split_train_val(tokens: np.ndarray, val_fraction: float,
+                    seq_len: int) -> tuple[TokenDataset, TokenDataset]:
+    """Train = the first (1 − val_fraction) of the tokens, val = the last val_fraction, contiguous,
+    so no validation token appears in any training window. val_fraction = 0 → empty val set."""
+    n = len(tokens)
+    n_val = int(np.ceil(n * val_fraction)) if val_fraction > 0 else 0
+    if val_fraction > 0:
+        n_val = max(n_val, seq_len + 1)
+    train, val = TokenDataset(tokens[:n - n_val], seq_len), TokenDataset(tokens[n - n_val:],
+                                                                         seq_len)
+    if len(train) < 1:
+        raise ValueError(f"the text has {n} tokens: too few for one training sample of "
+                         f"seq_len={seq_len} after the validation split ({n_val} tokens)")
+    return train, val
+
+
+class GlobalSampler:
+    """An infinite stream of sample ids: epoch e is a permutation of range(num_samples) drawn by
+    numpy's Generator seeded with (seed, e). The only state a run keeps is the stream position
+    (the global sample offset); `ids(offset, count)` reads positions offset .. offset+count−1."""
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples={num_samples!r}: allowed: an integer >= 1")
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self._cache: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            if len(self._cache) >= 2:
+                self._cache.pop(min(self._cache))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._cache[epoch] = rng.permutation(self.num_samples)
+        return self._cache[epoch]
+
+    def epoch(self, offset: int) -> int:
+        return offset // self.num_samples
+
+    def ids(self, offset: int, count: int) -> np.ndarray:
+        if offset < 0 or count < 0:
+            raise ValueError(f"offset={offset}, count={count}: allowed: integers >= 0")
+        out, pos, end = [], offset, offset + count
+        while pos < end:
+            epoch, start = divmod(pos, self.num_samples)
+            take = min(end - pos, self.num_samples - start)
+            out.append(self.permutation(epoch)[start:start + take])
+            pos += take
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:
+    """This dp rank's contiguous block of a step's global ids: [r·B/dp, (r+1)·B/dp)."""
+    n = len(global_ids)
+    if dp < 1 or not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank={dp_rank}, dp={dp}: allowed: 0 <= dp_rank < dp")
+    if n % dp:
+        raise ValueError(f"global_batch_size={n} is not a multiple of dp={dp}")
+    per = n // dp
+    return global_ids[dp_rank * per:(dp_rank + 1) * per]
+
+
+def build_datasets(data_cfg, seq_len: int, vocab_size: int,
+                   cache_dir: str | Path | None = None
+                   ) -> tuple[TokenDataset, TokenDataset, ByteTokenizer | BpeTokenizer]:
+    """config.DataConfig → (train, val, tokenizer). ValueError if the tokenizer's vocabulary does
+    not fit the model's (`vocab_size`). BPE is trained on the training part of the text only."""
+    text = load_text(data_cfg.source, data_cfg.max_chars)
+    if data_cfg.tokenizer == "bpe":
+        cut = len(text) - int(len(text) * data_cfg.val_fraction)
+        tokenizer = build_tokenizer("bpe", text[:cut], data_cfg.bpe_vocab_size, cache_dir)
+    else:
+        tokenizer = build_tokenizer(data_cfg.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        key = "data.bpe_vocab_size" if data_cfg.tokenizer == "bpe" else "data.tokenizer"
+        val = data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
+        raise ValueError(f"{key}={val!r}: the tokenizer has {tokenizer.vocab_size} tokens; "
+                         f"allowed: at most the model's vocab_size={vocab_size}")
+    tokens = tokenizer.encode(text)
+    train, val = split_train_val(tokens, data_cfg.val_fraction, seq_len)
+    return train, val, tokenizer

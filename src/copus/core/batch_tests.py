@@ -1,0 +1,201 @@
+"""Adaptive batch-size tests of Lau et al. (CPAL 2025, arXiv 2412.21124) from scalar statistics.
+
+Inputs are what the runtime measures per step without a second backward (design.md §3), over
+J = `num_small` "small" gradients g_j of b = `small_batch` samples each (one per micro-batch
+per dp rank, or one per dp rank), whose mean is ḡ over the current batch B = J·b:
+
+    small_sqnorm  s̄ = (1/J) Σ_j ‖g_j‖²
+    big_sqnorm    q = ‖ḡ‖²
+    ip_sq_mean    (1/J) Σ_j (g_jᵀḡ)²   (inner-product / orthogonality tests only; note
+                  (1/J) Σ_j g_jᵀḡ = q, so Var_j(g_jᵀḡ) needs only this and q)
+
+Each test computes a statistic T, in samples: the smallest batch at which the test passes. It
+passes when T ≤ B; otherwise the next batch is ⌈T⌉ rounded up to a multiple of dp·micro_batch_size
+and capped (`decide`). Since a small gradient averages b samples, a per-sample variance is
+b times the variance across small gradients; with b = 1 the "per-sample" forms below are exactly
+the per-sample tests of Lau et al. §3.1 (Bollapragada et al. 2018 for inner product/orthogonality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NORM_TEST_FORMS = ("per-sample", "paper")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchTestResult:
+    """`statistic`: batch (samples) the test asks for; `requested_batch`: rounded and capped."""
+
+    statistic: float
+    requested_batch: int
+    passed: bool
+
+
+def _check(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
+           ip_sq_mean: float | None = None) -> None:
+    for name, value in (("small_sqnorm", small_sqnorm), ("big_sqnorm", big_sqnorm),
+                        ("small_batch", small_batch), ("ip_sq_mean", ip_sq_mean)):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number")
+    if num_small < 2:
+        raise ValueError(f"num_small={num_small!r} is invalid; allowed: >= 2 small gradients")
+    if small_batch <= 0:
+        raise ValueError(f"small_batch={small_batch!r} is invalid; allowed: > 0")
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    """numerator/denominator for a test statistic: a zero gradient asks for an infinite batch."""
+    numerator = max(numerator, 0.0)
+    if denominator <= 0:
+        return math.inf if numerator > 0 else 0.0
+    return numerator / denominator
+
+
+def per_sample_trace_cov(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                         small_batch: float) -> float:
+    """tr(Σ) of one sample's gradient: b·(1/(J−1)) Σ_j ‖g_j − ḡ‖² = b·J/(J−1)·(s̄ − q).
+
+    Lau et al. notes §1.6 ("calibrated DDP-Norm"); equals McCandlish's two-batch estimator.
+    """
+    return small_batch * num_small / (num_small - 1) * (small_sqnorm - big_sqnorm)
+
+
+def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                        small_batch: float, *, eta: float, form: str = "per-sample") -> float:
+    """Norm test (Byrd et al. 2012; Lau et al. eqs. 3–5): the batch B at which it passes.
+
+    form "per-sample": T = tr(Σ)^/(η²·q) with tr(Σ)^ = `per_sample_trace_cov`. The test is
+      E‖g_B − G‖² ≤ η²‖G‖²: η is the classic tolerance on the relative error of the batch
+      gradient (0.5–0.9 in Byrd/Bollapragada); T ≈ b_noise/η².
+    form "paper": Lau et al. eq. 5 / Algorithm 1 as printed, T = Var̂/(η²·q) with
+      Var̂ = (1/J) Σ_j ‖g_j − ḡ‖² = s̄ − q, the variance of a *small gradient*, not of a sample.
+      This is the per-sample test with η_eff² = η²·J·b/(J−1), so η here is far smaller
+      (Lau et al. use 0.05–0.275) and the fixed point grows like sqrt(b_noise), not b_noise.
+    """
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch)
+    if not eta > 0:
+        raise ValueError(f"norm_test_eta={eta!r} is invalid; allowed: a number > 0")
+    if form == "per-sample":
+        numerator = per_sample_trace_cov(small_sqnorm, big_sqnorm, num_small, small_batch)
+    elif form == "paper":
+        numerator = small_sqnorm - big_sqnorm
+    else:
+        raise ValueError(f"norm_test_form={form!r} is invalid; allowed: "
+                         f"{', '.join(NORM_TEST_FORMS)}")
+    return _ratio(numerator, eta * eta * big_sqnorm)
+
+
+def inner_product_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                            small_batch: float, ip_sq_mean: float, *, theta: float) -> float:
+    """Inner-product test (Bollapragada et al. 2018): Var_i(∇ℓ_iᵀḡ)/B ≤ θ²‖ḡ‖⁴.
+
+    Per-sample variance of the projection ≈ b·Var_j(g_jᵀḡ) = b·J/(J−1)·(ip_sq_mean − q²);
+    T = that/(θ²·q²). At B = J·b this is design.md's Var_j(g_jᵀḡ)/J ≤ θ²‖ḡ‖⁴.
+    """
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    if not theta > 0:
+        raise ValueError(f"ip_theta={theta!r} is invalid; allowed: a number > 0")
+    var = small_batch * num_small / (num_small - 1) * (ip_sq_mean - big_sqnorm * big_sqnorm)
+    return _ratio(var, theta * theta * big_sqnorm * big_sqnorm)
+
+
+def orthogonality_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                            small_batch: float, ip_sq_mean: float, *, nu: float) -> float:
+    """Orthogonality test (Bollapragada et al. 2018): E‖g_B − proj_ḡ g_B‖² ≤ ν²‖ḡ‖².
+
+    Σ_j ‖g_j − (g_jᵀḡ/q)ḡ‖² = J·(s̄ − ip_sq_mean/q) (the components have mean 0), so the
+    per-sample orthogonal variance is b·J/(J−1)·(s̄ − ip_sq_mean/q); T = that/(ν²·q).
+    At B = J·b this is design.md's (1/J) Σ_j ‖…‖²/(J−1) ≤ ν²‖ḡ‖².
+    """
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    if not nu > 0:
+        raise ValueError(f"orth_nu={nu!r} is invalid; allowed: a number > 0")
+    if big_sqnorm <= 0:
+        return _ratio(small_sqnorm, 0.0)
+    var = small_batch * num_small / (num_small - 1) * (small_sqnorm - ip_sq_mean / big_sqnorm)
+    return _ratio(var, nu * nu * big_sqnorm)
+
+
+def round_up(value: float, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is ≥ value (and ≥ `multiple`)."""
+    return max(multiple, math.ceil(value / multiple - 1e-9) * multiple)
+
+
+def decide(statistic: float, current_batch: int, *, multiple: int = 1, max_batch: int,
+           allow_shrink: bool = False) -> BatchTestResult:
+    """Turn a test statistic into a batch request.
+
+    passed = statistic ≤ current_batch. The request is ⌈statistic⌉ rounded up to a multiple of
+    `multiple` (dp·micro_batch_size), capped at the largest multiple ≤ `max_batch`; it is never
+    below `current_batch` unless `allow_shrink` (a passed test without shrinking keeps the
+    current batch, which then need not be a multiple). A current batch above the cap is kept.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple!r} is invalid; allowed: an integer >= 1")
+    if max_batch < multiple:
+        raise ValueError(f"max_batch={max_batch!r} is invalid; allowed: >= multiple={multiple}")
+    if math.isnan(statistic):
+        raise ValueError("statistic=nan is invalid; allowed: a number >= 0 or inf")
+    passed = statistic <= current_batch
+    if passed and not allow_shrink:
+        return BatchTestResult(statistic=statistic, requested_batch=current_batch, passed=True)
+    cap = max_batch // multiple * multiple
+    requested = cap if statistic >= cap else min(round_up(statistic, multiple), cap)
+    if not allow_shrink:
+        requested = max(requested, current_batch)
+    return BatchTestResult(statistic=statistic, requested_batch=requested, passed=passed)
+
+
+def norm_test(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, *,
+              eta: float, form: str = "per-sample", multiple: int = 1, max_batch: int,
+              allow_shrink: bool = False) -> BatchTestResult:
+    """Norm test at the current batch J·b (see `norm_test_statistic` for η in each form)."""
+    t = norm_test_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, eta=eta, form=form)
+    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
+                  allow_shrink=allow_shrink)
+
+
+def inner_product_test(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                       small_batch: float, ip_sq_mean: float, *, theta: float,
+                       multiple: int = 1, max_batch: int,
+                       allow_shrink: bool = False) -> BatchTestResult:
+    t = inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
+                                theta=theta)
+    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
+                  allow_shrink=allow_shrink)
+
+
+def orthogonality_test(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                       small_batch: float, ip_sq_mean: float, *, nu: float, multiple: int = 1,
+                       max_batch: int, allow_shrink: bool = False) -> BatchTestResult:
+    t = orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
+                                nu=nu)
+    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
+                  allow_shrink=allow_shrink)
+
+
+def augmented_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                        small_batch: float, ip_sq_mean: float, *, theta: float,
+                        nu: float) -> float:
+    """Augmented inner-product test: both tests must pass, so the larger batch wins."""
+    return max(
+        inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
+                                theta=theta),
+        orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
+                                nu=nu),
+    )
+
+
+def augmented_test(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
+                   ip_sq_mean: float, *, theta: float, nu: float, multiple: int = 1,
+                   max_batch: int, allow_shrink: bool = False) -> BatchTestResult:
+    t = augmented_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
+                            theta=theta, nu=nu)
+    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
+                  allow_shrink=allow_shrink)
+
+
+def _current(num_small: int, small_batch: float) -> int:
+    return int(round(num_small * small_batch))

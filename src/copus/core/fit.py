@@ -1,0 +1,189 @@
+"""Fitting the step-time model to measured steps (design §4), once or online.
+
+Bounded least squares on log step time (Pollux fits its throughput model the same way, on RMSLE,
+with bounds; Qiao et al. OSDI'21 §4.1, adaptdl `fit_perf_params`):
+
+    minimise  Σ_i ρ( log ŝ_i(θ) − log s_i )²  +  λ · Σ_j ( log θ_j − log θ⁰_j )²
+
+over log θ (every coefficient > 0) and γ ∈ [1, 10]; ρ = soft-L1 (robust to a stray slow step).
+θ⁰ is the prior (the analytic model from a `HardwareProfile`, or the "cpu" profile when none is
+given) rescaled so its median prediction matches the data; the weak ridge λ keeps coefficients the
+data cannot identify at their prior instead of letting them drift. Coefficients of terms absent
+from every observed plan (no tp > 1 seen: the tp terms, etc.) are pinned, as adaptdl does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from copus.core.hardware import HardwareProfile, get_hardware
+from copus.core.models import ModelShape
+from copus.core.plan import ParallelPlan
+from copus.core.throughput import StepTimeModel, StepTimeParams, plan_columns
+
+GAMMA_BOUNDS = (1.0, 10.0)
+LOG_RANGE = math.log(1e6)        # coefficients may move at most 10⁶× from the prior
+
+
+def _clean(observations: Iterable[tuple[ParallelPlan, float]]) -> list[tuple[ParallelPlan, float]]:
+    out = [(p, float(s)) for p, s in observations if np.isfinite(s) and s > 0]
+    if not out:
+        raise ValueError("observations contain no finite step time > 0; allowed: (ParallelPlan, step_s) "
+                         "pairs with step_s > 0")
+    return out
+
+
+def pinned_names(plans: Sequence[ParallelPlan]) -> set[str]:
+    """Coefficients that no observed plan exercises (so the data cannot move them)."""
+    pinned: set[str] = set()
+    if all(p.tp == 1 for p in plans):
+        pinned |= {"tp_latency_s", "tp_s_per_byte"}
+    if all(p.dp == 1 for p in plans):
+        pinned |= {"dp_latency_s", "dp_s_per_byte", "gamma"}
+    if all(p.pp == 1 for p in plans):
+        pinned |= {"pp_latency_s", "pp_s_per_byte"}
+    if len({p.micro_batch_size for p in plans}) == 1:
+        pinned |= {"layer_overhead_s"}
+    return pinned
+
+
+def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTimeModel, *,
+              prior_weight: float = 1e-3, fixed: Iterable[str] = ()) -> StepTimeModel:
+    """`base` with coefficients fitted to `observations`; base.params is the prior θ⁰."""
+    obs = _clean(observations)
+    plans = [p for p, _ in obs]
+    cols = plan_columns(plans)
+    log_obs = np.log([s for _, s in obs])
+    names = StepTimeParams.names()
+    unknown = set(fixed) - set(names)
+    if unknown:
+        raise ValueError(f"fixed={sorted(unknown)} are invalid; allowed: {names}")
+    # rescale the prior so that its median prediction matches the data
+    k = float(np.exp(np.median(log_obs - np.log(base.predict(*cols)))))
+    prior = base.params.scaled_time(k)
+    free = [n for n in names if n not in pinned_names(plans) | set(fixed)]
+    if not free:
+        return base.with_params(prior)
+    x0 = np.array([_to_x(n, getattr(prior, n)) for n in free])
+    lo = np.array([GAMMA_BOUNDS[0] if n == "gamma" else x - LOG_RANGE for n, x in zip(free, x0)])
+    hi = np.array([GAMMA_BOUNDS[1] if n == "gamma" else x + LOG_RANGE for n, x in zip(free, x0)])
+    ridge = math.sqrt(prior_weight)
+
+    def params_of(x: np.ndarray) -> StepTimeParams:
+        return replace(prior, **{n: _from_x(n, v) for n, v in zip(free, x)})
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        pred = base.with_params(params_of(x)).predict(*cols)
+        return np.concatenate([np.log(np.maximum(pred, 1e-30)) - log_obs, ridge * (x - x0)])
+
+    best = None
+    for g in sorted({prior.gamma, 1.05, 3.0}):
+        start = x0.copy()
+        if "gamma" in free:
+            start[free.index("gamma")] = g
+        res = least_squares(residuals, np.clip(start, lo, hi), bounds=(lo, hi), loss="soft_l1",
+                            f_scale=0.1, x_scale=1.0, max_nfev=400)
+        if best is None or res.cost < best.cost:
+            best = res
+        if "gamma" not in free:
+            break
+    return base.with_params(params_of(best.x))
+
+
+def _to_x(name: str, value: float) -> float:
+    return value if name == "gamma" else math.log(max(value, 1e-30))
+
+
+def _from_x(name: str, x: float) -> float:
+    return float(x) if name == "gamma" else math.exp(x)
+
+
+def fit_step_time(observations: Iterable[tuple[ParallelPlan, float]], shape: ModelShape,
+                  hardware: HardwareProfile | str | None = None, world_size: int | None = None,
+                  **options) -> StepTimeParams:
+    """Fitted `StepTimeParams` from (plan, step_s) pairs; `options` go to `StepTimeModel`."""
+    return fit_model(observations, prior_model(shape, hardware, world_size, **options)).params
+
+
+def prior_model(shape: ModelShape, hardware: HardwareProfile | str | None, world_size: int | None = None,
+                **options) -> StepTimeModel:
+    """The analytic model of `hardware`; with None, the "cpu" coefficients on a one-tier topology."""
+    if hardware is None:
+        cpu = get_hardware("cpu")
+        params = StepTimeParams.analytic(cpu)
+        options.setdefault("dtype_bytes", cpu.dtype_bytes)
+        return StepTimeModel(params, shape, None, world_size=world_size, **options)
+    return StepTimeModel.analytic(shape, hardware, world_size, **options)
+
+
+class OnlineFitter:
+    """Accumulates measured steps per plan (median of the last `max_per_plan`) and refits.
+
+    `observe(plan, step_s)` drops non-finite or non-positive times and refits every `refit_every`
+    accepted observations; `model` is the analytic prior until the first fit. state_dict() is
+    JSON-able (plans as 5-int lists, params as a dict).
+    """
+
+    def __init__(self, shape: ModelShape, hardware: HardwareProfile | str | None = None,
+                 world_size: int | None = None, *, refit_every: int = 20, max_per_plan: int = 32,
+                 prior_weight: float = 1e-3, **options) -> None:
+        if refit_every < 1 or max_per_plan < 1:
+            raise ValueError(f"refit_every={refit_every}, max_per_plan={max_per_plan} are invalid; "
+                             "allowed: integers >= 1")
+        self.prior = prior_model(shape, hardware, world_size, **options)
+        self.model = self.prior
+        self.refit_every = refit_every
+        self.max_per_plan = max_per_plan
+        self.prior_weight = prior_weight
+        self.times: dict[ParallelPlan, list[float]] = {}
+        self.since_fit = 0
+        self.num_fits = 0
+
+    @property
+    def params(self) -> StepTimeParams:
+        return self.model.params
+
+    def observe(self, plan: ParallelPlan, step_s: float) -> bool:
+        """Record one step; True when this call refitted the model."""
+        if not (np.isfinite(step_s) and step_s > 0):
+            return False
+        times = self.times.setdefault(plan, [])
+        times.append(float(step_s))
+        del times[:-self.max_per_plan]
+        self.since_fit += 1
+        if self.since_fit >= self.refit_every:
+            self.refit()
+            return True
+        return False
+
+    def observations(self) -> list[tuple[ParallelPlan, float]]:
+        """(plan, median step_s) of every plan seen."""
+        return [(p, float(np.median(t))) for p, t in self.times.items() if t]
+
+    def refit(self) -> StepTimeModel:
+        obs = self.observations()
+        if obs:
+            self.model = fit_model(obs, self.prior, prior_weight=self.prior_weight)
+            self.num_fits += 1
+        self.since_fit = 0
+        return self.model
+
+    def state_dict(self) -> dict:
+        return {"params": self.model.params.to_dict(), "since_fit": self.since_fit,
+                "num_fits": self.num_fits,
+                "times": [[[p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches], list(t)]
+                          for p, t in self.times.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model = self.prior.with_params(StepTimeParams.from_dict(state["params"]))
+        self.since_fit = int(state["since_fit"])
+        self.num_fits = int(state["num_fits"])
+        self.times = {}
+        for (dp, tp, pp, mbs, nmb), t in state["times"]:
+            plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=nmb)
+            self.times[plan] = [float(x) for x in t]

@@ -1,0 +1,162 @@
+"""Memory model: peak bytes per rank of a plan, to prune candidates that would not fit (design §4).
+
+    bytes = states + buffers + activations          on the fuller of the first and last stage
+
+states (ZeRO-3 / FSDP2 sharding; Rajbhandari et al. SC'20 §3.1, mixed-precision Adam = 2Ψ + 2Ψ + 12Ψ):
+    P_stage / (tp·dp) · (param_bytes + grad_bytes + master_bytes + optimizer_bytes)
+    param_bytes = grad_bytes = 2 with mixed precision (bf16), else 4; master_bytes = 4 with mixed
+    precision (fp32 master copy; FSDP2 keeps the sharded parameter in fp32 and casts, the same
+    bytes), else 0; optimizer_bytes = 8 for AdamW (two fp32 moments), 4 for SGD with momentum.
+buffers (FSDP2 unsharded parameters and gradients, one unit = one block or the embedding/head):
+    reshard_after_forward: 2 units unsharded at a time (current + prefetched), else every unit of
+    the stage stays unsharded from forward to backward; plus 1 unit of unsharded gradients.
+activations per micro-batch and block (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4.1 eq. 2, tensor parallel without sequence
+parallel, 16-bit activations):
+    s·b·h · (10 + 24/tp) + 5·a·s²·b/tp         bytes; the last term is the stored attention scores,
+                                                absent with flash / memory-efficient attention
+    With full activation checkpointing (§4.3) each block keeps only its input, 2·s·b·h, and one
+    block's full set is live while it is recomputed. Values scale by activation_bytes / 2 (fp32
+    on CPU doubles them). A SwiGLU MLP of width f ≈ 8h/3 stores three f-wide tensors (w1, w3
+    outputs and their product: 6·s·b·f ≈ 16·s·b·h bytes), the same as GPT's two 4h-wide GeLU
+    tensors, so the formula carries over to Llama blocks.
+    head (last stage): logits in the activation dtype and in fp32 for the loss, s·b·V·(e + 4).
+    micro-batches in flight: 1 without a pipeline; 1F1B: the first stage holds min(pp, m), the last
+    stage 1 (Narayanan et al. SC'21 §2.2); GPipe: every stage holds all m.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from copus.core.models import ModelShape
+
+OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
+PP_SCHEDULES = ("1f1b", "gpipe")
+
+
+def _f(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryModel:
+    """Peak bytes per rank; see the module docstring. All methods broadcast over int arrays."""
+
+    shape: ModelShape
+    bytes_per_param: int | None = None       # None: 2 with mixed precision, else 4
+    optimizer: str = "adamw"
+    mixed_precision: bool = True
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1f1b"
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_BYTES:
+            raise ValueError(f"optimizer={self.optimizer!r} is invalid; allowed: {', '.join(OPTIMIZER_BYTES)}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} is invalid; allowed: {', '.join(PP_SCHEDULES)}")
+        if self.bytes_per_param is not None and self.bytes_per_param not in (1, 2, 4, 8):
+            raise ValueError(f"bytes_per_param={self.bytes_per_param!r} is invalid; allowed: 1, 2, 4, 8")
+
+    # ---- per-parameter bytes ------------------------------------------------------------------
+
+    @property
+    def param_bytes(self) -> int:
+        if self.bytes_per_param is not None:
+            return self.bytes_per_param
+        return 2 if self.mixed_precision else 4
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """param + grad + fp32 master (mixed precision only) + optimizer moments."""
+        master = 4 if self.mixed_precision else 0
+        return 2 * self.param_bytes + master + OPTIMIZER_BYTES[self.optimizer]
+
+    # ---- stage contents --------------------------------------------------------------------
+
+    def _stage_params(self, pp: np.ndarray, last: bool) -> np.ndarray:
+        """Parameters on the first (last=False) or last stage: ceil(L/pp) blocks + embedding/head."""
+        s = self.shape
+        blocks = np.ceil(s.n_layers / pp) * s.layer_params()
+        single = float(s.embedding_params())
+        stage_emb = s.vocab_size * s.dim + (s.dim if last else 0)
+        return blocks + np.where(pp > 1, stage_emb, single)
+
+    def activation_bytes_per_block(self, tp, micro_batch_size) -> np.ndarray:
+        """Korthikanti et al. 2022 eq. 2 (bytes, one block, one micro-batch), no checkpointing."""
+        s = self.shape
+        sbh = s.seq_len * _f(micro_batch_size) * s.dim
+        out = sbh * (10.0 + 24.0 / _f(tp))
+        if not self.flash_attention:
+            out = out + 5.0 * s.n_heads * s.seq_len * s.seq_len * _f(micro_batch_size) / _f(tp)
+        return out * self._act_scale
+
+    @property
+    def _act_scale(self) -> float:
+        return (2 if self.mixed_precision else 4) / 2.0
+
+    def _stored_per_block(self, tp, micro_batch_size) -> np.ndarray:
+        """What one block keeps per in-flight micro-batch: everything, or only its input (AC)."""
+        if self.activation_checkpointing:
+            return 2.0 * self.shape.seq_len * _f(micro_batch_size) * self.shape.dim * self._act_scale
+        return self.activation_bytes_per_block(tp, micro_batch_size)
+
+    def _head_bytes(self, micro_batch_size) -> np.ndarray:
+        s = self.shape
+        e = 2 if self.mixed_precision else 4
+        return s.seq_len * _f(micro_batch_size) * s.vocab_size * (e + 4.0)
+
+    def in_flight(self, pp, num_microbatches, last: bool) -> np.ndarray:
+        """Micro-batches whose activations a stage holds at its peak."""
+        pp, m = _f(pp), _f(num_microbatches)
+        if self.pp_schedule == "gpipe":
+            return np.where(pp > 1, m, 1.0)
+        return np.ones_like(pp * m) if last else np.where(pp > 1, np.minimum(pp, m), 1.0)
+
+    # ---- totals ---------------------------------------------------------------------------------
+
+    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
+        """Terms of the larger of the first and last stage (bytes); "total" is bytes_per_rank."""
+        dp, tp, pp = _f(dp), _f(tp), _f(pp)
+        b = _f(micro_batch_size)
+        layers = np.ceil(self.shape.n_layers / pp)
+        unit = max(self.shape.layer_params(), self.shape.vocab_size * self.shape.dim) / tp
+        out: dict[str, np.ndarray] = {}
+        for last in (False, True):
+            params = self._stage_params(pp, last)
+            states = params / (tp * dp) * self.state_bytes_per_param
+            if self.reshard_after_forward:
+                gathered = 2.0 * unit * self.param_bytes
+            else:
+                gathered = params / tp * self.param_bytes
+            buffers = gathered + unit * self.param_bytes
+            acts = self.in_flight(pp, num_microbatches, last) * layers * self._stored_per_block(tp, b)
+            if self.activation_checkpointing:
+                acts = acts + self.activation_bytes_per_block(tp, b)
+            if last:
+                acts = acts + self._head_bytes(b)
+            else:
+                acts = acts + np.where(pp > 1, 0.0, self._head_bytes(b))
+            total = states + buffers + acts
+            if not out:
+                out = {"states": states, "buffers": buffers, "activations": acts, "total": total}
+            else:
+                pick = total > out["total"]
+                for k, v in (("states", states), ("buffers", buffers), ("activations", acts),
+                             ("total", total)):
+                    out[k] = np.where(pick, v, out[k])
+        return out
+
+    def bytes_per_rank(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        """Peak bytes on the fullest rank of the plan (vectorised)."""
+        return self.breakdown(dp, tp, pp, micro_batch_size, num_microbatches)["total"]
+
+    def fits(self, dp, tp, pp, micro_batch_size, num_microbatches, capacity_bytes: float) -> np.ndarray:
+        """Boolean mask: bytes_per_rank ≤ capacity_bytes."""
+        if not capacity_bytes > 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes!r} is invalid; allowed: a number > 0")
+        return self.bytes_per_rank(dp, tp, pp, micro_batch_size, num_microbatches) <= capacity_bytes

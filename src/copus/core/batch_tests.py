@@ -62,6 +62,30 @@ def per_sample_trace_cov(small_sqnorm: float, big_sqnorm: float, num_small: int,
     return small_batch * num_small / (num_small - 1) * (small_sqnorm - big_sqnorm)
 
 
+def statistic_from_terms(numerator: float, denominator: float, tolerance: float) -> float:
+    """T = numerator/(tolerance²·denominator) from a test's terms (possibly window means).
+
+    A negative numerator (noise estimate below zero) gives 0; a zero gradient gives inf.
+    """
+    if not tolerance > 0:
+        raise ValueError(f"tolerance={tolerance!r} is invalid; allowed: a number > 0")
+    return _ratio(numerator, tolerance * tolerance * denominator)
+
+
+def norm_test_terms(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
+                    *, form: str = "per-sample") -> tuple[float, float]:
+    """(variance, ‖ḡ‖²) of the norm test; T = variance/(η²·‖ḡ‖²) (see `norm_test_statistic`)."""
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch)
+    if form == "per-sample":
+        variance = per_sample_trace_cov(small_sqnorm, big_sqnorm, num_small, small_batch)
+    elif form == "paper":
+        variance = small_sqnorm - big_sqnorm
+    else:
+        raise ValueError(f"norm_test_form={form!r} is invalid; allowed: "
+                         f"{', '.join(NORM_TEST_FORMS)}")
+    return variance, big_sqnorm
+
+
 def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
                         small_batch: float, *, eta: float, form: str = "per-sample") -> float:
     """Norm test (Byrd et al. 2012; Lau et al. eqs. 3–5): the batch B at which it passes.
@@ -74,17 +98,18 @@ def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
       This is the per-sample test with η_eff² = η²·J·b/(J−1), so η here is far smaller
       (Lau et al. use 0.05–0.275) and the fixed point grows like sqrt(b_noise), not b_noise.
     """
-    _check(small_sqnorm, big_sqnorm, num_small, small_batch)
     if not eta > 0:
         raise ValueError(f"norm_test_eta={eta!r} is invalid; allowed: a number > 0")
-    if form == "per-sample":
-        numerator = per_sample_trace_cov(small_sqnorm, big_sqnorm, num_small, small_batch)
-    elif form == "paper":
-        numerator = small_sqnorm - big_sqnorm
-    else:
-        raise ValueError(f"norm_test_form={form!r} is invalid; allowed: "
-                         f"{', '.join(NORM_TEST_FORMS)}")
-    return _ratio(numerator, eta * eta * big_sqnorm)
+    terms = norm_test_terms(small_sqnorm, big_sqnorm, num_small, small_batch, form=form)
+    return statistic_from_terms(*terms, eta)
+
+
+def inner_product_terms(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                        small_batch: float, ip_sq_mean: float) -> tuple[float, float]:
+    """(per-sample Var(∇ℓᵀḡ), ‖ḡ‖⁴): b·J/(J−1)·(ip_sq_mean − q²) and q²."""
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    var = small_batch * num_small / (num_small - 1) * (ip_sq_mean - big_sqnorm * big_sqnorm)
+    return var, big_sqnorm * big_sqnorm
 
 
 def inner_product_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
@@ -94,11 +119,20 @@ def inner_product_statistic(small_sqnorm: float, big_sqnorm: float, num_small: i
     Per-sample variance of the projection ≈ b·Var_j(g_jᵀḡ) = b·J/(J−1)·(ip_sq_mean − q²);
     T = that/(θ²·q²). At B = J·b this is design.md's Var_j(g_jᵀḡ)/J ≤ θ²‖ḡ‖⁴.
     """
-    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
     if not theta > 0:
         raise ValueError(f"ip_theta={theta!r} is invalid; allowed: a number > 0")
-    var = small_batch * num_small / (num_small - 1) * (ip_sq_mean - big_sqnorm * big_sqnorm)
-    return _ratio(var, theta * theta * big_sqnorm * big_sqnorm)
+    terms = inner_product_terms(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    return statistic_from_terms(*terms, theta)
+
+
+def orthogonality_terms(small_sqnorm: float, big_sqnorm: float, num_small: int,
+                        small_batch: float, ip_sq_mean: float) -> tuple[float, float]:
+    """(per-sample orthogonal variance, ‖ḡ‖²): b·J/(J−1)·(s̄ − ip_sq_mean/q) and q."""
+    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    scale = small_batch * num_small / (num_small - 1)
+    if big_sqnorm <= 0:
+        return scale * small_sqnorm, 0.0
+    return scale * (small_sqnorm - ip_sq_mean / big_sqnorm), big_sqnorm
 
 
 def orthogonality_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
@@ -109,13 +143,10 @@ def orthogonality_statistic(small_sqnorm: float, big_sqnorm: float, num_small: i
     per-sample orthogonal variance is b·J/(J−1)·(s̄ − ip_sq_mean/q); T = that/(ν²·q).
     At B = J·b this is design.md's (1/J) Σ_j ‖…‖²/(J−1) ≤ ν²‖ḡ‖².
     """
-    _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
     if not nu > 0:
         raise ValueError(f"orth_nu={nu!r} is invalid; allowed: a number > 0")
-    if big_sqnorm <= 0:
-        return _ratio(small_sqnorm, 0.0)
-    var = small_batch * num_small / (num_small - 1) * (small_sqnorm - ip_sq_mean / big_sqnorm)
-    return _ratio(var, nu * nu * big_sqnorm)
+    terms = orthogonality_terms(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
+    return statistic_from_terms(*terms, nu)
 
 
 def round_up(value: float, multiple: int) -> int:

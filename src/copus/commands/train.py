@@ -1,0 +1,141 @@
+"""`copus train`: train a model with adaptive batch size and parallel plan.
+
+With no arguments this is a real, small run: the `tiny` model on the embedded corpus, 2 local
+workers, the `goodput` policy, 1.5M tokens (a few minutes on 2 CPU cores); the batch grows from
+8 as the gradient noise scale rises. Everything is configurable with --config / --set.
+Config and plan are validated before any worker starts (a mistake exits 2 with one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+# Command-line defaults for the no-argument run, applied only where neither the config file nor
+# --set/flags name the key (docs/internals.md defaults otherwise).
+DEFAULT_RUN = {
+    ("parallel", "nproc"): 2,
+    ("train", "max_tokens"): 1_500_000,
+    ("train", "warmup_tokens"): 50_000,
+    ("batch", "max"): 128,
+    ("eval", "interval_steps"): 25,
+    ("checkpoint", "interval_steps"): 100,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (docs/internals.md)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    p.add_argument("--nproc", type=int, help="local workers to start (parallel.nproc)")
+    p.add_argument("--run-dir", metavar="DIR", help="run folder (default runs/<timestamp>)")
+    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps (train.max_steps)")
+    p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens)")
+    p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
+                                    "inner-product-test, gns, goodput")
+    p.add_argument("--model", help="model shape name (model.name)")
+    p.add_argument("--seed", type=int, help="seed (train.seed)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest good checkpoint in --run-dir (any plan)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of failed local workers, each resuming from a checkpoint")
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """Convenience flags as `section.key=value` overrides (they win over --set)."""
+    out = []
+    for flag, key in (("nproc", "parallel.nproc"), ("max_steps", "train.max_steps"),
+                      ("max_tokens", "train.max_tokens"), ("seed", "train.seed")):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{key}={int(value)}")
+    for flag, key in (("policy", "batch.policy"), ("model", "model.name")):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{key}={_toml_str(value)}")
+    return out
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _named_keys(config_path: str | None, overrides: list[str]) -> set[tuple[str, str]]:
+    """(section, key) pairs the user set explicitly, in the file or on the command line."""
+    from copus.config import parse_override
+
+    named: set[tuple[str, str]] = set()
+    if config_path is not None:
+        try:
+            with open(config_path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError):
+            data = {}  # load_config reports the problem
+        named |= {(s, k) for s, keys in data.items() if isinstance(keys, dict) for k in keys}
+    for text in overrides:
+        section, key, _ = parse_override(text)
+        named.add((section, key))
+    return named
+
+
+def resolve_config(args: argparse.Namespace):
+    """Config file ← command defaults (unnamed keys only) ← --set ← flags; validated."""
+    from copus.config import load_config
+
+    config_path = args.config
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if args.resume and config_path is None and run_dir and (run_dir / "config.toml").is_file():
+        config_path = str(run_dir / "config.toml")   # resume the run as it was configured
+    user = list(args.overrides) + flag_overrides(args)
+    named = _named_keys(config_path, user)
+    defaults = [] if args.resume else [f"{s}.{k}={v}" for (s, k), v in DEFAULT_RUN.items()
+                                       if (s, k) not in named]
+    if ("train", "max_steps") in named and ("train", "max_tokens") not in named:
+        defaults = [d for d in defaults if not d.startswith("train.max_tokens=")]
+    cfg = load_config(config_path, defaults + user)
+    if cfg.train.max_steps == 0 and cfg.train.max_tokens == 0:
+        # (a decaying LR schedule without max_tokens decays over max_steps x initial batch)
+        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
+                         "(set one of them)")
+    return cfg
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate everything, then train (spawning workers unless under torchrun)."""
+    if args.resume and not args.run_dir:
+        raise ValueError("--resume needs --run-dir DIR (the run folder to continue)")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts={args.max_restarts}: allowed: an integer >= 0")
+    cfg = resolve_config(args)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    if args.resume and not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"--resume: {run_dir} has no checkpoints/ folder")
+
+    from copus.runtime import launch
+    from copus.runtime.trainer import TrainingError, validate_before_launch
+
+    validate_before_launch(cfg, launch.world_size(cfg))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"copus train: run folder {run_dir}", file=sys.stderr)
+    try:
+        result = launch.launch(cfg, str(run_dir), resume=args.resume,
+                               max_restarts=args.max_restarts)
+    except TrainingError as exc:
+        print(f"copus train: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # ChildFailedError and friends: one line, details are above
+        print(f"copus train: error: workers failed ({exc.__class__.__name__}); see the log "
+              f"above and {run_dir}", file=sys.stderr)
+        return 1
+    if result.get("error"):
+        print(f"copus train: error: {result['error']}", file=sys.stderr)
+        return 2 if result.get("kind") == "value" else 1
+    return 0

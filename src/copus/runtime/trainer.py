@@ -1,0 +1,443 @@
+"""The training loop of one rank (design §1, §5, §6).
+
+config → plan → Engine → per step: global sample ids (one offset for the whole run) → this dp
+rank's slice → `Engine.train_step` → `GnsEstimator.update` → `StepRecord` → metrics line (rank 0)
+→ `policy.observe` on rank 0 → `Decision` broadcast → applied at the step boundary:
+a batch change calls `Engine.set_plan` and rescales the LR; a layout change ("reconfigure") goes
+through a checkpoint boundary (save, rebuild the engine under the new plan, load resharded).
+Eval every `eval.interval_steps` on a fixed validation subset, checkpoints every
+`checkpoint.interval_steps` and at the end, `resume` from the latest good checkpoint under any plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from copus.config import Config, config_to_toml
+from copus.core.gns import DecaySchedule, GnsEstimator
+from copus.core.models import ModelShape, get_model_shape
+from copus.core.plan import ParallelPlan, plan_problems
+from copus.core.records import Decision, StepRecord
+from copus.runtime import checkpoint as ckpt
+from copus.runtime.optim import LearningRate, build_learning_rate
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def check_run_length(cfg: Config) -> None:
+    """A run needs an end: train.max_steps > 0 or train.max_tokens > 0. (A decaying LR schedule
+    without max_tokens decays over max_steps × the initial tokens per step, see optim.py.)"""
+    if cfg.train.max_steps == 0 and cfg.train.max_tokens == 0:
+        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
+                         "(set one of them)")
+
+
+def default_micro_batch_size(per_dp: int, pp: int, cap: int = 4) -> int:
+    """Largest divisor of the per-dp-rank batch that is ≤ `cap` and leaves ≥ pp micro-batches."""
+    best = 1
+    for m in range(1, min(cap, per_dp) + 1):
+        if per_dp % m == 0 and per_dp // m >= pp:
+            best = m
+    return best
+
+
+def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPlan:
+    """Fixed degrees from [parallel]; unset ones: tp = pp = 1 and dp = the rest (pure FSDP).
+
+    Global batch = batch.initial; micro_batch_size = parallel.micro_batch_size, else
+    `default_micro_batch_size(initial / dp, pp)`. ValueError names the first problem.
+    """
+    p = cfg.parallel
+    tp, pp = p.tp or 1, p.pp or 1
+    if p.dp:
+        dp = p.dp
+    elif world_size % (tp * pp):
+        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the world size "
+                         f"{world_size}")
+    else:
+        dp = world_size // (tp * pp)
+    batch = cfg.batch.initial
+    if batch % dp:
+        raise ValueError(f"batch.initial={batch}: allowed: a multiple of dp={dp}")
+    mbs = p.micro_batch_size or default_micro_batch_size(batch // dp, pp)
+    if (batch // dp) % mbs:
+        raise ValueError(f"parallel.micro_batch_size={mbs}: allowed: a divisor of "
+                         f"batch.initial/dp={batch // dp}")
+    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
+                        num_microbatches=batch // (dp * mbs))
+    problems = plan_problems(plan, world_size, shape)
+    if problems:
+        raise ValueError(f"invalid plan {plan.describe()}: {problems[0]}")
+    return plan
+
+
+def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape):
+    """The configured batch policy (core.policies), starting from `plan`."""
+    from copus.core.policies import PolicySettings, make_policy
+
+    settings = PolicySettings.from_config(cfg)
+    return make_policy(cfg.batch.policy, settings, plan, world_size, shape)
+
+
+def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
+    """Everything checkable without workers: run length, plan, policy. ValueError on a mistake."""
+    check_run_length(cfg)
+    shape = get_model_shape(cfg.model.name)
+    plan = initial_plan(cfg, world_size, shape)
+    make_run_policy(cfg, plan, world_size, shape)
+    return plan
+
+
+# ------------------------------------------------------------------------------------ state
+
+@dataclass(slots=True, kw_only=True)
+class Progress:
+    """Where the run is. `samples` is also the global sample offset of the next step."""
+
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+    num_skipped: int = 0
+    nonfinite_streak: int = 0
+    train_s: float = 0.0
+
+
+def plan_to_dict(plan: ParallelPlan) -> dict:
+    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
+            "micro_batch_size": plan.micro_batch_size, "num_microbatches": plan.num_microbatches}
+
+
+def plan_from_dict(d: dict) -> ParallelPlan:
+    return ParallelPlan(**{k: int(d[k]) for k in ("dp", "tp", "pp", "micro_batch_size",
+                                                  "num_microbatches")})
+
+
+# ------------------------------------------------------------------------------------ trainer
+
+Hook = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+class Trainer:
+    """One rank's training run. Build, then `run()`; every rank executes the same calls."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
+                 on_batch: Hook | None = None) -> None:
+        from copus.runtime import data as data_mod
+        from copus.runtime.dist import MeshCache, choose_device
+
+        self.cfg, self.run_dir, self.on_batch = cfg, Path(run_dir), on_batch
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.shape = get_model_shape(cfg.model.name)
+        self.device = choose_device(cfg.parallel.backend)
+        self.train_set, self.val_set, _ = data_mod.build_datasets(
+            cfg.data, self.shape.seq_len, self.shape.vocab_size)
+        self.sampler = data_mod.GlobalSampler(len(self.train_set), cfg.train.seed)
+        self.plan = initial_plan(cfg, self.world, self.shape)
+        self.policy = make_run_policy(cfg, self.plan, self.world, self.shape)
+        self.gns = GnsEstimator(DecaySchedule(decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
+                                              switch_tokens=cfg.gns.decay_switch_tokens))
+        self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
+                                                    self.shape.seq_len)
+        self.progress = Progress()
+        self.mesh_cache = MeshCache(self.device)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.writer = self._make_writer()
+        self.engine = self._make_engine(self.plan)
+        if resume:
+            self.resume()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _make_engine(self, plan: ParallelPlan):
+        from copus.runtime.engine import Engine, EngineSettings
+
+        settings = EngineSettings.from_config(self.cfg)
+        return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
+                      seed=self.cfg.train.seed)
+
+    def _make_writer(self):
+        from copus.runtime.metrics import RunWriter
+
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(config_to_toml(self.cfg))
+        return RunWriter(self.run_dir, self.cfg, enabled=self.rank == 0)
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"copus: {message}", flush=True)
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        t, p = self.cfg.train, self.progress
+        return ((t.max_steps > 0 and p.step >= t.max_steps)
+                or (t.max_tokens > 0 and p.tokens >= t.max_tokens))
+
+    def run(self) -> dict:
+        """Train until max_steps / max_tokens; checkpoint at the end; return the summary."""
+        cfg = self.cfg
+        while not self.done():
+            record = self.train_step()
+            step = record.step
+            if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
+                self.evaluate()
+            decision = self.decide(record)
+            if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
+                self.save_checkpoint()
+            if decision is not None:
+                self.apply_decision(decision)
+        if cfg.eval.interval_steps and self.progress.step % cfg.eval.interval_steps:
+            self.evaluate()
+        if not (cfg.checkpoint.interval_steps
+                and self.progress.step % cfg.checkpoint.interval_steps == 0):
+            self.save_checkpoint()
+        return self.finish()
+
+    def local_ids(self, global_ids: np.ndarray) -> np.ndarray:
+        from copus.runtime.data import local_slice
+
+        return local_slice(global_ids, self.engine.dp_rank, self.plan.dp)
+
+    def train_step(self) -> StepRecord:
+        """One optimizer step on the next global batch; returns its StepRecord."""
+        p, plan = self.progress, self.plan
+        B, seq = plan.global_batch_size, self.shape.seq_len
+        global_ids = self.sampler.ids(p.samples, B)
+        local = self.local_ids(global_ids)
+        if self.on_batch is not None:
+            self.on_batch(p.step + 1, global_ids, local)
+        tokens = torch.from_numpy(self.train_set.batch(local).astype(np.int64)).to(self.device)
+        lr = self.lr.lr(p.tokens)
+        t0 = time.perf_counter()
+        out = self.engine.train_step(tokens, lr)
+        step_s = _max_over_ranks(time.perf_counter() - t0, self.device)
+        p.step += 1
+        p.samples += B
+        p.tokens += B * seq
+        p.train_s += step_s
+        finite = bool(out.finite)
+        if finite:
+            p.nonfinite_streak = 0
+            self.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
+        else:
+            p.num_skipped += 1
+            p.nonfinite_streak += 1
+        record = StepRecord(
+            step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=step_s,
+            loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
+            small_batch=float(out.small_batch), num_small=int(out.num_small),
+            big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
+            grad_sqnorm=self.gns.grad_sqnorm, grad_trace_cov=self.gns.grad_trace_cov,
+            b_noise=self.gns.b_noise, b_noise_rel_err=self.gns.rel_err, skipped=not finite)
+        self.writer.step(record, grad_norm=float(out.grad_norm))
+        if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
+                f"{self.cfg.train.max_nonfinite_steps}) at step {p.step}; lower train.lr or "
+                "resume from an earlier checkpoint")
+        return record
+
+    def evaluate(self) -> float:
+        """Mean loss on the fixed validation subset (the first eval.num_samples windows)."""
+        n = min(self.cfg.eval.num_samples, len(self.val_set))
+        n -= n % self.plan.dp
+        if n <= 0:
+            return math.nan
+        ids = np.arange(n)
+        local = ids.reshape(self.plan.dp, -1)[self.engine.dp_rank]
+        tokens = torch.from_numpy(self.val_set.batch(local).astype(np.int64)).to(self.device)
+        loss = float(self.engine.eval_loss(tokens))
+        self.writer.eval(step=self.progress.step, tokens=self.progress.tokens, loss=loss)
+        return loss
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def decide(self, record: StepRecord) -> Decision | None:
+        """Rank 0's policy observes the step; its decision (or None) is broadcast to all ranks."""
+        box: list[Decision | None] = [self.policy.observe(record) if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def apply_decision(self, decision: Decision) -> bool:
+        """Switch to `decision.plan` at this step boundary; return whether it was applied.
+
+        Batch change (same dp, tp, pp): `Engine.set_plan` + LR rule factor for the new batch.
+        Layout change: through a checkpoint boundary (`reconfigure_through_checkpoint`) unless
+        controller.allow_reconfigure is false, then refused. Every outcome goes to
+        decisions.jsonl with its reason.
+        """
+        new, old = decision.plan, self.plan
+        problems = plan_problems(new, self.world, self.shape)
+        if problems:
+            self.writer.decision(decision, applied=False, note=f"refused: {problems[0]}")
+            return False
+        if new == old:
+            return False
+        t0 = time.perf_counter()
+        if new.layout == old.layout:
+            self.engine.set_plan(new)
+        elif not self.cfg.controller.allow_reconfigure:
+            self.writer.decision(decision, applied=False,
+                                 note="refused: controller.allow_reconfigure=false")
+            return False
+        else:
+            self.reconfigure_through_checkpoint(new)
+        self.plan = new
+        if new.global_batch_size != old.global_batch_size:
+            self.lr.on_batch_change(new.global_batch_size, step=self.progress.step,
+                                    grad_sqnorm=self.gns.grad_sqnorm,
+                                    grad_trace_cov=self.gns.grad_trace_cov)
+        cost_s = time.perf_counter() - t0
+        self.writer.decision(decision, applied=True,
+                             note=f"applied in {cost_s:.3f} s; lr factor {self.lr.factor:.4g}")
+        self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
+                 f"({decision.reason})")
+        return True
+
+    def reconfigure_through_checkpoint(self, plan: ParallelPlan) -> None:
+        """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
+        path = self.save_checkpoint()
+        self.engine.close()
+        self.engine = self._make_engine(plan)
+        ckpt.load(path, self._dcp_state(), check=False)
+        self.engine.load_state(self._loaded_state)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _dcp_state(self) -> dict[str, Any]:
+        self._loaded_state = {"model": self.engine.model_state(),
+                              "optim": self.engine.optim_state()}
+        return self._loaded_state
+
+    def trainer_state(self) -> dict:
+        """Everything but tensors, as JSON data (rank 0's view)."""
+        return {
+            "progress": asdict(self.progress),
+            "plan": plan_to_dict(self.plan),
+            "world_size": self.world,
+            "sampler": {"offset": self.progress.samples, "seed": self.sampler.seed,
+                        "num_samples": self.sampler.num_samples},
+            "gns": self.gns.state_dict(),
+            "policy": self.policy.state_dict(),
+            "lr": self.lr.state_dict(),
+            "rng": ckpt.rng_state(),
+            "model": self.cfg.model.name,
+        }
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        path = ckpt.save(self.ckpt_dir, self.progress.step, self._dcp_state(),
+                         self.trainer_state(), keep=self.cfg.checkpoint.keep)
+        self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
+        return path
+
+    def resume(self) -> None:
+        """Load the latest good checkpoint (any plan/world size); keep the configured plan when
+        the checkpoint's plan does not fit this world."""
+        path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
+        if path is None:
+            raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
+        state = ckpt.load(path, self._dcp_state())
+        self.engine.load_state(self._loaded_state)
+        saved_plan = plan_from_dict(state["plan"])
+        self.progress = Progress(**state["progress"])
+        self.gns.load_state_dict(state["gns"])
+        self.policy.load_state_dict(state["policy"])
+        self.lr.load_state_dict(state["lr"])
+        if state.get("world_size") == self.world:
+            ckpt.set_rng_state(state["rng"])
+        if saved_plan != self.plan and not plan_problems(saved_plan, self.world, self.shape):
+            if saved_plan.layout == self.plan.layout:
+                self.engine.set_plan(saved_plan)
+                self.plan = saved_plan
+            else:
+                self.log(f"resume: checkpoint plan {saved_plan.describe()} differs from "
+                         f"{self.plan.describe()}; continuing with the batch of the checkpoint")
+                self._adopt_batch(saved_plan.global_batch_size)
+        self.log(f"resumed from {path.name}: step {self.progress.step}, "
+                 f"{self.progress.tokens} tokens, plan {self.plan.describe()}")
+
+    def _adopt_batch(self, global_batch_size: int) -> None:
+        """Same global batch as the checkpoint under this rank's layout (if it divides)."""
+        per = self.plan.dp
+        if global_batch_size % per:
+            return
+        mbs = default_micro_batch_size(global_batch_size // per, self.plan.pp)
+        plan = self.plan.with_batch(global_batch_size, mbs)
+        if not plan_problems(plan, self.world, self.shape):
+            self.engine.set_plan(plan)
+            self.plan = plan
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        p = self.progress
+        summary = {"steps": p.step, "samples": p.samples, "tokens": p.tokens,
+                   "num_skipped": p.num_skipped, "train_s": p.train_s,
+                   "final_plan": plan_to_dict(self.plan),
+                   "b_noise": _json_float(self.gns.b_noise)}
+        self.writer.close(summary)
+        return summary
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _json_float(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    """The slowest rank's time: what the step cost the job (and identical on every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+# ------------------------------------------------------------------------------------ entry
+
+def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None) -> dict:
+    """Entry of one rank (spawned by launch.py or run under torchrun): returns a result dict.
+
+    Deliberate stops (ValueError for a bad setting, TrainingError) come back as
+    {"error": message, "kind": "value" | "training"} so the elastic agent does not restart them.
+    A restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest checkpoint.
+    """
+    from copus.runtime.dist import init_distributed, shutdown_distributed
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    init_distributed(cfg.parallel.backend)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, run_dir, resume=resume or (
+            restarted and bool(ckpt.step_dirs(Path(run_dir) / "checkpoints"))), on_batch=on_batch)
+        result = trainer.run()
+    except ValueError as exc:
+        result = {"error": str(exc), "kind": "value"}
+    except TrainingError as exc:
+        result = {"error": str(exc), "kind": "training"}
+    finally:
+        if trainer is not None:
+            trainer.close()
+    shutdown_distributed()
+    return result

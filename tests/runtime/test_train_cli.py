@@ -1,0 +1,89 @@
+"""`copus train`: flags → config, validation before spawning (exit 2, one line), 2-process smoke."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from copus.cli import build_parser
+from copus.commands.train import DEFAULT_RUN, resolve_config
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_no_arguments_gives_the_default_small_run():
+    cfg = resolve_config(_args())
+    assert cfg.parallel.nproc == DEFAULT_RUN[("parallel", "nproc")] == 2
+    assert cfg.train.max_tokens == DEFAULT_RUN[("train", "max_tokens")]
+    assert cfg.model.name == "tiny" and cfg.data.source == "embedded"
+
+
+def test_flags_and_set_override_and_win(tmp_path):
+    conf = tmp_path / "c.toml"
+    conf.write_text("[parallel]\nnproc = 4\n[batch]\npolicy = 'gns'\n")
+    cfg = resolve_config(_args("--config", str(conf), "--set", "batch.initial=16",
+                               "--max-steps", "7", "--policy", "norm-test", "--seed", "3"))
+    assert cfg.parallel.nproc == 4                  # named in the file: no command default
+    assert cfg.batch.policy == "norm-test"          # flag wins over the file
+    assert cfg.batch.initial == 16 and cfg.train.seed == 3
+    assert cfg.train.max_steps == 7 and cfg.train.max_tokens == 0   # steps named: no token cap
+
+
+def test_resume_reads_the_run_folder_config(tmp_path):
+    (tmp_path / "config.toml").write_text("[train]\nmax_steps = 5\nseed = 11\n")
+    cfg = resolve_config(_args("--run-dir", str(tmp_path), "--resume", "--max-steps", "9"))
+    assert cfg.train.seed == 11 and cfg.train.max_steps == 9
+
+
+def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "copus", "train", *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--set", "batch.initial=0"], "batch.initial=0"),
+    (["--set", "train.lr=-1"], "train.lr=-1"),
+    (["--set", "nosuch.key=1"], "nosuch"),
+    (["--set", "parallel.tp=4", "--nproc", "4"], "tp=4 must divide n_heads=6"),
+    (["--nproc", "2", "--set", "batch.initial=9", "--set", "batch.min=1"], "batch.initial=9"),
+    (["--policy", "fastest"], "batch.policy='fastest'"),
+    (["--config", "missing.toml"], "missing.toml"),
+])
+def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, needle):
+    run_dir = tmp_path / "run"
+    out = _copus_train(*argv, "--run-dir", str(run_dir), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("copus train: error:"), out.stderr
+    assert needle in lines[0] and "Traceback" not in out.stderr
+    assert not run_dir.exists()                     # nothing was started
+
+
+@pytest.mark.slow
+def test_two_process_smoke_run_writes_the_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    out = _copus_train("--nproc", "2", "--max-steps", "6", "--run-dir", str(run_dir),
+                       "--policy", "constant",
+                       "--set", "data.max_chars=200000", "--set", "eval.interval_steps=3",
+                       "--set", "checkpoint.interval_steps=4", "--set", "eval.num_samples=8",
+                       "--set", "log.progress=false", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 7))
+    for key in ("step", "samples", "tokens", "loss", "lr", "step_s", "global_batch_size",
+                "micro_batch_size", "dp", "tp", "pp", "b_noise", "grad_sqnorm",
+                "grad_trace_cov", "small_sqnorm", "big_sqnorm"):
+        assert key in lines[0], key
+    assert all(m["loss"] > 0 for m in lines)
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [3, 6]
+    assert (run_dir / "decisions.jsonl").exists()
+    assert "[model]" in (run_dir / "config.toml").read_text()
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step-4", "step-6"]

@@ -1,0 +1,294 @@
+"""The run folder: what a training run writes, line by line, so a crash loses at most one line.
+
+    <run_dir>/config.toml      the resolved configuration (every key)
+    <run_dir>/metrics.jsonl    one JSON object per optimizer step (METRIC_KEYS, NaN/inf → null)
+    <run_dir>/eval.jsonl       one per evaluation: step, samples, tokens, wall_s, val_loss
+    <run_dir>/decisions.jsonl  one per policy decision: Decision.to_dict() + switch cost
+    <run_dir>/tb/              TensorBoard scalars (optional)
+    <run_dir>/summary.json, summary.txt   written by `RunWriter.summary()` at the end
+
+Only rank 0 writes; on other ranks every method is a no-op, so the trainer calls them
+unconditionally. Each line is flushed when written (appends survive a crash or a restart).
+`copus report` (copus.reporting.runs) reads these files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from copus.core.records import Decision, StepRecord
+
+# The keys every metrics.jsonl line has (design.md §2 vocabulary).
+METRIC_KEYS = ("step", "samples", "tokens", "wall_s", "step_s", "loss", "lr",
+               "global_batch_size", "micro_batch_size", "dp", "tp", "pp", "grad_sqnorm",
+               "grad_trace_cov", "b_noise", "tokens_per_s")
+
+TB_KEYS = ("loss", "lr", "global_batch_size", "micro_batch_size", "num_microbatches", "step_s",
+           "tokens_per_s", "grad_sqnorm", "grad_trace_cov", "b_noise", "dp", "tp", "pp")
+
+
+def json_safe(value: Any) -> Any:
+    """Non-finite floats → None (JSON has no NaN/inf), recursively; numpy scalars → Python."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def json_line(obj: dict[str, Any]) -> str:
+    return json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")) + "\n"
+
+
+def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = None,
+             **extra: Any) -> dict[str, Any]:
+    """One metrics.jsonl row. tokens_per_s defaults to global_batch_size·seq_len / step_s, with
+    seq_len = tokens / samples (both cumulative, so it holds after a resume)."""
+    plan = record.plan
+    if tokens_per_s is None:
+        seq_len = record.tokens / record.samples if record.samples else 0.0
+        tokens_per_s = (plan.global_batch_size * seq_len / record.step_s
+                        if record.step_s > 0 else float("nan"))
+    row = {
+        "step": record.step, "samples": record.samples, "tokens": record.tokens,
+        "wall_s": wall_s, "step_s": record.step_s, "loss": record.loss, "lr": record.lr,
+        "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
+        "num_microbatches": plan.num_microbatches, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
+        "grad_sqnorm": record.grad_sqnorm, "grad_trace_cov": record.grad_trace_cov,
+        "b_noise": record.b_noise, "b_noise_rel_err": record.b_noise_rel_err,
+        "tokens_per_s": tokens_per_s, "skipped": record.skipped,
+    }
+    row.update(extra)
+    return row
+
+
+class RunWriter:
+    """Writes a run folder (rank 0 only): config, per-step metrics, evals, decisions, TensorBoard,
+    a tqdm progress bar and the final summary.
+
+    The progress bar counts steps when `total_steps` > 0, else tokens when `total_tokens` > 0; it
+    is shown only when `progress` is true and stderr is a terminal."""
+
+    def __init__(self, run_dir: str | Path, rank0: bool = True, tensorboard: bool = False,
+                 progress: bool = False, total_steps: int = 0, total_tokens: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank0 = rank0
+        self._t0 = time.monotonic()
+        self._files: dict[str, Any] = {}
+        self._tb = None
+        self._bar = None
+        self._bar_unit = "step" if total_steps > 0 else "token"
+        self._bar_pos = 0
+        self.last_step: dict[str, Any] | None = None
+        self.last_eval: dict[str, Any] | None = None
+        self.batch_timeline: list[dict[str, Any]] = []   # each change of global/micro batch
+        self.plan_timeline: list[dict[str, Any]] = []    # each change of (dp, tp, pp)
+        self.switches: list[dict[str, Any]] = []         # decisions with their measured cost
+        self.first_step: int | None = None
+        if not rank0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: heavy import
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            total = total_steps if total_steps > 0 else (total_tokens or None)
+            self._bar = tqdm(total=total, unit=self._bar_unit, unit_scale=self._bar_unit == "token",
+                             leave=True, file=sys.stderr, **_bar_width())
+
+    # ----------------------------------------------------------------------------------- files
+
+    def wall_s(self) -> float:
+        """Seconds since this writer was created."""
+        return time.monotonic() - self._t0
+
+    def _append(self, name: str, obj: dict[str, Any]) -> None:
+        fh = self._files.get(name)
+        if fh is None:
+            fh = self._files[name] = open(self.run_dir / name, "a", encoding="utf-8")
+        fh.write(json_line(obj))
+        fh.flush()
+
+    def write_config(self, config: Any) -> None:
+        """config.toml from a `copus.config.Config` or a TOML string (atomic replace)."""
+        if not self.rank0:
+            return
+        if not isinstance(config, str):
+            from copus.config import config_to_toml
+
+            config = config_to_toml(config)
+        tmp = self.run_dir / "config.toml.tmp"
+        tmp.write_text(config, encoding="utf-8")
+        tmp.replace(self.run_dir / "config.toml")
+
+    def log_step(self, record: StepRecord, wall_s: float | None = None,
+                 tokens_per_s: float | None = None, **extra: Any) -> dict[str, Any] | None:
+        """Append one metrics.jsonl line (extra keys allowed), TensorBoard, progress bar."""
+        if not self.rank0:
+            return None
+        row = step_row(record, self.wall_s() if wall_s is None else wall_s, tokens_per_s,
+                       **extra)
+        self._append("metrics.jsonl", row)
+        self._track_timelines(row)
+        if self._tb is not None:
+            for key in TB_KEYS:
+                v = row.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{key}", v, record.step)
+        self._advance_bar(row)
+        self.last_step = row
+        return row
+
+    def _track_timelines(self, row: dict[str, Any]) -> None:
+        if self.first_step is None:
+            self.first_step = row["step"]
+        batch = (row["global_batch_size"], row["micro_batch_size"])
+        last = self.batch_timeline[-1] if self.batch_timeline else None
+        if last is None or (last["global_batch_size"], last["micro_batch_size"]) != batch:
+            self.batch_timeline.append({k: row[k] for k in ("step", "tokens", "wall_s",
+                                                            "global_batch_size",
+                                                            "micro_batch_size")})
+        layout = (row["dp"], row["tp"], row["pp"])
+        last = self.plan_timeline[-1] if self.plan_timeline else None
+        if last is None or (last["dp"], last["tp"], last["pp"]) != layout:
+            self.plan_timeline.append({k: row[k] for k in ("step", "tokens", "wall_s", "dp",
+                                                           "tp", "pp")})
+
+    def _advance_bar(self, row: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix_str(
+            f"loss {_fmt(row['loss'], '.4f')} | {_fmt(row['tokens_per_s'], ',.0f')} tok/s | "
+            f"B {row['global_batch_size']} mb {row['micro_batch_size']} "
+            f"dp{row['dp']}·tp{row['tp']}·pp{row['pp']} | b_noise {_fmt(row['b_noise'], '.1f')}",
+            refresh=False)
+        pos = row["step"] if self._bar_unit == "step" else row["tokens"]
+        self._bar.update(max(0, pos - self._bar_pos))
+        self._bar_pos = pos
+
+    def log_eval(self, step: int, val_loss: float, *, samples: int = 0, tokens: int = 0,
+                 wall_s: float | None = None, **extra: Any) -> None:
+        """Append one eval.jsonl line: step, samples, tokens, wall_s, val_loss (+ extra)."""
+        if not self.rank0:
+            return
+        row = {"step": step, "samples": samples, "tokens": tokens,
+               "wall_s": self.wall_s() if wall_s is None else wall_s, "val_loss": val_loss,
+               **extra}
+        self._append("eval.jsonl", row)
+        if self._tb is not None and math.isfinite(val_loss):
+            self._tb.add_scalar("eval/val_loss", val_loss, step)
+        if self._bar is not None:
+            self._bar.write(f"step {step}: val_loss {_fmt(val_loss, '.4f')}")
+        self.last_eval = row
+
+    def log_decision(self, decision: Decision, *, switch_s: float | None = None,
+                     wall_s: float | None = None, **extra: Any) -> None:
+        """Append one decisions.jsonl line: Decision.to_dict() + wall_s + measured switch cost
+        (`switch_s`, seconds the batch change or reconfiguration took, None if not measured)."""
+        if not self.rank0:
+            return
+        row = {**decision.to_dict(), "wall_s": self.wall_s() if wall_s is None else wall_s,
+               "switch_s": switch_s, **extra}
+        self._append("decisions.jsonl", row)
+        self.switches.append({k: row[k] for k in ("step", "kind", "dp", "tp", "pp",
+                                                  "micro_batch_size", "global_batch_size",
+                                                  "switch_s", "reason")})
+        if self._tb is not None and switch_s is not None:
+            self._tb.add_scalar(f"switch/{decision.kind}_s", switch_s, decision.step)
+        if self._bar is not None:
+            self._bar.write(f"step {decision.step}: {decision.kind} → {decision.plan.describe()}"
+                            f" ({decision.reason})")
+
+    # --------------------------------------------------------------------------------- summary
+
+    def summary(self, wall_s: float | None = None, **extra: Any) -> dict[str, Any]:
+        """Write summary.json and summary.txt, print the text to stderr, return the dict."""
+        if not self.rank0:
+            return {}
+        last = self.last_step or {}
+        data = {
+            "steps": last.get("step", 0), "samples": last.get("samples", 0),
+            "tokens": last.get("tokens", 0),
+            "wall_s": self.wall_s() if wall_s is None else wall_s,
+            "final_loss": last.get("loss"), "final_lr": last.get("lr"),
+            "final_val_loss": (self.last_eval or {}).get("val_loss"),
+            "final_b_noise": last.get("b_noise"),
+            "batch_timeline": self.batch_timeline, "plan_timeline": self.plan_timeline,
+            "switches": self.switches,
+            "switch_s_total": sum(s["switch_s"] or 0.0 for s in self.switches),
+            **extra,
+        }
+        data = json_safe(data)
+        text = summary_text(data)
+        (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+        (self.run_dir / "summary.txt").write_text(text)
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        print(text, file=sys.stderr, end="")
+        return data
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _bar_width() -> dict[str, Any]:
+    """tqdm follows the terminal width, except where the terminal reports 0 columns (some
+    pseudo-terminals), where tqdm would draw nothing: use a fixed 120 columns there."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        columns = 0
+    return {"dynamic_ncols": True} if columns > 0 else {"ncols": 120}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return format(v, spec)
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    """The human-readable end-of-run summary (also summary.txt)."""
+    lines = [
+        f"copus: {s['steps']} steps, {s['tokens']:,} tokens, {_fmt(s['wall_s'], '.1f')} s "
+        f"({_fmt(s['tokens'] / s['wall_s'] if s['wall_s'] else None, ',.0f')} tokens/s)",
+        f"  final loss {_fmt(s['final_loss'], '.4f')}, val loss {_fmt(s['final_val_loss'], '.4f')}"
+        f", b_noise {_fmt(s['final_b_noise'], '.1f')}",
+        "  batch: " + (" → ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})"
+                                  f"@{b['step']}" for b in s["batch_timeline"]) or "–"),
+        "  plans: " + (" → ".join(f"dp{p['dp']}·tp{p['tp']}·pp{p['pp']}@{p['step']}"
+                                  for p in s["plan_timeline"]) or "–"),
+    ]
+    for sw in s["switches"]:
+        lines.append(f"  switch @{sw['step']}: {sw['kind']} → dp{sw['dp']}·tp{sw['tp']}·"
+                     f"pp{sw['pp']} B={sw['global_batch_size']} mb{sw['micro_batch_size']}, "
+                     f"cost {_fmt(sw['switch_s'], '.2f')} s")
+    return "\n".join(lines) + "\n"

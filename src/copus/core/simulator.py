@@ -245,3 +245,218 @@ def _estimate_steps(traj: Trajectory, settings: SimSettings, plan: ParallelPlan)
 
 def _num(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
+
+
+# ------------------------------------------------------------------------ policies side by side
+
+POLICY_FAMILIES = ("static", "cbs", "norm-test", "goodput")
+BASELINE_FAMILIES = ("static", "cbs")  # COPUS Table 1 compares against these
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    """A model on a cluster, the run to simulate and the planner's search space."""
+
+    shape: ModelShape
+    hardware: str
+    world_size: int
+    sim: SimSettings
+    initial_batch: int = 16
+    max_batch: int = 1024
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    static_batches: tuple[int, ...] = ()   # () = powers of two from initial_batch to max_batch
+    batch_grid: str = "multiples"          # core.goodput grid; "geometric" for huge clusters
+    memory_headroom: float = 0.9           # fraction of device memory the planner may use
+    policy_overrides: tuple[tuple[str, object], ...] = ()  # PolicySettings fields to change
+
+    def batches_for_static(self) -> tuple[int, ...]:
+        if self.static_batches:
+            return self.static_batches
+        out, b = [], self.initial_batch
+        while b <= self.max_batch:
+            out.append(b)
+            b *= 2
+        return tuple(out)
+
+
+class Planner:
+    """The analytic step-time and memory models of one scenario, and fastest-plan look-ups."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        from copus.core.hardware import get_hardware
+        from copus.core.memory import MemoryModel
+        from copus.core.throughput import StepTimeModel
+
+        self.scenario = scenario
+        self.hardware = get_hardware(scenario.hardware)
+        self.step_time_model = StepTimeModel.analytic(scenario.shape, self.hardware,
+                                                      scenario.world_size)
+        self.memory_model = MemoryModel(shape=scenario.shape)
+        self.memory_capacity_bytes = self.hardware.memory_bytes * scenario.memory_headroom
+
+    def fastest_plan(self, global_batch_size: int,
+                     layout: tuple[int, int, int] | None = None) -> ParallelPlan | None:
+        """The plan with the shortest predicted step at this batch (None if nothing fits).
+
+        COPUS's static baselines: "the throughput-optimal (S, B_m) for that batch" (§6.1).
+        """
+        from copus.core.goodput import build_candidates
+
+        cands = build_candidates(self.scenario.world_size, self.scenario.shape,
+                                 min_batch=global_batch_size, max_batch=global_batch_size,
+                                 micro_batch_sizes=self.scenario.micro_batch_sizes,
+                                 memory_model=self.memory_model,
+                                 memory_capacity_bytes=self.memory_capacity_bytes)
+        if layout is not None:
+            cands = cands.subset((cands.dp == layout[0]) & (cands.tp == layout[1])
+                                 & (cands.pp == layout[2]))
+        if not len(cands):
+            return None
+        return cands.plan(int(np.argmin(cands.predict_step_s(self.step_time_model))))
+
+    def smallest_batch_plan(self, layout: tuple[int, int, int]) -> ParallelPlan | None:
+        """Fastest plan of `layout` at the smallest reachable batch ≥ the initial batch."""
+        b = self.scenario.initial_batch
+        while b <= self.scenario.max_batch:
+            plan = self.fastest_plan(b, layout)
+            if plan is not None:
+                return plan
+            b += 1
+        return None
+
+
+PolicyFactory = Callable[[str, ParallelPlan, "Planner"], Policy]
+
+
+def default_policy_factory(scenario: Scenario) -> PolicyFactory:
+    """`core.policies.make_policy` with COPUS's settings (design §10) for every policy."""
+    from dataclasses import replace
+
+    from copus.core.policies import PolicySettings, make_policy
+
+    settings = replace(PolicySettings(), **dict(_copus_settings(scenario)),
+                       **dict(scenario.policy_overrides))
+
+    def factory(name: str, plan: ParallelPlan, planner: Planner) -> Policy:
+        kw = {}
+        if name == "goodput":
+            kw = {"step_time_model": planner.step_time_model,
+                  "memory_capacity_bytes": planner.memory_capacity_bytes,
+                  "hardware": planner.hardware}
+        return make_policy(name, settings, plan, scenario.world_size, scenario.shape, **kw)
+
+    return factory
+
+
+def _copus_settings(scenario: Scenario) -> tuple[tuple[str, object], ...]:
+    return (("initial_batch", scenario.initial_batch), ("min_batch", scenario.initial_batch),
+            ("max_batch", scenario.max_batch))
+
+
+@dataclass(slots=True, kw_only=True)
+class Comparison:
+    """Every policy's run on one scenario, and the speed-up table (COPUS Table 1 style)."""
+
+    scenario: Scenario
+    results: list[SimResult]
+    families: dict[str, str]     # run name -> policy family
+
+    def best(self, target: float, families: tuple[str, ...]) -> tuple[str | None, float | None]:
+        """Fastest run of the given families to `target` (name, seconds)."""
+        hits = [(r.time_to_target_s[target], r.name) for r in self.results
+                if self.families[r.name] in families and r.time_to_target_s[target] is not None]
+        if not hits:
+            return None, None
+        t, name = min(hits)
+        return name, t
+
+    def speedups(self, baselines: tuple[str, ...] = BASELINE_FAMILIES) -> list[dict]:
+        """Per target: (T_best_baseline − T_goodput)/T_best_baseline (COPUS §6.1 metric)."""
+        rows = []
+        for target in sorted(self.scenario.sim.target_losses, reverse=True):
+            base_name, base_t = self.best(target, baselines)
+            _, good_t = self.best(target, ("goodput",))
+            pct = (100.0 * (base_t - good_t) / base_t
+                   if base_t is not None and good_t is not None else None)
+            rows.append({"target": target, "baseline": base_name, "baseline_s": base_t,
+                         "goodput_s": good_t, "speedup_pct": pct})
+        return rows
+
+    def average_speedup_pct(self) -> float | None:
+        vals = [r["speedup_pct"] for r in self.speedups() if r["speedup_pct"] is not None]
+        return float(np.mean(vals)) if vals else None
+
+    def to_dict(self) -> dict:
+        s = self.scenario
+        return {"model": s.shape.name, "hardware": s.hardware, "world_size": s.world_size,
+                "seed": s.sim.seed, "target_losses": list(s.sim.target_losses),
+                "token_budget": s.sim.token_budget, "speedups": self.speedups(),
+                "average_speedup_pct": self.average_speedup_pct(),
+                "runs": [r.to_dict() | {"family": self.families[r.name]} for r in self.results]}
+
+
+def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMILIES, *,
+                     factory: PolicyFactory | None = None,
+                     planner: Planner | None = None) -> Comparison:
+    """Simulate each policy family on `scenario` with the same noise seed.
+
+    static:    every static batch on its fastest plan (the best per target is the baseline);
+    cbs:       the `gns` policy with the layout tuned for the initial batch and, separately,
+               for the batch the first CBS run ended at (COPUS's pessimistic / optimistic CBS);
+    norm-test: Lau et al.'s norm test from the fastest plan for the initial batch;
+    goodput:   COPUS's controller from the fastest plan for the initial batch.
+    """
+    bad = [p for p in policies if p not in POLICY_FAMILIES]
+    if bad:
+        raise ValueError(f"policy {bad[0]!r} is invalid; allowed: {', '.join(POLICY_FAMILIES)}")
+    planner = planner or Planner(scenario)
+    factory = factory or default_policy_factory(scenario)
+    start = planner.fastest_plan(scenario.initial_batch)
+    if start is None:
+        raise ValueError(f"no plan fits initial_batch={scenario.initial_batch} on "
+                         f"{scenario.world_size} x {scenario.hardware} for {scenario.shape.name}")
+    results: list[SimResult] = []
+    families: dict[str, str] = {}
+
+    def run(family: str, name: str, policy_name: str, plan: ParallelPlan) -> SimResult:
+        res = simulate(factory(policy_name, plan, planner), plan, scenario.shape,
+                       planner.step_time_model, scenario.sim, name=name)
+        results.append(res)
+        families[name] = family
+        return res
+
+    for family in policies:
+        if family == "static":
+            for batch in scenario.batches_for_static():
+                plan = planner.fastest_plan(batch)
+                if plan is not None:
+                    run("static", f"static B={batch} {_layout(plan)}", "constant", plan)
+        elif family == "cbs":
+            first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})",
+                        "gns", start)
+            final_batch = first.timeline[-1].plan.global_batch_size
+            best_final = planner.fastest_plan(final_batch)
+            late = planner.smallest_batch_plan(best_final.layout) if best_final else None
+            if late is not None and late.layout != start.layout:
+                run("cbs", f"cbs {_layout(late)} (tuned for B={final_batch})", "gns", late)
+        else:
+            run(family, family, family, start)
+    return Comparison(scenario=scenario, results=results, families=families)
+
+
+def _layout(plan: ParallelPlan) -> str:
+    return f"DP{plan.dp},TP{plan.tp},PP{plan.pp}"
+
+
+def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
+                    **sim_overrides) -> Scenario:
+    """The `Scenario` of a `core.presets.Preset` (COPUS §6.1 settings)."""
+    from copus.core.models import get_model_shape
+
+    budget = int(preset.token_budget * preset.sim_budget_factor)
+    sim = SimSettings(target_losses=preset.target_losses, token_budget=budget,
+                      trajectory=preset.trajectory, seed=seed, reconfig_mode=reconfig_mode,
+                      **sim_overrides)
+    return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
+                    world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,
+                    max_batch=preset.max_batch, static_batches=preset.static_batches)

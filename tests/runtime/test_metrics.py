@@ -86,10 +86,15 @@ def test_summary_timelines_and_switch_costs(tmp_path, capsys):
 
 def test_appends_across_writers_and_non_rank0_writes_nothing(tmp_path):
     write_run(tmp_path / "a").close()
-    w = RunWriter(tmp_path / "a")                  # e.g. after a restart: appends
-    w.log_step(record(5, plan(), 56), wall_s=3.5)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 5, "wall_s": 99')            # a line cut short by a crash
+    w = RunWriter(tmp_path / "a")                  # after a restart: appends, clock continues
+    assert 2.8 <= w.wall_s() < 60.0
+    w.log_step(record(5, plan(), 56))
     w.close()
-    assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) == 5
+    rows = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 6 and json.loads(rows[-1])["wall_s"] >= 2.8
+    assert len(load_run(tmp_path / "a").steps) == 5             # the cut line is skipped
     other = RunWriter(tmp_path / "b", rank0=False, tensorboard=True, progress=True)
     other.write_config("x = 1\n")
     assert other.log_step(record(1, plan(), 8)) is None

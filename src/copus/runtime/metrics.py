@@ -50,6 +50,25 @@ def json_line(obj: dict[str, Any]) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")) + "\n"
 
 
+def last_wall_s(path: Path, tail_bytes: int = 1 << 16) -> float:
+    """wall_s of the last complete line of a metrics.jsonl (0.0 if none): reads only the tail."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            lines = fh.read().splitlines()
+    except OSError:
+        return 0.0
+    for line in reversed(lines):
+        try:
+            value = json.loads(line).get("wall_s")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+    return 0.0
+
+
 def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = None,
              **extra: Any) -> dict[str, Any]:
     """One metrics.jsonl row. tokens_per_s defaults to global_batch_size·seq_len / step_s, with
@@ -80,10 +99,13 @@ class RunWriter:
     is shown only when `progress` is true and stderr is a terminal."""
 
     def __init__(self, run_dir: str | Path, rank0: bool = True, tensorboard: bool = False,
-                 progress: bool = False, total_steps: int = 0, total_tokens: int = 0) -> None:
+                 progress: bool = False, total_steps: int = 0, total_tokens: int = 0,
+                 wall_offset_s: float | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank0 = rank0
-        self._t0 = time.monotonic()
+        if wall_offset_s is None:   # a resumed run continues the clock of its metrics.jsonl
+            wall_offset_s = last_wall_s(self.run_dir / "metrics.jsonl") if rank0 else 0.0
+        self._t0 = time.monotonic() - wall_offset_s
         self._files: dict[str, Any] = {}
         self._tb = None
         self._bar = None
@@ -112,13 +134,18 @@ class RunWriter:
     # ----------------------------------------------------------------------------------- files
 
     def wall_s(self) -> float:
-        """Seconds since this writer was created."""
+        """Seconds since this writer was created, plus the wall_s already in the run folder."""
         return time.monotonic() - self._t0
 
     def _append(self, name: str, obj: dict[str, Any]) -> None:
         fh = self._files.get(name)
         if fh is None:
-            fh = self._files[name] = open(self.run_dir / name, "a", encoding="utf-8")
+            path = self.run_dir / name
+            # a line cut short by a crash must not swallow the next one
+            needs_newline = path.exists() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+            fh = self._files[name] = open(path, "a", encoding="utf-8")
+            if needs_newline:
+                fh.write("\n")
         fh.write(json_line(obj))
         fh.flush()
 
@@ -257,6 +284,12 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(-1, 2)
+        return fh.read(1)
 
 
 def _bar_width() -> dict[str, Any]:

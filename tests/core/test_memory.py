@@ -1,0 +1,113 @@
+"""Memory model: hand-computed bytes, sharding, activation checkpointing, pipeline schedules."""
+
+import numpy as np
+import pytest
+
+from copus.core.memory import MemoryModel
+from copus.core.models import get_model_shape
+
+TINY = get_model_shape("tiny")          # L=4, h=192, a=6, kv=2 (head_dim 32), ffn=512, V=256, s=128
+SEVEN_B = get_model_shape("llama-2-7b")
+
+
+def test_hand_computed_fp32_data_parallel():
+    """dp=2, tp=pp=1, micro-batch 2, fp32 AdamW, no checkpointing, FSDP2 resharding."""
+    mm = MemoryModel(shape=TINY, mixed_precision=False)
+    layer = 2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192          # 393,600
+    params = 4 * layer + 2 * 256 * 192 + 192                                # 1,672,896
+    states = params / 2 * (4 + 4 + 0 + 8)                                   # param+grad+moments: 13,383,168
+    buffers = 3 * layer * 4                                                 # 2 gathered + 1 grad unit: 4,723,200
+    sbh = 128 * 2 * 192
+    acts = 4 * sbh * (10 + 24) * (4 / 2) + 128 * 2 * 256 * (4 + 4)          # 13,369,344 + 524,288
+    assert states + buffers + acts == 32_000_000
+    assert float(mm.bytes_per_rank(2, 1, 1, 2, 4)) == pytest.approx(32_000_000, abs=1)
+    parts = mm.breakdown(2, 1, 1, 2, 4)
+    assert float(parts["states"]) == states and float(parts["buffers"]) == buffers
+
+
+def test_hand_computed_bf16_pipeline_and_tensor_parallel():
+    """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 with fp32 master."""
+    mm = MemoryModel(shape=TINY)
+    layer = 393_600
+    first = (2 * layer + 256 * 192) / 2 * (2 + 2 + 4 + 8)                  # 6,690,816
+    buffers = 3 * (layer / 2) * 2                                           # 1,180,800
+    per_block = 128 * 1 * 192 * (10 + 24 / 2)                               # 540,672 (16-bit)
+    first_acts = 2 * 2 * per_block                                          # min(pp, m)=2 in flight, 2 blocks
+    last = (2 * layer + 256 * 192 + 192) / 2 * 16 + buffers + 1 * 2 * per_block + 128 * 256 * (2 + 4)
+    expected = first + buffers + first_acts
+    assert expected == 10_034_304 and last == 9_151_104
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
+
+
+def test_vectorised_equals_scalar_loop():
+    mm = MemoryModel(shape=SEVEN_B, activation_checkpointing=True, pp_schedule="gpipe")
+    rng = np.random.default_rng(0)
+    cols = [rng.choice([1, 2, 4, 8], 200), rng.choice([1, 2, 4], 200), rng.choice([1, 2, 4, 8], 200),
+            rng.integers(1, 9, 200), rng.integers(1, 33, 200)]
+    vec = mm.bytes_per_rank(*cols)
+    loop = [float(mm.bytes_per_rank(*(int(c[i]) for c in cols))) for i in range(200)]
+    np.testing.assert_allclose(vec, loop, rtol=1e-12)
+
+
+def test_sharding_divides_parameter_state():
+    mm = MemoryModel(shape=SEVEN_B)
+    states = lambda dp, tp: float(mm.breakdown(dp, tp, 1, 1, 1)["states"])  # noqa: E731
+    assert states(4, 1) == pytest.approx(states(1, 1) / 4)
+    assert states(1, 4) == pytest.approx(states(1, 1) / 4)
+    assert states(2, 4) == pytest.approx(states(1, 1) / 8)
+    # mixed-precision AdamW: 16 bytes per parameter in all (ZeRO §3.1: 2 + 2 + 12)
+    assert states(1, 1) == pytest.approx(16 * SEVEN_B.num_params())
+    # pipeline stages split the blocks: 2 stages hold about half each (plus a vocab matrix)
+    half = float(mm.breakdown(1, 1, 2, 1, 2)["states"])
+    assert 0.45 * states(1, 1) < half < 0.60 * states(1, 1)
+
+
+def test_activation_checkpointing_reduces_activations():
+    plain, ac = MemoryModel(shape=SEVEN_B), MemoryModel(shape=SEVEN_B, activation_checkpointing=True)
+    for dp, tp, pp in [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]:
+        for mbs in (1, 4):
+            a = float(plain.breakdown(dp, tp, pp, mbs, 8)["activations"])
+            b = float(ac.breakdown(dp, tp, pp, mbs, 8)["activations"])
+            assert b < 0.5 * a, (dp, tp, pp, mbs)
+    # a 32-block stage keeps 2·s·b·h per block + one block's full set instead of 34·s·b·h per block
+    sbh = 2048 * 1 * 4096
+    diff = float(plain.breakdown(8, 1, 1, 1, 8)["activations"] - ac.breakdown(8, 1, 1, 1, 8)["activations"])
+    assert diff == pytest.approx(31 * 34 * sbh - 32 * 2 * sbh)
+
+
+def test_pipeline_schedules_micro_batches_in_flight():
+    one_f, gpipe = MemoryModel(shape=SEVEN_B), MemoryModel(shape=SEVEN_B, pp_schedule="gpipe")
+    m = np.array([4, 8, 16, 32])
+    a1 = one_f.breakdown(1, 1, 4, 1, m)["activations"]
+    ag = gpipe.breakdown(1, 1, 4, 1, m)["activations"]
+    assert np.all(a1 == a1[0])              # 1F1B: the first stage holds pp micro-batches
+    assert np.all(np.diff(ag) > 0)          # GPipe: every micro-batch until the backward starts
+    assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
+    # no pipeline: gradient accumulation frees each micro-batch, m does not matter
+    assert float(one_f.bytes_per_rank(8, 1, 1, 1, 1)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 64))
+
+
+def test_stored_attention_scores_add_korthikanti_term():
+    flash, eager = MemoryModel(shape=TINY), MemoryModel(shape=TINY, flash_attention=False)
+    diff = eager.activation_bytes_per_block(2, 4) - flash.activation_bytes_per_block(2, 4)
+    assert float(diff) == pytest.approx(5 * 6 * 128 * 128 * 4 / 2)    # 5·a·s²·b / t
+
+
+def test_reshard_after_forward_trades_memory():
+    keep = MemoryModel(shape=SEVEN_B, reshard_after_forward=False)
+    reshard = MemoryModel(shape=SEVEN_B)
+    assert float(keep.bytes_per_rank(8, 1, 1, 1, 4)) > float(reshard.bytes_per_rank(8, 1, 1, 1, 4))
+
+
+def test_fits_mask_and_validation():
+    mm = MemoryModel(shape=SEVEN_B)
+    mbs = np.array([1, 2, 4, 8, 16])
+    need = mm.bytes_per_rank(8, 1, 1, mbs, 1)
+    cap = float(need[2])
+    np.testing.assert_array_equal(mm.fits(8, 1, 1, mbs, 1, cap), [True, True, True, False, False])
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        mm.fits(8, 1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="optimizer='adam'"):
+        MemoryModel(shape=SEVEN_B, optimizer="adam")
+    with pytest.raises(ValueError, match="pp_schedule"):
+        MemoryModel(shape=SEVEN_B, pp_schedule="zb")

@@ -27,7 +27,7 @@ parallel, 16-bit activations):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 
@@ -41,11 +41,12 @@ def _f(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class MemoryModel:
     """Peak bytes per rank; see the module docstring. All methods broadcast over int arrays."""
 
     shape: ModelShape
+    _: KW_ONLY
     bytes_per_param: int | None = None       # None: 2 with mixed precision, else 4
     optimizer: str = "adamw"
     mixed_precision: bool = True

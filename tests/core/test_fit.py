@@ -6,10 +6,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from copus.core.fit import OnlineFitter, fit_model, fit_step_time, pinned_names, prior_model
+from copus.core.fit import (
+    OnlineFitter,
+    ProfiledStepTime,
+    fit_model,
+    fit_step_time,
+    pinned_names,
+    prior_model,
+)
 from copus.core.models import ModelShape, get_model_shape
 from copus.core.plan import ParallelPlan, enumerate_plans
-from copus.core.throughput import StepTimeModel, StepTimeParams
+from copus.core.throughput import StepTimeModel, StepTimeParams, plan_columns
 
 SEVEN_B = get_model_shape("llama-2-7b")
 
@@ -126,3 +133,21 @@ def test_fit_rejects_no_usable_observation():
         fit_step_time([(plan, float("inf")), (plan, 0.0)], SEVEN_B)
     with pytest.raises(ValueError, match="fixed"):
         fit_model([(plan, 1.0)], prior_model(SEVEN_B, "h100-sxm"), fixed=["beta"])
+
+
+def test_profiled_table_uses_measurements_and_falls_back_to_the_model():
+    base = StepTimeModel.analytic(SEVEN_B, "h100-sxm", 8)
+    plans = list(enumerate_plans(8, [16, 64, 256], [1, 2, 4], SEVEN_B))
+    measured = {plans[3]: 1.5, plans[10]: 2.5}
+    table = ProfiledStepTime(base, list(measured.items()) + [(plans[11], float("nan"))])
+    cols = plan_columns(plans)
+    out = table.predict(*cols)
+    expect = base.predict(*cols).copy()
+    expect[3], expect[10] = 1.5, 2.5
+    np.testing.assert_allclose(out, expect)
+    assert list(np.flatnonzero(table.measured(*cols))) == [3, 10]
+    p = plans[3]    # scalars work too
+    assert float(table.predict(p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches)) == 1.5
+    empty = ProfiledStepTime(base, [])
+    np.testing.assert_allclose(empty.predict(*cols), base.predict(*cols))
+    assert not empty.measured(*cols).any()

@@ -53,8 +53,13 @@ def pinned_names(plans: Sequence[ParallelPlan]) -> set[str]:
 
 
 def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTimeModel, *,
-              prior_weight: float = 1e-3, fixed: Iterable[str] = ()) -> StepTimeModel:
-    """`base` with coefficients fitted to `observations`; base.params is the prior θ⁰."""
+              prior_weight: float = 1e-3, fixed: Iterable[str] = (),
+              start: StepTimeParams | None = None) -> StepTimeModel:
+    """`base` with coefficients fitted to `observations`; base.params is the prior θ⁰.
+
+    `start` (e.g. the previous fit) is the initial point of a single local search; without it
+    the search starts from the rescaled prior at three values of γ and keeps the best.
+    """
     obs = _clean(observations)
     plans = [p for p, _ in obs]
     cols = plan_columns(plans)
@@ -81,17 +86,20 @@ def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTime
         pred = base.with_params(params_of(x)).predict(*cols)
         return np.concatenate([np.log(np.maximum(pred, 1e-30)) - log_obs, ridge * (x - x0)])
 
+    if start is not None:
+        starts = [np.array([_to_x(n, getattr(start, n)) for n in free])]
+    else:
+        starts = []
+        for g in sorted({prior.gamma, 1.05, 3.0}) if "gamma" in free else [prior.gamma]:
+            starts.append(x0.copy())
+            if "gamma" in free:
+                starts[-1][free.index("gamma")] = g
     best = None
-    for g in sorted({prior.gamma, 1.05, 3.0}):
-        start = x0.copy()
-        if "gamma" in free:
-            start[free.index("gamma")] = g
-        res = least_squares(residuals, np.clip(start, lo, hi), bounds=(lo, hi), loss="soft_l1",
-                            f_scale=0.1, x_scale=1.0, max_nfev=400)
+    for x in starts:
+        res = least_squares(residuals, np.clip(x, lo, hi), bounds=(lo, hi), loss="soft_l1",
+                            f_scale=0.1, max_nfev=200)
         if best is None or res.cost < best.cost:
             best = res
-        if "gamma" not in free:
-            break
     return base.with_params(params_of(best.x))
 
 
@@ -165,10 +173,15 @@ class OnlineFitter:
         """(plan, median step_s) of every plan seen."""
         return [(p, float(np.median(t))) for p, t in self.times.items() if t]
 
+    def profiled(self) -> ProfiledStepTime:
+        """Measured medians where available, the current fitted model elsewhere."""
+        return ProfiledStepTime(self.model, self.observations())
+
     def refit(self) -> StepTimeModel:
         obs = self.observations()
         if obs:
-            self.model = fit_model(obs, self.prior, prior_weight=self.prior_weight)
+            start = self.model.params if self.num_fits else None
+            self.model = fit_model(obs, self.prior, prior_weight=self.prior_weight, start=start)
             self.num_fits += 1
         self.since_fit = 0
         return self.model
@@ -187,3 +200,49 @@ class OnlineFitter:
         for (dp, tp, pp, mbs, nmb), t in state["times"]:
             plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=nmb)
             self.times[plan] = [float(x) for x in t]
+
+
+_KEY_BITS = (10, 10, 10, 12, 20)     # dp, tp, pp, micro_batch_size, num_microbatches
+
+
+def _plan_keys(dp, tp, pp, micro_batch_size, num_microbatches) -> tuple[np.ndarray, np.ndarray]:
+    """One int64 per plan (bit-packed fields) and a mask of plans whose fields fit the packing."""
+    key = np.zeros(np.broadcast(dp, tp, pp, micro_batch_size, num_microbatches).shape, dtype=np.int64)
+    ok = np.ones(key.shape, dtype=bool)
+    for value, bits in zip((dp, tp, pp, micro_batch_size, num_microbatches), _KEY_BITS):
+        v = np.asarray(value, dtype=np.int64)
+        ok &= (v >= 0) & (v < (1 << bits))
+        key = (key << bits) | (v & ((1 << bits) - 1))
+    return key, ok
+
+
+class ProfiledStepTime:
+    """COPUS's measured table (§4.4) with the model as fallback: a plan's measured median step
+    time where it was measured, `model.predict` elsewhere. Same `predict` signature, vectorised
+    (a sorted-key lookup)."""
+
+    def __init__(self, model: StepTimeModel, observations: Iterable[tuple[ParallelPlan, float]]) -> None:
+        self.model = model
+        table: dict[ParallelPlan, float] = {p: s for p, s in observations if np.isfinite(s) and s > 0}
+        cols = plan_columns(list(table))
+        keys, ok = _plan_keys(*cols) if table else (np.zeros(0, np.int64), np.zeros(0, bool))
+        order = np.argsort(keys[ok], kind="stable")
+        self._keys = keys[ok][order]
+        self._times = np.array(list(table.values()), dtype=float)[ok][order]
+
+    def _lookup(self, cols) -> tuple[np.ndarray, np.ndarray]:
+        keys, ok = _plan_keys(*cols)
+        if self._keys.size == 0:
+            return np.zeros(keys.shape, dtype=bool), np.zeros(keys.shape, dtype=np.int64)
+        pos = np.clip(np.searchsorted(self._keys, keys), 0, self._keys.size - 1)
+        return ok & (self._keys[pos] == keys), pos
+
+    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        cols = (dp, tp, pp, micro_batch_size, num_microbatches)
+        hit, pos = self._lookup(cols)
+        out = self.model.predict(*cols)
+        return np.where(hit, self._times[pos] if self._times.size else 0.0, out)
+
+    def measured(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        """Boolean mask: which plans have a measured time."""
+        return self._lookup((dp, tp, pp, micro_batch_size, num_microbatches))[0]

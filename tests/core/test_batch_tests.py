@@ -124,15 +124,17 @@ def test_decide_rounds_caps_and_never_shrinks(statistic, current, multiple, max_
     assert r.passed == (statistic <= current)
     if not allow_shrink:
         assert r.requested_batch >= current
+    cap = max_batch // multiple * multiple
     if r.requested_batch != current:
-        assert r.requested_batch % multiple == 0
-        assert r.requested_batch <= max_batch
-        assert r.requested_batch >= min(statistic, max_batch // multiple * multiple) or (
-            not allow_shrink and r.requested_batch == current)
-        assert r.requested_batch - statistic < multiple or r.requested_batch == (
-            max_batch // multiple * multiple) or r.requested_batch == multiple
+        # a change: the smallest multiple that covers the statistic, within the cap
+        assert r.requested_batch % multiple == 0 and r.requested_batch <= cap
+        assert r.requested_batch >= min(statistic, cap) - 1e-6
+        assert r.requested_batch == multiple or r.requested_batch == cap or (
+            r.requested_batch - multiple < statistic)
     if r.passed and not allow_shrink:
         assert r.requested_batch == current
+    if statistic > current * (1 + 1e-6) and not allow_shrink and current < cap:
+        assert r.requested_batch > current
     assert r.requested_batch <= max(current, max_batch)
 
 

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from copus.core.memory import MemoryModel
 from copus.core.models import get_model_shape
@@ -111,3 +113,17 @@ def test_fits_mask_and_validation():
         MemoryModel(shape=SEVEN_B, optimizer="adam")
     with pytest.raises(ValueError, match="pp_schedule"):
         MemoryModel(shape=SEVEN_B, pp_schedule="zb")
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.sampled_from([1, 2, 4, 8]), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4, 8]),
+       mbs=st.integers(1, 16), m=st.integers(1, 64), ac=st.booleans(), mixed=st.booleans(),
+       schedule=st.sampled_from(["1f1b", "gpipe"]))
+def test_memory_monotone_in_batch_and_sharding(dp, tp, pp, mbs, m, ac, mixed, schedule):
+    mm = MemoryModel(SEVEN_B, activation_checkpointing=ac, mixed_precision=mixed, pp_schedule=schedule)
+    b = float(mm.bytes_per_rank(dp, tp, pp, mbs, m))
+    assert b > 0
+    assert float(mm.bytes_per_rank(dp, tp, pp, mbs + 1, m)) > b          # bigger micro-batch
+    assert float(mm.bytes_per_rank(dp, tp, pp, mbs, m + 1)) >= b         # more micro-batches
+    assert float(mm.bytes_per_rank(2 * dp, tp, pp, mbs, m)) < b          # more data-parallel sharding
+    assert float(mm.bytes_per_rank(dp, 2 * tp, pp, mbs, m)) < b          # more tensor-parallel sharding

@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from copus.core.hardware import HARDWARE, Topology, crosses, get_hardware
 from copus.core.models import get_model_shape
@@ -149,3 +151,20 @@ def test_get_hardware_names_allowed_values():
     assert get_hardware("h100-sxm").nvlink_group == 8
     with pytest.raises(ValueError, match="allowed: a100-80gb, cpu, h100-nvlink-pairs"):
         get_hardware("tpu")
+
+
+_POSITIVE = st.floats(min_value=1e-15, max_value=1e-1, allow_nan=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(coeffs=st.lists(_POSITIVE, min_size=10, max_size=10), gamma=st.floats(1.0, 10.0),
+       layout=st.sampled_from(layouts(16, SEVEN_B)), mbs=st.integers(1, 16), m=st.integers(1, 64))
+def test_step_time_grows_with_work_for_any_coefficients(coeffs, gamma, layout, mbs, m):
+    names = [n for n in StepTimeParams.names() if n != "gamma"]
+    model = StepTimeModel(StepTimeParams(**dict(zip(names, coeffs)), gamma=gamma), SEVEN_B,
+                          get_hardware("h100-nvlink-pairs"))
+    dp, tp, pp = layout
+    t = float(model.predict(dp, tp, pp, mbs, m))
+    assert np.isfinite(t) and t > 0
+    assert float(model.predict(dp, tp, pp, mbs, m + 1)) > t
+    assert float(model.predict(dp, tp, pp, mbs + 1, m)) >= t

@@ -267,6 +267,11 @@ class Scenario:
     static_batches: tuple[int, ...] = ()   # () = powers of two from initial_batch to max_batch
     batch_grid: str = "multiples"          # core.goodput grid; "geometric" for huge clusters
     memory_headroom: float = 0.9           # fraction of device memory the planner may use
+    # The controller's step-time model: False = the analytic model itself, the simulator's
+    # ground truth (as COPUS decides from its profiled table, §4.4); True = refit online from
+    # the noisy simulated step times, as the real trainer does (slower: scipy fits).
+    online_fit: bool = False
+    lr_aware: bool = True                  # COPUS Eq. 8 sqrt(B) factor in the controller
     policy_overrides: tuple[tuple[str, object], ...] = ()  # PolicySettings fields to change
 
     def batches_for_static(self) -> tuple[int, ...]:
@@ -293,6 +298,10 @@ class Planner:
                                                       scenario.world_size)
         self.memory_model = MemoryModel(shape=scenario.shape)
         self.memory_capacity_bytes = self.hardware.memory_bytes * scenario.memory_headroom
+        sim = scenario.sim
+        self.switch_cost_s = (sim.reconfig_cost_s if sim.reconfig_cost_s is not None else
+                              reconfig_cost_s(scenario.shape, scenario.world_size,
+                                              sim.reconfig_mode))
 
     def fastest_plan(self, global_batch_size: int,
                      layout: tuple[int, int, int] | None = None) -> ParallelPlan | None:
@@ -325,6 +334,30 @@ class Planner:
         return None
 
 
+class CachedPredictor:
+    """A fixed step-time model that remembers its answer for the same candidate arrays.
+
+    The controller scores the same `CandidateSet` arrays at every decision; with a model that
+    does not change (no online refit) the answer does not change either. Pure speed-up: values
+    are those of `model.predict`. Keys are array identities; the arrays are kept alive.
+    """
+
+    def __init__(self, model: StepTimePredictor) -> None:
+        self.model = model
+        self._cache: dict[tuple[int, ...], tuple[tuple, np.ndarray]] = {}
+
+    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        args = (dp, tp, pp, micro_batch_size, num_microbatches)
+        if np.size(dp) < 64:
+            return self.model.predict(*args)
+        key = tuple(id(a) for a in args)
+        hit = self._cache.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], args)):
+            hit = (args, np.asarray(self.model.predict(*args), dtype=float))
+            self._cache[key] = hit
+        return hit[1]
+
+
 PolicyFactory = Callable[[str, ParallelPlan, "Planner"], Policy]
 
 
@@ -340,17 +373,23 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
     def factory(name: str, plan: ParallelPlan, planner: Planner) -> Policy:
         kw = {}
         if name == "goodput":
-            kw = {"step_time_model": planner.step_time_model,
+            model = planner.step_time_model
+            kw = {"step_time_model": model if scenario.online_fit else CachedPredictor(model),
                   "memory_capacity_bytes": planner.memory_capacity_bytes,
-                  "hardware": planner.hardware}
+                  "hardware": planner.hardware, "memory_model": planner.memory_model,
+                  "micro_batch_sizes": scenario.micro_batch_sizes,
+                  "batch_grid": scenario.batch_grid, "online_fit": scenario.online_fit,
+                  "lr_aware": scenario.lr_aware,
+                  "reconfig_cost_s": planner.switch_cost_s}
         return make_policy(name, settings, plan, scenario.world_size, scenario.shape, **kw)
 
     return factory
 
 
 def _copus_settings(scenario: Scenario) -> tuple[tuple[str, object], ...]:
-    return (("initial_batch", scenario.initial_batch), ("min_batch", scenario.initial_batch),
-            ("max_batch", scenario.max_batch))
+    return (("initial", scenario.initial_batch), ("min", scenario.initial_batch),
+            ("max", scenario.max_batch), ("max_growth", 2.0), ("gns_c", 2.0),
+            ("calibration", 2.0))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -420,7 +459,8 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
 
     def run(family: str, name: str, policy_name: str, plan: ParallelPlan) -> SimResult:
         res = simulate(factory(policy_name, plan, planner), plan, scenario.shape,
-                       planner.step_time_model, scenario.sim, name=name)
+                       planner.step_time_model, scenario.sim, name=name,
+                       switch_cost_s=planner.switch_cost_s)
         results.append(res)
         families[name] = family
         return res

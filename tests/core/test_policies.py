@@ -127,7 +127,8 @@ def test_policies_respect_limits(name, dp, pp, mbs, max_batch, growth, warmup, i
     start = plan(dp=dp, pp=pp, mbs=mbs, nmb=max(pp, 2))
     s = PolicySettings(initial=start.global_batch_size, min=1,
                        max=max(max_batch, start.global_batch_size), max_growth=growth,
-                       warmup_steps=warmup, interval_steps=interval, ramp_to=max_batch,
+                       warmup_steps=warmup, interval_steps=interval,
+                       ramp_to=max(max_batch, start.global_batch_size),
                        ramp_samples=500, norm_test_eta=0.3, ip_theta=0.3, orth_nu=0.5)
     feed = Feed(start, trace=trace, seed=seed)
     policy = make_policy(name, s, start)
@@ -214,6 +215,8 @@ def test_ramp_policy_follows_schedule():
     assert [d.plan.global_batch_size for d in decisions] == [16, 20, 32]
     assert decisions[0].step == 25                       # 25·8 = 200 samples: half-way
     assert ConstantPolicy(s, start).observe(feed.record()) is None
+    with pytest.raises(ValueError, match="batch.ramp_to=4 is invalid"):
+        RampPolicy(PolicySettings(initial=8, ramp_to=4), start)
 
 
 @pytest.mark.parametrize("name", ["norm-test", "inner-product-test", "gns", "ramp"])

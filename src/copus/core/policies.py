@@ -231,6 +231,9 @@ class RampPolicy(_BatchPolicy):
 
     def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan) -> None:
         super().__init__(settings, initial_plan)
+        if settings.ramp_to < settings.initial:
+            raise ValueError(f"batch.ramp_to={settings.ramp_to} is invalid; allowed: >= "
+                             f"batch.initial={settings.initial}")
         self.schedule = BatchSchedule(kind=settings.ramp_kind, start=settings.initial,
                                       end=max(settings.initial, min(settings.ramp_to, settings.max)),
                                       duration=settings.ramp_samples,

@@ -47,25 +47,25 @@ def _check(results: list[tuple[int, str]]) -> None:
 
 def test_two_namespaced_hosts_train_like_one_host(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with netns.hosts(2) as hosts:
-        # reference: one host, two local workers
+    out = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with netns.hosts(3) as hosts:
+        # reference on host 3: one host, two local workers (runs alongside, isolated)
         ref_dir = tmp_path / "one-host"
-        ref = hosts[0].popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node", "2", *TRAIN, "--run-dir", str(ref_dir)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _check(netns.wait_all([ref], timeout_s=300))
-
-        # two hosts, one worker each; the run folder is shared (as on a shared file system)
+        ref = hosts[2].popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", *TRAIN, "--run-dir", str(ref_dir)], **out)
+        # hosts 1 and 2, one worker each; the run folder is shared (as on a shared file system)
         run_dir = tmp_path / "two-hosts"
-        before = [netns.rx_bytes(h) for h in hosts]
+        pair = hosts[:2]
+        before = [netns.rx_bytes(h) for h in pair]
         t0 = time.perf_counter()
-        procs = [h.popen(netns.torchrun_argv(h, hosts[0], [*TRAIN, "--run-dir", str(run_dir)],
+        procs = [h.popen(netns.torchrun_argv(h, pair[0], [*TRAIN, "--run-dir", str(run_dir)],
                                              nnodes="2", nproc_per_node=1, rdzv_id="train2"),
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for h in hosts]
+                         **out)
+                 for h in pair]
         results = netns.wait_all(procs, timeout_s=300)
         wall_s = time.perf_counter() - t0
-        received = [netns.rx_bytes(h) - b for h, b in zip(hosts, before)]
+        received = [netns.rx_bytes(h) - b for h, b in zip(pair, before)]
+        _check(netns.wait_all([ref], timeout_s=300))
     _check(results)
     print(f"two-host run: {wall_s:.1f} s wall, veth rx bytes {received}")
 

@@ -23,14 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-try:  # TEMP until core/efficiency.py lands
-    from copus.core.efficiency import lr_aware_factor, statistical_efficiency
-except ImportError:  # pragma: no cover
-    def statistical_efficiency(b_noise, global_batch_size, ref_batch=1.0):
-        return (b_noise + ref_batch) / (b_noise + np.asarray(global_batch_size, float))
-
-    def lr_aware_factor(batch, ref_batch):
-        return np.sqrt(np.asarray(batch, float) / ref_batch)
+from copus.core.efficiency import lr_aware_factor, statistical_efficiency
 from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan, layouts
 
@@ -180,11 +173,9 @@ def goodput(step_s: np.ndarray, global_batch_size: np.ndarray, b_noise: float, *
 
 
 def efficiency(b_noise: float, global_batch_size: np.ndarray, ref_batch: float = 1.0) -> np.ndarray:
-    """Statistical efficiency, with `b_noise = inf` (statistics unknown) read as E = 1."""
+    """E(B) as an array (`core.efficiency.statistical_efficiency`; `b_noise = inf` gives 1)."""
     batch = np.asarray(global_batch_size, dtype=float)
-    if not np.isfinite(b_noise):
-        return np.ones_like(batch)
-    return np.asarray(statistical_efficiency(b_noise, batch, ref_batch), dtype=float)
+    return np.broadcast_to(statistical_efficiency(b_noise, batch, ref_batch), batch.shape)
 
 
 def rank(scores: np.ndarray, step_s: np.ndarray | None = None) -> np.ndarray:

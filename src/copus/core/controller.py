@@ -1,0 +1,272 @@
+"""The "goodput" policy: COPUS's orchestrator (arXiv 2604.26687 Alg. 2; design §5).
+
+Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
+1. the step time goes into an `OnlineFitter` (prior: the analytic model, or one fitted to a
+   `copus profile` table); the first step under each plan is skipped (warm-up, first-call
+   allocation). At a decision point the model is refitted from the trainer's measurements when
+   ≥ `refit_interval_steps` steps arrived since the last fit AND the model misses a measured
+   plan's median step time by more than `refit_tolerance` (relative): a fit costs ~1 s of
+   least squares, so an accurate model is not refitted;
+2. once `warmup_steps` have passed and the GNS estimate is trustworthy
+   (`b_noise_rel_err ≤ max_rel_err`), every `interval_steps` it ranks every candidate plan by
+   goodput with the calibrated noise scale `calibration · b_noise` (COPUS §1.2: c = 2) and calls
+   `core.search.evaluate` (hysteresis, growth cap, amortised reconfiguration cost; the batch
+   does not shrink unless `allow_shrink`);
+3. `record_switch_cost(seconds)` feeds the measured cost of each parallelism change back:
+   `c_reconfig` = mean of the measured costs (the prior before the first one), and
+   T_useful = T_elapsed − Σ costs.
+Every call leaves `last_explanation` (JSON-able dict: action, why, top candidates).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from copus.core.fit import OnlineFitter, fit_model, prior_model
+from copus.core.goodput import CandidateSet, StepTimePredictor, build_candidates
+from copus.core.hardware import HardwareProfile, get_hardware
+from copus.core.memory import MemoryModel
+from copus.core.models import ModelShape
+from copus.core.plan import ParallelPlan
+from copus.core.records import Decision, StepRecord
+from copus.core.search import evaluate
+from copus.core.throughput import StepTimeModel
+
+STATE_VERSION = 1
+
+
+class Controller:
+    """observe(record) -> Decision | None; see the module docstring."""
+
+    def __init__(self, *, candidates: CandidateSet, initial_plan: ParallelPlan,
+                 fitter: OnlineFitter | None = None, model: StepTimePredictor | None = None,
+                 min_batch: int, max_batch: int, max_growth: float = 2.0,
+                 interval_steps: int = 10, warmup_steps: int = 10, max_rel_err: float = 0.5,
+                 calibration: float = 2.0, margin: float = 0.10, lr_aware: bool = True,
+                 lr_ref_batch: float | None = None, reconfig_cost_s: float = 2.0,
+                 allow_reconfigure: bool = True, allow_shrink: bool = False,
+                 refit_interval_steps: int = 20, refit_tolerance: float = 0.05) -> None:
+        if fitter is None and model is None:
+            raise ValueError("Controller needs a step-time model or an OnlineFitter")
+        if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
+            raise ValueError(f"interval_steps={interval_steps}, warmup_steps={warmup_steps}, "
+                             f"calibration={calibration}, max_rel_err={max_rel_err} are invalid; "
+                             "allowed: interval >= 1, warmup >= 0, calibration > 0, max_rel_err > 0")
+        self.candidates = candidates
+        self.fitter = fitter
+        self._fixed_model = model
+        self.search_options = dict(margin=margin, max_growth=max_growth, min_batch=min_batch,
+                                   max_batch=max_batch, allow_shrink=allow_shrink,
+                                   allow_reconfigure=allow_reconfigure, lr_aware=lr_aware,
+                                   lr_ref_batch=lr_ref_batch or float(initial_plan.global_batch_size))
+        self.interval_steps = interval_steps
+        self.warmup_steps = warmup_steps
+        self.max_rel_err = max_rel_err
+        self.calibration = calibration
+        self.prior_reconfig_cost_s = reconfig_cost_s
+        self.refit_interval_steps = refit_interval_steps
+        self.refit_tolerance = refit_tolerance
+        self.plan = initial_plan
+        self.elapsed_s = 0.0
+        self.switch_costs: list[float] = []
+        self.history: list[dict] = []
+        self.last_decision_step: int | None = None
+        self.seen_plan: ParallelPlan | None = None
+        self.last_explanation: dict = {"action": "wait", "why": "no step observed yet"}
+
+    # ---- what the decision uses ----------------------------------------------------------------
+
+    @property
+    def model(self) -> StepTimePredictor:
+        """The step-time model in use: the online fit when there is a fitter, else the fixed one."""
+        return self.fitter.model if self.fitter is not None else self._fixed_model
+
+    @property
+    def reconfig_cost_s(self) -> float:
+        """c_reconfig: mean measured parallelism-change cost, the prior before the first."""
+        return float(np.mean(self.switch_costs)) if self.switch_costs else self.prior_reconfig_cost_s
+
+    @property
+    def useful_s(self) -> float:
+        """T_useful = T_elapsed − time spent reconfiguring (COPUS Alg. 2)."""
+        return max(self.elapsed_s - sum(self.switch_costs), 0.0)
+
+    def record_switch_cost(self, seconds: float) -> None:
+        """A measured parallelism change: it counts in T_elapsed and in c_reconfig."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds={seconds!r} is invalid; allowed: a finite number >= 0")
+        self.switch_costs.append(float(seconds))
+        self.elapsed_s += float(seconds)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def observe(self, record: StepRecord) -> Decision | None:
+        """Account one optimizer step; maybe return the plan to switch to at the next step."""
+        if math.isfinite(record.step_s) and record.step_s > 0:
+            self.elapsed_s += record.step_s
+        self._measure(record)
+        self.plan = record.plan
+        why = self._gate(record)
+        if why is not None:
+            self.last_explanation = {"step": record.step, "action": "wait", "why": why}
+            return None
+        self._maybe_refit()
+        b_used = self.calibration * record.b_noise
+        result = evaluate(self.candidates, self.model, b_used, record.plan,
+                          reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
+                          useful_s=self.useful_s, step=record.step, **self.search_options)
+        self.last_decision_step = record.step
+        self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
+                                 "b_noise_rel_err": record.b_noise_rel_err,
+                                 "calibration": self.calibration}
+        if result.decision is not None:
+            self.history.append(result.decision.to_dict())
+        return result.decision
+
+    def _measure(self, record: StepRecord) -> None:
+        """Feed the step time to the fitter, skipping the first step under each plan."""
+        first = record.plan != self.seen_plan
+        self.seen_plan = record.plan
+        if self.fitter is None or first or record.skipped:
+            return
+        self.fitter.observe(record.plan, record.step_s)
+
+    def model_error(self) -> float:
+        """Largest relative miss of the model on the median measured step time of any plan."""
+        obs = self.fitter.observations() if self.fitter is not None else []
+        if not obs:
+            return 0.0
+        pred = self.model.predict_plans([p for p, _ in obs])
+        return float(np.max(np.abs(pred / np.array([s for _, s in obs]) - 1.0)))
+
+    def _maybe_refit(self) -> bool:
+        f = self.fitter
+        if f is None or f.since_fit < self.refit_interval_steps:
+            return False
+        if self.model_error() <= self.refit_tolerance:
+            return False
+        f.refit()
+        return True
+
+    def _gate(self, record: StepRecord) -> str | None:
+        """Why no decision is taken at this step (None: decide)."""
+        if record.step < self.warmup_steps:
+            return f"warmup: step {record.step} < warmup_steps {self.warmup_steps}"
+        if self.last_decision_step is not None and \
+                record.step - self.last_decision_step < self.interval_steps:
+            return (f"next decision at step {self.last_decision_step + self.interval_steps} "
+                    f"(interval_steps {self.interval_steps})")
+        if record.skipped:
+            return "step skipped (non-finite statistics)"
+        if not (math.isfinite(record.b_noise) and record.b_noise > 0):
+            return f"gns not ready: b_noise={record.b_noise}"
+        if not record.b_noise_rel_err <= self.max_rel_err:
+            return (f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > "
+                    f"max_rel_err {self.max_rel_err}")
+        return None
+
+    # ---- checkpointing -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """JSON-able state: fitter (measurements + fitted coefficients), switch costs, history."""
+        return {"version": STATE_VERSION, "plan": _plan_list(self.plan),
+                "seen_plan": _plan_list(self.seen_plan), "elapsed_s": self.elapsed_s,
+                "switch_costs": list(self.switch_costs), "history": list(self.history),
+                "last_decision_step": self.last_decision_step,
+                "fitter": self.fitter.state_dict() if self.fitter is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"controller state version={state.get('version')!r} is invalid; "
+                             f"allowed: {STATE_VERSION}")
+        self.plan = _plan_of(state["plan"])
+        self.seen_plan = _plan_of(state["seen_plan"])
+        self.elapsed_s = float(state["elapsed_s"])
+        self.switch_costs = [float(x) for x in state["switch_costs"]]
+        self.history = list(state["history"])
+        self.last_decision_step = state["last_decision_step"]
+        if self.fitter is not None and state.get("fitter") is not None:
+            self.fitter.load_state_dict(state["fitter"])
+
+
+def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
+    if plan is None:
+        return None
+    return [plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches]
+
+
+def _plan_of(values: Sequence[int] | None) -> ParallelPlan | None:
+    if values is None:
+        return None
+    dp, tp, pp, mbs, nmb = (int(v) for v in values)
+    return ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=nmb)
+
+
+def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> list[int]:
+    """Powers of two up to min(max_batch, 64), plus the initial plan's micro-batch size."""
+    sizes = {2**k for k in range(7) if 2**k <= max(max_batch, 1)}
+    return sorted(sizes | {initial_plan.micro_batch_size})
+
+
+def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
+                    shape: ModelShape, *, step_time_model: StepTimePredictor | None = None,
+                    memory_capacity_bytes: float | None = None,
+                    hardware: HardwareProfile | str | None = None,
+                    micro_batch_sizes: Iterable[int] | None = None, margin: float = 0.10,
+                    lr_aware: bool = True, reconfig_cost_s: float = 2.0,
+                    allow_reconfigure: bool = True,
+                    profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
+                    refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
+                    batch_grid: str = "multiples", online_fit: bool = True,
+                    allow_shrink: bool = False) -> Controller:
+    """The goodput policy for `make_policy("goodput", ...)`.
+
+    `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
+    warmup_steps, max_rel_err, calibration. Step-time prior, first match wins:
+    `step_time_model` (a `StepTimeModel` is refitted online; any other predictor, e.g. a
+    profiled table, is used as is), then a fit to `profile_observations` ((plan, step_s) pairs
+    from `copus profile`), then the analytic model of `hardware` (None: the "cpu" profile).
+    Plans over `memory_capacity_bytes` per rank (memory model of `shape`) are never chosen.
+    The global batch never shrinks unless `allow_shrink` (Lau et al.'s schedules only grow;
+    COPUS leaves it open; with a noisy b_noise, shrinking makes B oscillate).
+    """
+    initial_plan.validate(world_size, shape)
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    min_b, max_b = int(settings.min), int(settings.max)
+    mbs = list(micro_batch_sizes) if micro_batch_sizes is not None else \
+        default_micro_batch_sizes(initial_plan, max_b)
+    if memory_capacity_bytes is not None and memory_model is None:
+        memory_model = MemoryModel(shape=shape, mixed_precision=(hw is None or hw.dtype_bytes == 2))
+    cands = build_candidates(world_size, shape, min_batch=min_b, max_batch=max_b,
+                             micro_batch_sizes=mbs, batch_grid=batch_grid,
+                             memory_model=memory_model, memory_capacity_bytes=memory_capacity_bytes)
+    if not len(cands):
+        raise ValueError(f"no plan fits: world_size={world_size}, batch [{min_b}, {max_b}], "
+                         f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}")
+    fitter, fixed = None, None
+    if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
+        fixed = step_time_model
+    else:
+        prior = step_time_model or prior_model(shape, hw, world_size)
+        if step_time_model is None and profile_observations is not None:
+            prior = fit_model(list(profile_observations), prior)
+        if online_fit:
+            # refits are triggered by the controller at decision points (`_maybe_refit`)
+            fitter = OnlineFitter(shape, hw, world_size, refit_every=2**62)
+            fitter.prior = fitter.model = prior
+        else:
+            fixed = prior
+    return Controller(candidates=cands, initial_plan=initial_plan, fitter=fitter, model=fixed,
+                      min_batch=min_b, max_batch=max_b,
+                      max_growth=float(settings.max_growth),
+                      interval_steps=int(settings.interval_steps),
+                      warmup_steps=int(settings.warmup_steps),
+                      max_rel_err=float(settings.max_rel_err),
+                      calibration=float(settings.calibration), margin=margin, lr_aware=lr_aware,
+                      lr_ref_batch=float(settings.initial), reconfig_cost_s=reconfig_cost_s,
+                      allow_reconfigure=allow_reconfigure,
+                      refit_interval_steps=refit_interval_steps, allow_shrink=allow_shrink)

@@ -42,9 +42,11 @@ class TrajectoryParams:
     """Parameters of the loss / GNS ground truth (module docstring gives the equations)."""
 
     initial_loss: float = 11.0            # L_0, ≈ ln(vocab_size) at initialisation
-    final_loss: float = 1.8               # L_inf, irreducible loss of this model on this data
-    progress_scale_samples: float = 2.0e3  # E_0: effective samples where the power law bends
-    loss_exponent: float = 0.5            # α of L(E)
+    # L(E) defaults: the median of the four COPUS presets' fits (core.presets), which lie in
+    # E_0 ∈ [6.5, 250] samples and α ∈ [0.19, 0.27] with L_inf = 1.0.
+    final_loss: float = 1.0               # L_inf, irreducible loss of this model on this data
+    progress_scale_samples: float = 46.0  # E_0: effective samples where the power law bends
+    loss_exponent: float = 0.24           # α of L(E)
     bcrit_star_tokens: float = KAPLAN_BCRIT_STAR_TOKENS  # B* (Kaplan et al. 2020, Eq. 5.2)
     bcrit_exponent: float = KAPLAN_BCRIT_EXPONENT        # α_B
     gns_calibration: float = 2.0          # B_crit / b_noise (COPUS c)

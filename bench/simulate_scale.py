@@ -1,0 +1,115 @@
+"""Benchmark: `copus simulate` at scale, and the four COPUS presets against the paper.
+
+1. Every policy, a full run of Qwen-2.5-32B on 1,024 H100 (SXM) GPUs: wall time of the whole
+   comparison (target < 10 s) and of each policy.
+2. The four COPUS configurations (core.presets): simulated average time-to-target speed-up of
+   goodput over the fastest baseline (static + CBS, Table 1 metric) next to the published one,
+   with COPUS's LR-aware goodput (Eq. 8) and without the sqrt(B) factor, over a few seeds.
+
+Writes bench/results/simulate_scale.json and prints a table.
+Run: /work/venv/bin/python bench/simulate_scale.py [--seeds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from copus.core.models import get_model_shape
+from copus.core.presets import PRESETS
+from copus.core.simulator import (POLICY_FAMILIES, Scenario, SimSettings, compare_policies,
+                                  preset_scenario)
+from copus.core.trajectory import TrajectoryParams
+
+OUT = Path(__file__).resolve().parent / "results" / "simulate_scale.json"
+
+
+def scale_run() -> dict:
+    shape = get_model_shape("qwen-2.5-32b")
+    sim = SimSettings(target_losses=(3.0, 2.5, 2.2, 2.0), token_budget=20_000_000_000,
+                      trajectory=TrajectoryParams(initial_loss=float(np.log(shape.vocab_size))),
+                      seed=0)
+    sc = Scenario(shape=shape, hardware="h100-sxm", world_size=1024, sim=sim, initial_batch=512,
+                  max_batch=16384, batch_grid="geometric")
+    t0 = time.perf_counter()
+    per_policy = {}
+    results = []
+    for fam in POLICY_FAMILIES:
+        t = time.perf_counter()
+        cmp_ = compare_policies(sc, (fam,))
+        per_policy[fam] = time.perf_counter() - t
+        results.extend(cmp_.results)
+    wall = time.perf_counter() - t0
+    t = time.perf_counter()
+    cmp_all = compare_policies(sc)
+    wall_once = time.perf_counter() - t
+    return {"model": shape.name, "world_size": 1024, "hardware": "h100-sxm",
+            "wall_s": wall_once, "wall_s_per_policy": per_policy, "wall_s_sum": wall,
+            "steps": {r.name: r.num_steps for r in cmp_all.results},
+            "speedups": cmp_all.speedups(), "average_speedup_pct": cmp_all.average_speedup_pct(),
+            "goodput_timeline": [s.plan.describe() for r in cmp_all.results
+                                 if cmp_all.families[r.name] == "goodput" for s in r.timeline]}
+
+
+def presets(seeds: int) -> dict:
+    out = {}
+    for name, preset in PRESETS.items():
+        row = {"published_avg_speedup_pct": preset.published_avg_speedup_pct,
+               "published_speedup_pct": list(preset.published_speedup_pct)}
+        for variant, lr_aware in (("lr_aware", True), ("no_lr_factor", False)):
+            avgs, per_target, walls, layouts = [], [], [], []
+            for seed in range(seeds):
+                sc = dataclasses.replace(preset_scenario(preset, seed=seed), lr_aware=lr_aware)
+                t = time.perf_counter()
+                cmp_ = compare_policies(sc)
+                walls.append(time.perf_counter() - t)
+                avgs.append(cmp_.average_speedup_pct())
+                per_target.append([r["speedup_pct"] for r in cmp_.speedups()])
+                good = next(r for r in cmp_.results if cmp_.families[r.name] == "goodput")
+                layouts.append(_layouts(good))
+            row[variant] = {"avg_speedup_pct_mean": float(np.mean(avgs)),
+                            "avg_speedup_pct_sd": float(np.std(avgs)),
+                            "avg_speedup_pct_per_seed": avgs, "per_target_seed0": per_target[0],
+                            "goodput_layouts_seed0": layouts[0], "wall_s_mean": float(np.mean(walls))}
+        out[name] = row
+    return out
+
+
+def _layouts(result) -> list[str]:
+    seen, out = None, []
+    for s in result.timeline:
+        if s.plan.layout != seen:
+            seen = s.plan.layout
+            out.append(f"DP{s.plan.dp},TP{s.plan.tp},PP{s.plan.pp}@{s.start_s / 60:.1f}min")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    args = ap.parse_args()
+    scale = scale_run()
+    print(f"1,024 x H100, {scale['model']}, all policies: {scale['wall_s']:.2f} s wall "
+          f"(target < 10 s); per policy: "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in scale["wall_s_per_policy"].items()))
+    print(f"  simulated avg speed-up of goodput: {scale['average_speedup_pct']:+.1f}%")
+    pre = presets(args.seeds)
+    print(f"\n{'preset':14s}{'published':>11s}{'sim LR-aware':>22s}{'sim no LR factor':>22s}")
+    for name, row in pre.items():
+        a, b = row["lr_aware"], row["no_lr_factor"]
+        print(f"{name:14s}{row['published_avg_speedup_pct']:>+10.1f}%"
+              f"{a['avg_speedup_pct_mean']:>+14.1f}% ± {a['avg_speedup_pct_sd']:4.1f}"
+              f"{b['avg_speedup_pct_mean']:>+14.1f}% ± {b['avg_speedup_pct_sd']:4.1f}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"scale_1024": scale, "presets": pre, "seeds": args.seeds},
+                              indent=1))
+    print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

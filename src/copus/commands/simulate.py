@@ -1,0 +1,191 @@
+"""`copus simulate`: how much would copus save on my model and cluster? (no GPUs, no torch)
+
+Runs every chosen policy on a simulated cluster (`copus.core.simulator`) and prints the time to
+each target loss, the speed-up of goodput over the fastest baseline at each target (COPUS
+Table 1 metric), and the plan timeline. `--preset NAME|all` runs COPUS's own configurations and
+prints the published numbers next to the simulated ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+from copus.core.simulator import POLICY_FAMILIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3.2-3b", help="model shape name (core.models)")
+    p.add_argument("--gpus", type=int, default=8, help="world size")
+    p.add_argument("--hardware", default="h100-nvlink-pairs", help="hardware profile name")
+    p.add_argument("--target-loss", default="4.0,3.5,3.0",
+                   help="comma-separated target training losses")
+    p.add_argument("--policies", default=",".join(POLICY_FAMILIES),
+                   help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}")
+    p.add_argument("--tokens", type=float, default=1e9, help="token budget of each run")
+    p.add_argument("--initial-batch", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--reconfig", choices=("online", "restart"), default="online",
+                   help="cost of a parallelism change: online resharding or checkpoint-restart")
+    p.add_argument("--no-lr-aware", action="store_true",
+                   help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write loss/batch curves here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from copus.core.presets import PRESETS, get_preset
+    from copus.core.simulator import compare_policies
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    bad = [p for p in policies if p not in POLICY_FAMILIES]
+    if bad or not policies:
+        raise ValueError(f"--policies={args.policies!r} is invalid; allowed: a comma-separated "
+                         f"subset of {','.join(POLICY_FAMILIES)}")
+    if args.preset is not None:
+        names = list(PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
+        scenarios = [(PRESETS[n], _preset(PRESETS[n], args)) for n in names]
+    else:
+        scenarios = [(None, _custom(args))]
+    out = []
+    for preset, scenario in scenarios:
+        cmp_ = compare_policies(scenario, policies)
+        out.append((preset, cmp_))
+        if not args.json:
+            _print_comparison(preset, cmp_)
+    if args.preset == "all" and not args.json:
+        _print_summary(out)
+    if args.json:
+        json.dump([_json(p, c) for p, c in out] if len(out) > 1 else _json(*out[0]), sys.stdout,
+                  indent=1)
+        print()
+    if args.plot:
+        _plot(out, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def _preset(preset, args):
+    from copus.core.simulator import preset_scenario
+
+    sc = preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig)
+    return dataclasses.replace(sc, lr_aware=not args.no_lr_aware)
+
+
+def _custom(args):
+    from copus.core.models import get_model_shape
+    from copus.core.simulator import Scenario, SimSettings
+    from copus.core.trajectory import TrajectoryParams
+
+    shape = get_model_shape(args.model)
+    try:
+        targets = tuple(float(x) for x in args.target_loss.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--target-loss={args.target_loss!r} is invalid; allowed: "
+                         "comma-separated numbers") from None
+    if args.gpus < 1:
+        raise ValueError(f"--gpus={args.gpus} is invalid; allowed: an integer >= 1")
+    traj = TrajectoryParams(initial_loss=max(math.log(shape.vocab_size), max(targets) + 0.5))
+    low = [t for t in targets if t <= traj.final_loss]
+    if low:
+        raise ValueError(f"--target-loss {low[0]} is invalid; allowed: above the model's "
+                         f"irreducible loss {traj.final_loss}")
+    sim = SimSettings(target_losses=targets, token_budget=int(args.tokens), trajectory=traj,
+                      seed=args.seed, reconfig_mode=args.reconfig)
+    return Scenario(shape=shape, hardware=args.hardware, world_size=args.gpus, sim=sim,
+                    initial_batch=args.initial_batch, max_batch=args.max_batch,
+                    batch_grid="geometric" if args.gpus > 64 else "multiples",
+                    lr_aware=not args.no_lr_aware)
+
+
+def _minutes(s: float | None) -> str:
+    return "–" if s is None else f"{s / 60:.1f}"
+
+
+def _print_comparison(preset, cmp_) -> None:
+    sc = cmp_.scenario
+    targets = sorted(sc.sim.target_losses, reverse=True)
+    title = preset.description if preset else f"{sc.shape.name} on {sc.world_size} x {sc.hardware}"
+    print(f"\n== {title}: minutes to target loss (seed {sc.sim.seed}) ==")
+    width = max(len(r.name) for r in cmp_.results) + 2
+    print("method".ljust(width) + "".join(f"{t:>8g}" for t in targets))
+    for r in cmp_.results:
+        print(r.name.ljust(width) + "".join(f"{_minutes(r.time_to_target_s[t]):>8}"
+                                            for t in targets))
+    rows = cmp_.speedups()
+    print("speed-up".ljust(width) + "".join(
+        f"{'–' if r['speedup_pct'] is None else format(r['speedup_pct'], '+.1f') + '%':>8}"
+        for r in rows) + f"   avg {_pct(cmp_.average_speedup_pct())}")
+    if preset is not None:
+        print("published".ljust(width) + "".join(f"{v:>+7.1f}%" for v in
+                                                  preset.published_speedup_pct)
+              + f"   avg {preset.published_avg_speedup_pct:+.1f}%")
+    for r in cmp_.results:
+        if cmp_.families[r.name] == "goodput":
+            print("goodput plan timeline:")
+            last = None
+            for s in r.timeline:
+                if s.plan.layout != last:
+                    print(f"  {s.start_s / 60:7.1f} min  step {s.start_step:6d}  "
+                          f"{s.plan.describe()}  loss {s.loss:.2f}  b_noise est "
+                          f"{s.b_noise:.0f} (true {s.true_b_noise:.0f})")
+                    last = s.plan.layout
+            print(f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
+                  f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}")
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.1f}%"
+
+
+def _print_summary(out) -> None:
+    print("\n== COPUS Table 1 summary: average time-to-target speed-up over the fastest baseline ==")
+    print(f"{'config':16s}{'simulated':>11s}{'published':>11s}")
+    for preset, cmp_ in out:
+        print(f"{preset.name:16s}{_pct(cmp_.average_speedup_pct()):>11s}"
+              f"{_pct(preset.published_avg_speedup_pct):>11s}")
+
+
+def _json(preset, cmp_) -> dict:
+    d = cmp_.to_dict()
+    if preset is not None:
+        d["preset"] = preset.name
+        d["published"] = {"minutes": {k: list(v) for k, v in preset.published_minutes.items()},
+                          "speedup_pct": list(preset.published_speedup_pct),
+                          "average_speedup_pct": preset.published_avg_speedup_pct}
+    return d
+
+
+def _plot(out, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(out), figsize=(6 * len(out), 7), squeeze=False)
+    for col, (preset, cmp_) in enumerate(out):
+        top, bottom = axes[0][col], axes[1][col]
+        for r in cmp_.results:
+            t = [p[0] / 60 for p in r.curve]
+            top.plot(t, [p[1] for p in r.curve], label=r.name, lw=1.2)
+            if cmp_.families[r.name] != "static":
+                bottom.step(t, [p[2] for p in r.curve], where="post", label=r.name, lw=1.2)
+        for target in cmp_.scenario.sim.target_losses:
+            top.axhline(target, color="grey", lw=0.5, ls=":")
+        sc = cmp_.scenario
+        top.set_title(preset.name if preset else f"{sc.shape.name} x{sc.world_size}")
+        top.set_ylabel("training loss")
+        top.set_ylim(min(sc.sim.target_losses) - 0.3, max(sc.sim.target_losses) + 2.0)
+        bottom.set_ylabel("global batch (samples)")
+        bottom.set_yscale("log")
+        bottom.set_xlabel("minutes")
+        top.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -198,3 +198,23 @@ def test_bad_settings_raise_value_error():
     with pytest.raises(ValueError, match="predicted step time"):
         simulate(Null(), plan, SHAPE, Inf(), SimSettings(target_losses=(3.0,), token_budget=10**6,
                                                            trajectory=TrajectoryParams()))
+
+
+def test_simulate_command_json_plot_and_errors(tmp_path, capsys):
+    import json
+
+    from copus.cli import main
+
+    png = tmp_path / "sim.png"
+    rc = main(["simulate", "--model", "llama-3.2-3b", "--gpus", "8", "--target-loss", "6.0,5.0",
+               "--policies", "static,goodput", "--tokens", "3e7", "--max-batch", "64", "--json",
+               "--plot", str(png)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 8 and [r["target"] for r in out["speedups"]] == [6.0, 5.0]
+    assert {r["family"] for r in out["runs"]} == {"static", "goodput"}
+    assert png.stat().st_size > 1000
+    assert main(["simulate", "--policies", "static,magic"]) == 2
+    assert "--policies" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "70b-moon"]) == 2
+    assert "unknown preset" in capsys.readouterr().err

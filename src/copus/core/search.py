@@ -11,6 +11,7 @@ COPUS Algorithm 2 (arXiv 2604.26687, §4.5) and design §5:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,8 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
              allow_reconfigure: bool = True, lr_aware: bool = True, ref_batch: float = 1.0,
              lr_ref_batch: float | None = None, step: int = 0, top_k: int = 5) -> SearchResult:
     """Rank the allowed candidates and decide whether to switch (see module docstring)."""
+    if math.isnan(b_noise) or b_noise <= 0:
+        raise ValueError(f"b_noise={b_noise} is invalid; allowed: a number > 0 (inf: unknown)")
     if margin < 0 or max_growth < 1:
         raise ValueError(f"margin={margin}, max_growth={max_growth} are invalid; "
                          "allowed: margin >= 0, max_growth >= 1")

@@ -1,0 +1,96 @@
+"""`copus plan`: JSON schema and ordering, table output, one-line errors (exit 2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from copus.cli import main
+from copus.core.models import get_model_shape
+from copus.core.plan import ParallelPlan, plan_problems
+
+KEYS = ["dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_size", "step_s",
+        "samples_per_s", "memory_bytes", "goodput"]
+BASE = ["plan", "--model", "llama-3.2-3b", "--gpus", "8", "--hardware", "h100-nvlink-pairs"]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "copus", *BASE, *args], capture_output=True,
+                          text=True)
+
+
+def _check_rows(rows, min_b, max_b):
+    shape = get_model_shape("llama-3.2-3b")
+    assert rows and all(list(r) == KEYS for r in rows)
+    goodputs = [r["goodput"] for r in rows]
+    assert goodputs == sorted(goodputs, reverse=True)
+    for r in rows:
+        plan = ParallelPlan(**{k: r[k] for k in KEYS[:5]})
+        assert not plan_problems(plan, 8, shape)
+        assert r["global_batch_size"] == plan.global_batch_size and min_b <= plan.global_batch_size <= max_b
+        assert r["samples_per_s"] == pytest.approx(r["global_batch_size"] / r["step_s"])
+        assert 0 < r["memory_bytes"] <= 80e9
+
+
+def test_json_schema_and_order_subprocess():
+    out = _run("--global-batch", "16", "--json", "--top", "7")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert len(rows) == 7
+    _check_rows(rows, 16, 16)
+    # fixed batch, unknown b_noise: goodput is throughput
+    assert all(r["goodput"] == pytest.approx(r["samples_per_s"]) for r in rows)
+
+
+def test_json_over_a_batch_range_with_b_noise(capsys):
+    assert main([*BASE, "--global-batch", "16", "--max-batch", "256", "--b-noise", "100",
+                 "--micro-batch-sizes", "1,2,4", "--top", "50", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    _check_rows(rows, 16, 256)
+    assert {r["micro_batch_size"] for r in rows} <= {1, 2, 4}
+    assert len({r["global_batch_size"] for r in rows}) > 1
+
+
+def test_memory_limit_prunes(capsys):
+    main([*BASE, "--global-batch", "64", "--top", "1000", "--json"])
+    full = json.loads(capsys.readouterr().out)
+    main([*BASE, "--global-batch", "64", "--top", "1000", "--json", "--memory-gb", "25"])
+    small = json.loads(capsys.readouterr().out)
+    assert 0 < len(small) < len(full) and all(r["memory_bytes"] <= 25e9 for r in small)
+
+
+def test_table_output(capsys):
+    assert main([*BASE, "--global-batch", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "samples/s" in out[1] and "goodput" in out[1] and "mem GB" in out[1]
+    assert len(out) == 3 + 3
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--gpus", "0"], "--gpus=0"),
+    (["--global-batch", "0"], "--global-batch=0"),
+    (["--micro-batch-sizes", "1,x"], "--micro-batch-sizes"),
+    (["--b-noise", "-3"], "--b-noise=-3"),
+    (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--memory-gb", "0.5"], "no plan"),
+    (["--max-batch", "4"], "--max-batch=4"),
+])
+def test_bad_values_exit_2_with_one_line(capsys, args, match):
+    assert main([*BASE, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
+
+
+def test_bad_value_subprocess_exit_code():
+    out = _run("--gpus", "0")
+    assert out.returncode == 2 and "--gpus=0" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_copus_plan_does_not_import_torch():
+    code = ("import sys\nfrom copus.cli import main\n"
+            f"assert main({[*BASE, '--top', '2']!r}) == 0\n"
+            "assert 'torch' not in sys.modules, 'copus plan imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -174,6 +174,12 @@ def test_build_datasets_rejects_a_vocab_larger_than_the_model(tmp_path):
         build_datasets(cfg.data, seq_len=32, vocab_size=256, cache_dir=tmp_path)
     train, val, tok = build_datasets(cfg.data, seq_len=32, vocab_size=512, cache_dir=tmp_path)
     assert tok.vocab_size == 300 and train.tokens.max() < 300
+    (cached,) = tmp_path.glob("bpe-*-tokens-*.npy")          # the encoding is cached too
+    tokens = np.concatenate([train.tokens, val.tokens])
+    assert np.array_equal(np.load(cached), tokens)
+    assert tok.decode(tokens) == load_text("embedded", 30000)
+    again, _, _ = build_datasets(cfg.data, seq_len=32, vocab_size=512, cache_dir=tmp_path)
+    assert np.array_equal(again.tokens, train.tokens)
 
 
 # ------------------------------------------------------------------------------------- sampler

@@ -253,6 +253,10 @@ def check_consistency(cfg: Config) -> None:
     if not b.min <= b.ramp_to <= b.max:
         raise _bad("batch", "ramp_to", b.ramp_to,
                    f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
+    vocab = MODELS[cfg.model.name].vocab_size
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab:
+        raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
+                   f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
     if cfg.eval.interval_steps > 0 and cfg.data.val_fraction == 0:
         raise _bad("data", "val_fraction", 0.0,
                    "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "

@@ -89,6 +89,7 @@ def test_sections_are_frozen():
     ("batch.ramp_to=1000", "batch.ramp_to"),
     ("batch.norm_test_form=mine", "batch.norm_test_form"),
     ("batch.norm_test_eta=0", "batch.norm_test_eta"),
+    ("data.tokenizer=bpe", "data.bpe_vocab_size"),   # 4096 > vocab 256 of model 'tiny'
     ("gns.small=sample", "gns.small"),
     ("gns.decay=1.0", "gns.decay"),
     ("gns.calibration=-1", "gns.calibration"),
@@ -111,6 +112,13 @@ def test_value_is_shown_with_repr():
         load_config(None, ["batch.policy=adaptive"])
     with pytest.raises(ValueError, match=r"^train\.lr=-1: "):
         load_config(None, ["train.lr=-1"])
+
+
+def test_bpe_vocab_must_fit_the_model():
+    with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=4096: .*vocab_size=256 of model 'tiny'"):
+        load_config(None, ["data.tokenizer=bpe"])
+    cfg = load_config(None, ["data.tokenizer=bpe", "model.name=tinyllama-1.1b"])
+    assert cfg.data.bpe_vocab_size == 4096
 
 
 def test_val_fraction_zero_needs_eval_off():

@@ -169,7 +169,7 @@ def test_build_datasets_from_config():
 
 def test_build_datasets_rejects_a_vocab_larger_than_the_model(tmp_path):
     cfg = load_config(None, ["data.max_chars=30000", "data.tokenizer=bpe",
-                             "data.bpe_vocab_size=300"])
+                             "data.bpe_vocab_size=300", "model.name=tinyllama-1.1b"])
     with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=300: .*vocab_size=256"):
         build_datasets(cfg.data, seq_len=32, vocab_size=256, cache_dir=tmp_path)
     train, val, tok = build_datasets(cfg.data, seq_len=32, vocab_size=512, cache_dir=tmp_path)

@@ -13,8 +13,9 @@ SEVEN_B = get_model_shape("llama-2-7b")
 
 
 def test_hand_computed_fp32_data_parallel():
-    """dp=2, tp=pp=1, micro-batch 2, fp32 AdamW, no checkpointing, FSDP2 resharding."""
-    mm = MemoryModel(shape=TINY, mixed_precision=False)
+    """dp=2, tp=pp=1, micro-batch 2, fp32 AdamW, no checkpointing, FSDP2 resharding, the paper's
+    activation count (activation_factor=1)."""
+    mm = MemoryModel(TINY, mixed_precision=False, activation_factor=1.0)
     layer = 2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192          # 393,600
     params = 4 * layer + 2 * 256 * 192 + 192                                # 1,672,896
     states = params / 2 * (4 + 4 + 0 + 8)                                   # param+grad+moments: 13,383,168
@@ -28,8 +29,8 @@ def test_hand_computed_fp32_data_parallel():
 
 
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
-    """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 with fp32 master."""
-    mm = MemoryModel(shape=TINY)
+    """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 params with fp32 master."""
+    mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
     first = (2 * layer + 256 * 192) / 2 * (2 + 2 + 4 + 8)                  # 6,690,816
     buffers = 3 * (layer / 2) * 2                                           # 1,180,800
@@ -39,6 +40,18 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     expected = first + buffers + first_acts
     assert expected == 10_034_304 and last == 9_151_104
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
+
+
+def test_hand_computed_bf16_autocast_is_copus_runtime_default():
+    """copus on CUDA: fp32 params/grads/all-gathers, bf16 autocast (saved bf16 weight copies),
+    activations × the measured factor 55.6/34. dp=2, micro-batch 1, 2 micro-batches."""
+    mm = MemoryModel(TINY)
+    layer, params = 393_600, 1_672_896
+    states = params / 2 * (4 + 4 + 8)
+    buffers = 3 * layer * 4 + 2 * params * 1                               # + bf16 copies, 1 in flight
+    sbh = 128 * 1 * 192
+    acts = 4 * sbh * 55.6 + 128 * 256 * (2 + 4)
+    assert float(mm.bytes_per_rank(2, 1, 1, 1, 2)) == pytest.approx(states + buffers + acts)
 
 
 def test_vectorised_equals_scalar_loop():
@@ -65,13 +78,16 @@ def test_sharding_divides_parameter_state():
 
 
 def test_activation_checkpointing_reduces_activations():
-    plain, ac = MemoryModel(shape=SEVEN_B), MemoryModel(shape=SEVEN_B, activation_checkpointing=True)
+    plain, ac = MemoryModel(SEVEN_B), MemoryModel(SEVEN_B, activation_checkpointing=True)
     for dp, tp, pp in [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]:
         for mbs in (1, 4):
             a = float(plain.breakdown(dp, tp, pp, mbs, 8)["activations"])
             b = float(ac.breakdown(dp, tp, pp, mbs, 8)["activations"])
             assert b < 0.5 * a, (dp, tp, pp, mbs)
-    # a 32-block stage keeps 2·s·b·h per block + one block's full set instead of 34·s·b·h per block
+    # paper count, 16-bit: a 32-block stage keeps 2·s·b·h per block + one block's full set
+    # instead of 34·s·b·h per block
+    plain = MemoryModel(SEVEN_B, autocast=False, activation_factor=1.0)
+    ac = MemoryModel(SEVEN_B, autocast=False, activation_factor=1.0, activation_checkpointing=True)
     sbh = 2048 * 1 * 4096
     diff = float(plain.breakdown(8, 1, 1, 1, 8)["activations"] - ac.breakdown(8, 1, 1, 1, 8)["activations"])
     assert diff == pytest.approx(31 * 34 * sbh - 32 * 2 * sbh)
@@ -90,7 +106,8 @@ def test_pipeline_schedules_micro_batches_in_flight():
 
 
 def test_stored_attention_scores_add_korthikanti_term():
-    flash, eager = MemoryModel(shape=TINY), MemoryModel(shape=TINY, flash_attention=False)
+    flash = MemoryModel(TINY, activation_factor=1.0)
+    eager = MemoryModel(TINY, activation_factor=1.0, flash_attention=False)
     diff = eager.activation_bytes_per_block(2, 4) - flash.activation_bytes_per_block(2, 4)
     assert float(diff) == pytest.approx(5 * 6 * 128 * 128 * 4 / 2)    # 5·a·s²·b / t
 
@@ -127,3 +144,37 @@ def test_memory_monotone_in_batch_and_sharding(dp, tp, pp, mbs, m, ac, mixed, sc
     assert float(mm.bytes_per_rank(dp, tp, pp, mbs, m + 1)) >= b         # more micro-batches
     assert float(mm.bytes_per_rank(2 * dp, tp, pp, mbs, m)) < b          # more data-parallel sharding
     assert float(mm.bytes_per_rank(dp, 2 * tp, pp, mbs, m)) < b          # more tensor-parallel sharding
+
+
+def _saved_bytes(block, x, rope, autocast: bool) -> int:
+    """Bytes of distinct storages autograd saves for backward in one block's forward."""
+    torch = pytest.importorskip("torch")
+    seen: dict = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            block(x, rope)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_activation_bytes_match_what_the_runtime_block_saves(mixed):
+    """Cross-check against copus's runtime block: per-sample saved bytes = the model's activations
+    (within 3 %); under autocast the b-independent part is the bf16 weight copies (2 B/param)."""
+    torch = pytest.importorskip("torch")
+    from copus.runtime.model import build_model
+
+    shape = get_model_shape("small")
+    model = build_model(shape, "cpu")
+    block = model.layers["0"]
+    saved = [_saved_bytes(block, torch.randn(b, shape.seq_len, shape.dim, requires_grad=True), model.rope, mixed)
+             for b in (1, 3)]
+    mm = MemoryModel(shape, mixed_precision=mixed)
+    per_sample = (saved[1] - saved[0]) / 2
+    assert per_sample == pytest.approx(float(mm.activation_bytes_per_block(1, 1)), rel=0.03)
+    if mixed:
+        assert saved[0] - per_sample == pytest.approx(2 * shape.layer_params(), rel=0.05)

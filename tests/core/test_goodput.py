@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from copus.core.goodput import batch_values, build_candidates, goodput, rank
 from copus.core.models import get_model_shape
@@ -104,3 +106,14 @@ def test_rank_sorts_best_first_and_breaks_ties_by_step_time():
     scores = np.array([1.0, 3.0, 3.0, np.nan, 2.0])
     step = np.array([1.0, 2.0, 1.0, 1.0, 1.0])
     assert rank(scores, step).tolist() == [2, 1, 4, 0, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 2.5, np.nan]), min_size=1, max_size=30),
+       st.integers(1, 35), st.randoms(use_true_random=False))
+def test_rank_top_is_the_prefix_of_the_full_ranking(scores, top, rnd):
+    scores = np.array(scores)
+    step = np.array([rnd.choice([1.0, 2.0]) for _ in scores])
+    full = rank(scores, step)
+    assert sorted(full.tolist()) == list(range(len(scores)))
+    assert rank(scores, step, top=top).tolist() == full[:top].tolist()

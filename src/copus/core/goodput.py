@@ -82,11 +82,14 @@ class CandidateSet:
         return CandidateSet(**{f: getattr(self, f)[mask] for f in (*_FIELDS, "global_batch_size",
                                                                     "memory_bytes")})
 
-    def predict_step_s(self, model: StepTimePredictor) -> np.ndarray:
-        """Predicted seconds per optimizer step of every candidate (one vectorised call)."""
-        out = np.asarray(model.predict(self.dp, self.tp, self.pp, self.micro_batch_size,
-                                       self.num_microbatches), dtype=float)
-        return np.broadcast_to(out, self.dp.shape).astype(float, copy=False)
+    def predict_step_s(self, model: StepTimePredictor, indices: np.ndarray | None = None
+                       ) -> np.ndarray:
+        """Predicted seconds per optimizer step of every candidate, or of `indices` only."""
+        cols = [getattr(self, f) for f in _FIELDS]
+        if indices is not None:
+            cols = [c[indices] for c in cols]
+        out = np.asarray(model.predict(*cols), dtype=float)
+        return np.broadcast_to(out, cols[0].shape).astype(float, copy=False)
 
 
 def batch_values(min_batch: int, max_batch: int, step: int, *, batch_grid: str = "multiples",
@@ -178,11 +181,20 @@ def efficiency(b_noise: float, global_batch_size: np.ndarray, ref_batch: float =
     return np.broadcast_to(statistical_efficiency(b_noise, batch, ref_batch), batch.shape)
 
 
-def rank(scores: np.ndarray, step_s: np.ndarray | None = None) -> np.ndarray:
-    """Indices sorted by goodput, best first; ties broken by shorter step, then by index."""
-    scores = np.asarray(scores, dtype=float)
-    keys = [np.arange(scores.size)]
-    if step_s is not None:
-        keys.append(np.nan_to_num(np.asarray(step_s, float), nan=np.inf))
-    keys.append(-np.nan_to_num(scores, nan=-np.inf))
-    return np.lexsort(keys)
+def rank(scores: np.ndarray, step_s: np.ndarray | None = None, top: int | None = None) -> np.ndarray:
+    """Indices sorted by goodput, best first (NaN last); ties broken by shorter step, then index.
+
+    With `top`, only the best `top` indices (an O(n) partition, then a sort of those).
+    """
+    scores = -np.nan_to_num(np.asarray(scores, dtype=float), nan=-np.inf)
+    idx = np.arange(scores.size)
+    if top is not None and top < scores.size:
+        kth = np.partition(scores, top - 1)[top - 1]
+        idx = np.flatnonzero(scores <= kth)  # the top ones and anything tied with the last
+        scores = scores[idx]
+    order = np.argsort(scores, kind="stable")
+    ordered = scores[order]
+    if step_s is not None and np.any(ordered[1:] == ordered[:-1]):  # ties: break by step time
+        steps = np.nan_to_num(np.asarray(step_s, float)[idx], nan=np.inf)
+        order = np.lexsort((steps, scores))
+    return idx[order][:top]

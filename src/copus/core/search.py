@@ -76,7 +76,7 @@ def ranked(candidates: CandidateSet, model: StepTimePredictor, b_noise: float = 
     scores = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
                      lr_ref_batch=lr_ref_batch)
     eff = efficiency(b_noise, gbs, ref_batch)
-    order = rank(scores, step_s)[: top if top is not None else None]
+    order = rank(scores, step_s, top=top)
     return [RankedPlan(plan=candidates.plan(i), step_s=float(step_s[i]),
                        samples_per_s=float(gbs[i] / step_s[i]) if step_s[i] > 0 else 0.0,
                        efficiency=float(eff[i]), goodput=float(scores[i]),
@@ -112,37 +112,37 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     if margin < 0 or max_growth < 1:
         raise ValueError(f"margin={margin}, max_growth={max_growth} are invalid; "
                          "allowed: margin >= 0, max_growth >= 1")
-    step_s = candidates.predict_step_s(model)
-    gbs = candidates.global_batch_size
-    raw = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
-                  lr_ref_batch=lr_ref_batch)
-    factor = amortisation(reconfig_cost_s, elapsed_s, useful_s, horizon_s)
-    adjusted = np.where(candidates.same_layout(current_plan), raw, raw * factor)
     allowed = _allowed(candidates, current_plan, max_growth=max_growth, min_batch=min_batch,
                        max_batch=max_batch, allow_shrink=allow_shrink,
                        allow_reconfigure=allow_reconfigure)
-    idx = np.flatnonzero(allowed)
-    order = idx[rank(adjusted[idx], step_s[idx])]
+    idx = np.flatnonzero(allowed)  # only these are predicted and scored
+    step_s = candidates.predict_step_s(model, idx)
+    gbs = candidates.global_batch_size[idx]
+    raw = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
+                  lr_ref_batch=lr_ref_batch)
+    factor = amortisation(reconfig_cost_s, elapsed_s, useful_s, horizon_s)
+    adjusted = np.where(candidates.same_layout(current_plan)[idx], raw, raw * factor)
+    order = rank(adjusted, step_s, top=max(top_k, 1))  # positions in idx
     cur_step = float(np.asarray(model.predict(*_plan_args(current_plan)), float).reshape(-1)[0])
     cur_good = float(goodput(np.array([cur_step]), np.array([current_plan.global_batch_size]),
                              b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
                              lr_ref_batch=lr_ref_batch)[0])
     eff = efficiency(b_noise, gbs, ref_batch)
-    top = [Candidate(plan=candidates.plan(i), step_s=float(step_s[i]),
-                     goodput=float(adjusted[i]), efficiency=float(eff[i]))
-           for i in order[:top_k]]
+    top = [Candidate(plan=candidates.plan(idx[j]), step_s=float(step_s[j]),
+                     goodput=float(adjusted[j]), efficiency=float(eff[j]))
+           for j in order[:top_k]]
     expl = {"step": step, "b_noise": _num(b_noise), "margin": margin,
             "amortisation": factor, "reconfig_cost_s": reconfig_cost_s,
             "num_candidates": len(candidates), "num_allowed": int(idx.size),
             "current": {**plan_dict(current_plan), "step_s": cur_step, "goodput": cur_good},
             "top": [{**plan_dict(c.plan), "step_s": c.step_s, "goodput": c.goodput,
-                     "raw_goodput": float(raw[i]), "efficiency": c.efficiency}
-                    for c, i in zip(top, order[:top_k], strict=True)]}
+                     "raw_goodput": float(raw[j]), "efficiency": c.efficiency}
+                    for c, j in zip(top, order[:top_k], strict=True)]}
     if not idx.size:
         return _stay(expl, "no allowed candidate (growth cap, batch range or layout lock)")
-    best_i = int(order[0])
-    best = candidates.plan(best_i)
-    best_good = float(adjusted[best_i])
+    best_j = int(order[0])
+    best = candidates.plan(int(idx[best_j]))
+    best_good = float(adjusted[best_j])
     gain = (best_good - cur_good) / cur_good if cur_good > 0 else float("inf")
     expl["gain"] = _num(gain)
     if best == current_plan:
@@ -152,7 +152,7 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     kind = decision_kind(current_plan, best)
     reason = (f"{kind}: {best.describe()} goodput {best_good:.4g} vs current "
               f"{current_plan.describe()} {cur_good:.4g} ({gain:+.1%} > margin {margin:.0%}); "
-              f"step {step_s[best_i]:.4g}s vs {cur_step:.4g}s; b_noise={b_noise:.4g}")
+              f"step {step_s[best_j]:.4g}s vs {cur_step:.4g}s; b_noise={b_noise:.4g}")
     if kind == "reconfigure":
         reason += f"; amortisation {factor:.3f} (c_reconfig={reconfig_cost_s:.3g}s)"
     expl.update(action=kind, why=reason)

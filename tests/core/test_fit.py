@@ -42,18 +42,17 @@ def test_fit_recovers_parameters_from_noisy_synthetic_steps(seed):
     # predictions on plans never measured are within 10 %
     rel = fitted.predict_plans(held_out) / truth.predict_plans(held_out) - 1
     assert np.max(np.abs(rel)) < 0.10
-    # every coefficient that moves some measured step by > 5 % when changed by 25 % is within 10 %
-    exact = truth.predict_plans(train)
-    checked = 0
-    for name in StepTimeParams.names():
-        if name == "gamma":
-            continue
-        value = getattr(truth.params, name)
-        bumped = truth.with_params(replace(truth.params, **{name: 1.25 * value})).predict_plans(train)
-        if np.max(np.abs(bumped / exact - 1)) > 0.05:
-            checked += 1
-            assert getattr(fitted.params, name) == pytest.approx(value, rel=0.10), name
-    assert checked >= 3
+    # every coefficient the design identifies (standard error of its log < 3.3 % at this noise,
+    # from the Jacobian of log step time in log coefficients) is recovered within 10 % (3 s.e.)
+    names = [n for n in StepTimeParams.names() if n != "gamma"]
+    base_log = np.log(truth.predict_plans(train))
+    jac = np.stack([(np.log(truth.with_params(replace(truth.params, **{n: 1.01 * getattr(truth.params, n)}))
+                            .predict_plans(train)) - base_log) / np.log(1.01) for n in names], axis=1)
+    std_err = 0.05 * np.sqrt(np.diag(np.linalg.pinv(jac.T @ jac)))
+    identified = [n for n, se in zip(names, std_err) if se < 0.033]
+    for name in identified:
+        assert getattr(fitted.params, name) == pytest.approx(getattr(truth.params, name), rel=0.10), name
+    assert len(identified) >= 2
     assert 1.0 <= fitted.params.gamma <= 10.0
 
 

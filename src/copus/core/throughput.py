@@ -9,8 +9,10 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
                  ring all-reduce (Thakur et al. 2005), n_tp = (4 + 2·AC)·ceil(L/pp) + 2 per
                  micro-batch: Megatron TP has 2 all-reduces forward + 2 backward per block
     t_p2p      = 2 · [α_pp + b_m·s·h·e · β_pp · slow(tier_pp)]     activation out, gradient back
-    t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e · β_dp · slow(tier_dp)]
-                 FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward
+    t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e_p · β_dp · slow(tier_dp)]
+                 FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward;
+                 e_p = param_bytes: 4 for copus's runtime (fp32 params, bf16 autocast), 2 with
+                 FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
     t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
     t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
     step_s     = (m + pp − 2)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
@@ -114,13 +116,14 @@ class StepTimeModel:
     """
 
     def __init__(self, params: StepTimeParams, shape: ModelShape, hardware: HardwareProfile | None = None,
-                 *, world_size: int | None = None, dtype_bytes: int | None = None,
+                 *, world_size: int | None = None, dtype_bytes: int | None = None, param_bytes: int = 4,
                  activation_checkpointing: bool = False, reshard_after_forward: bool = True) -> None:
         self.params = params
         self.shape = shape
         self.hardware = hardware
         self.world_size = world_size
         self.dtype_bytes = int(dtype_bytes or (hardware.dtype_bytes if hardware else 4))
+        self.param_bytes = int(param_bytes)
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self._slow = np.asarray(hardware.tier_slowdown if hardware else (1.0, 1.0, 1.0))
@@ -136,7 +139,7 @@ class StepTimeModel:
     def with_params(self, params: StepTimeParams) -> StepTimeModel:
         """The same model (shape, topology, options) with other coefficients."""
         return StepTimeModel(params, self.shape, self.hardware, world_size=self.world_size,
-                             dtype_bytes=self.dtype_bytes,
+                             dtype_bytes=self.dtype_bytes, param_bytes=self.param_bytes,
                              activation_checkpointing=self.activation_checkpointing,
                              reshard_after_forward=self.reshard_after_forward)
 
@@ -192,7 +195,7 @@ class StepTimeModel:
         dp_frac = (dp_f - 1) / dp_f
         n_ag = 2.0 if self.reshard_after_forward else 1.0
         allgather = n_ag * ((dp_f - 1) * units * p.dp_latency_s
-                            + dp_frac * local_params * self.dtype_bytes * p.dp_s_per_byte * self._slow[d_tier])
+                            + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte * self._slow[d_tier])
         microbatch = _gamma_sum(compute, allgather, p.gamma) + tp_s + p2p
         sync = ((dp_f - 1) * units * p.dp_latency_s
                 + dp_frac * local_params * GRAD_BYTES * p.dp_s_per_byte * self._slow[d_tier])

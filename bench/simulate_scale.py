@@ -80,6 +80,59 @@ def presets(seeds: int) -> dict:
     return out
 
 
+def calibrate() -> dict:
+    """Refit each preset's loss curve (E_0, α, B*) to the *static* rows of COPUS Table 1.
+
+    Each static batch runs on its fastest plan under the current analytic step-time model;
+    time to loss L at batch B is (step_s/B)·E(L) + step_s·∫ dE / B_crit(L(E)) (McCandlish's
+    E = E_min(1 + B/B_crit), integrated). Least squares on log time; L_inf fixed at 1.0.
+    Prints the numbers to paste into core/presets.py (they are not applied automatically).
+    """
+    import math
+
+    from scipy.optimize import least_squares
+
+    from copus.core.simulator import Planner
+    from copus.core.trajectory import Trajectory
+
+    fits = {}
+    for name, preset in PRESETS.items():
+        planner = Planner(preset_scenario(preset))
+        shape = planner.scenario.shape
+        data = []
+        for label, minutes in preset.published_minutes.items():
+            if not label.startswith("Static"):
+                continue
+            batch = int(label.split("=")[1])
+            plan = planner.fastest_plan(batch)
+            step_s = float(planner.step_time_model.predict(*(np.array([v]) for v in (
+                plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)))[0])
+            data += [(batch, step_s, loss, m * 60) for loss, m in zip(preset.target_losses, minutes)
+                     if m is not None]
+
+        def resid(x, data=data, preset=preset, shape=shape):
+            params = TrajectoryParams(initial_loss=preset.trajectory.initial_loss, final_loss=1.0,
+                                      progress_scale_samples=math.exp(x[0]), loss_exponent=x[1],
+                                      bcrit_star_tokens=math.exp(x[2]))
+            traj = Trajectory(params, shape.seq_len)
+            out = []
+            for batch, step_s, loss, t in data:
+                e_end = traj.progress_for_loss(loss)
+                grid = np.linspace(0.0, e_end, 2000)
+                inv = np.array([1.0 / traj.critical_batch(traj.loss(e)) for e in grid])
+                model_t = step_s / batch * e_end + step_s * np.trapezoid(inv, grid)
+                out.append(math.log(model_t / t))
+            return np.array(out)
+
+        res = least_squares(resid, [math.log(50.0), 0.25, math.log(2e8)],
+                            bounds=([0.0, 0.05, math.log(1e6)], [math.log(1e8), 3.0, math.log(1e11)]))
+        fits[name] = {"progress_scale_samples": math.exp(res.x[0]), "loss_exponent": res.x[1],
+                      "bcrit_star_tokens": math.exp(res.x[2]),
+                      "rms_log_err": float(np.sqrt(np.mean(res.fun ** 2)))}
+        print(name, {k: float(f"{v:.4g}") for k, v in fits[name].items()})
+    return fits
+
+
 def _layouts(result) -> list[str]:
     seen, out = None, []
     for s in result.timeline:
@@ -92,7 +145,12 @@ def _layouts(result) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only refit the presets' loss curves to Table 1's static rows")
     args = ap.parse_args()
+    if args.calibrate:
+        calibrate()
+        return
     scale = scale_run()
     print(f"1,024 x H100, {scale['model']}, all policies: {scale['wall_s']:.2f} s wall "
           f"(target < 10 s); per policy: "

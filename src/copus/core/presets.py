@@ -9,10 +9,11 @@ not reached) so that `copus simulate --preset all` can print them next to the si
 Trajectory parameters: `initial_loss` = ln(vocab_size), `final_loss` = 1.0 (fixed), α_B = 0.21
 (Kaplan et al. 2020); `progress_scale_samples`, `loss_exponent` and `bcrit_star_tokens` are a
 least-squares fit (log time) of the *static* rows of Table 1 only, each static batch run on its
-fastest plan under the analytic step-time model (`copus.core.throughput`). The fitted B* lands
-within 0.25–5.6× of Kaplan's 2e8 tokens. COPUS and CBS rows are not used, so the simulated
-speed-ups are a prediction, not a fit. RMS log-time error of the fit: 3B 0.13, 13B 0.055,
-32B 0.005 (one static row), 7B 0.09.
+fastest memory-feasible plan under the analytic step-time model (`copus.core.throughput`);
+refit with `python bench/simulate_scale.py --calibrate` when that model changes. The fitted B*
+lands within 0.27–7.7× of Kaplan's 2e8 tokens. COPUS and CBS rows are not used, so the
+simulated speed-ups are a prediction, not a fit. RMS log-time error: 3B 0.15, 13B 0.055, 32B
+0.004 (one static row: under-determined), 7B 0.10.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ PRESETS: dict[str, Preset] = {
             name="3b-8xh100", description="LLaMA-3.2-3B on 1x8 H100 (NVLink pairs)",
             model="llama-3.2-3b", hardware="h100-nvlink-pairs", world_size=8,
             token_budget=328_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.75),
-            trajectory=_traj(128256, progress_scale_samples=250.3, loss_exponent=0.265,
-                             bcrit_star_tokens=1.12e9),
+            trajectory=_traj(128256, progress_scale_samples=265.0, loss_exponent=0.272,
+                             bcrit_star_tokens=1.535e9),
             static_batches=(16, 32, 64, 128, 1024),
             cbs_layouts=((2, 1, 4), (8, 1, 1)),
             published_layouts=((2, 1, 4), (4, 1, 2), (8, 1, 1)),
@@ -85,8 +86,8 @@ PRESETS: dict[str, Preset] = {
             name="13b-16xh100", description="LLaMA-2-13B on 2x8 H100",
             model="llama-2-13b", hardware="h100-nvlink-pairs", world_size=16,
             token_budget=328_000_000, target_losses=(4.0, 3.5, 3.0, 2.75, 2.5),
-            trajectory=_traj(32000, progress_scale_samples=44.74, loss_exponent=0.245,
-                             bcrit_star_tokens=9.9e7),
+            trajectory=_traj(32000, progress_scale_samples=47.04, loss_exponent=0.2485,
+                             bcrit_star_tokens=1.084e8),
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((1, 2, 8), (4, 1, 4)),
             published_layouts=((1, 2, 8), (4, 1, 4)),
@@ -106,8 +107,8 @@ PRESETS: dict[str, Preset] = {
             name="32b-32xh100", description="Qwen-2.5-32B on 4x8 H100",
             model="qwen-2.5-32b", hardware="h100-nvlink-pairs", world_size=32,
             token_budget=123_000_000, target_losses=(4.5, 4.0, 3.8, 3.5, 3.2),
-            trajectory=_traj(152064, progress_scale_samples=48.24, loss_exponent=0.238,
-                             bcrit_star_tokens=1.61e8),
+            trajectory=_traj(152064, progress_scale_samples=222.5, loss_exponent=0.2985,
+                             bcrit_star_tokens=5.465e8),
             static_batches=(64, 128, 512),
             cbs_layouts=((1, 2, 16), (2, 2, 8)),
             published_layouts=((1, 2, 16), (2, 2, 8)),
@@ -126,8 +127,8 @@ PRESETS: dict[str, Preset] = {
             name="7b-32xmi210", description="LLaMA-2-7B on 4x8 MI210",
             model="llama-2-7b", hardware="mi210", world_size=32,
             token_budget=215_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
-            trajectory=_traj(32000, progress_scale_samples=6.538, loss_exponent=0.192,
-                             bcrit_star_tokens=4.93e7),
+            trajectory=_traj(32000, progress_scale_samples=7.008, loss_exponent=0.1947,
+                             bcrit_star_tokens=5.483e7),
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((2, 4, 4), (8, 1, 4)),
             published_layouts=((2, 4, 4), (4, 1, 8)),

@@ -1,0 +1,171 @@
+"""Gradient statistics for the noise scale from the backward pass training already runs.
+
+Per step (design §3): the "small" gradients g_j, j = 1..J, each the mean gradient over
+`small_batch` samples, and the big gradient ḡ (mean over the global batch B):
+
+    s̄ = (1/J) Σ_j ‖g_j‖²        q = ‖ḡ‖²         (McCandlish et al. 2018, App. A)
+
+Small gradients, chosen by `mode`:
+- "microbatch" (COPUS): one per micro-batch per dp rank, J = dp·num_microbatches,
+  small_batch = micro_batch_size. Method: a tensor hook on every parameter the forward uses
+  (FSDP2's *unsharded* parameter, registered lazily by a forward pre-hook on each module that
+  owns parameters) sees that micro-batch's local gradient before it is accumulated, and adds its
+  squared norm to a running scalar. FSDP2 keeps its unsharded gradients unreduced until the last
+  micro-batch (`set_requires_gradient_sync`), so nothing is synchronised per micro-batch and no
+  gradient copy is kept; cost ≈ one fused square-sum per parameter per micro-batch. Under
+  pipeline parallelism the same hooks fire inside each micro-batch's stage backward
+  (Schedule1F1B / ScheduleGPipe run one full backward per micro-batch), so the method is the same.
+- "rank": one per dp rank, J = dp, small_batch = micro_batch_size·num_microbatches. Method: a
+  post-accumulate-grad hook on the unsharded parameter reads the accumulated local gradient at
+  its num_microbatches-th call, i.e. FSDP2's reduce-scatter input (cpu-notes b1/b2/b5), through
+  public hooks only. Needs dp ≥ 2 (the engine falls back to "microbatch" at dp = 1).
+
+Sharding (design §3): each rank sums squared norms of its *local* shards; one all-reduce over the
+world then sums over tp and pp shards and dp ranks. A tensor's local data is counted with weight
+1/(number of ranks holding the same data): 1/tp for tensors replicated over tp (RMSNorm weights,
+plain tensors in a TP model), and 1/size for every mesh dim on which a DTensor is `Replicate`.
+
+Inner-product extras (opt-in, `keep_grads=True`): ip_sq_mean = (1/J) Σ_j (g_jᵀḡ)² needs every
+g_j until ḡ is known. Memory: "microbatch" keeps num_microbatches copies of this rank's local
+(tp/pp-sharded, dp-unsharded) gradient, "rank" keeps one; computing g_jᵀḡ all-gathers ḡ over
+dp once per parameter (the size of one FSDP parameter all-gather).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+MODES = ("microbatch", "rank")
+
+
+def replication_weight(t: torch.Tensor, tp: int) -> float:
+    """1 / (number of ranks whose local data of `t` is identical), see module docstring."""
+    if not isinstance(t, DTensor):
+        return 1.0 / tp
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or ()
+    w = 1.0 if "tp" in names else 1.0 / tp
+    for i, pl in enumerate(t.placements):
+        if pl.is_partial():
+            raise AssertionError(f"unexpected Partial gradient placement {t.placements}")
+        if pl.is_replicate():
+            w /= mesh.size(i)
+    return w
+
+
+def local_sqnorm(t: torch.Tensor) -> torch.Tensor:
+    """Σ x² over this rank's local data of `t` (fp32)."""
+    x = t.to_local() if isinstance(t, DTensor) else t
+    return x.detach().float().pow(2).sum()
+
+
+def weighted_sqnorm(tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """This rank's share of ‖·‖² over `tensors`: summed over all ranks it gives the full norm²."""
+    out = torch.zeros((), dtype=torch.float32)
+    for t in tensors:
+        out = out + replication_weight(t, tp) * local_sqnorm(t).cpu()
+    return out
+
+
+class GradStats:
+    """Hooks that accumulate this rank's share of Σ_j ‖g_j‖² (and keep g_j for the extras).
+
+    Call `begin(num_microbatches, grad_scale)` before each step's backward passes; `grad_scale`
+    converts what the hooks see into the mean-loss gradient of one small batch (the engine's
+    manual accumulation backpropagates loss/K, a pipeline schedule backpropagates each
+    micro-batch's mean loss and divides by K afterwards).
+    """
+
+    def __init__(self, model: nn.Module, tp: int, mode: str, keep_grads: bool = False) -> None:
+        if mode not in MODES:
+            raise ValueError(f"gns_small={mode!r} is invalid; allowed: {', '.join(MODES)}")
+        self.tp, self.mode, self.keep_grads = tp, mode, keep_grads
+        self._fqn: dict[int, str] = {}         # id(unsharded param) -> parameter name
+        self._calls: dict[int, int] = {}
+        self.kept: dict[str, list[torch.Tensor]] = {}
+        self._handles = []
+        self._param_handles = []
+        self._small = torch.zeros(())
+        self._k, self._scale = 1, 1.0
+        for mod_name, mod in model.named_modules():
+            if any(p is not None for p in mod._parameters.values()):
+                self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(mod_name)))
+
+    def _make_pre_hook(self, mod_name: str):
+        def pre_hook(module: nn.Module, args) -> None:
+            for pname, p in module._parameters.items():
+                if p is None or not p.requires_grad or id(p) in self._fqn:
+                    continue
+                self._fqn[id(p)] = f"{mod_name}.{pname}" if mod_name else pname
+                if self.mode == "microbatch":
+                    h = p.register_hook(self._make_grad_hook(id(p)))
+                else:
+                    h = p.register_post_accumulate_grad_hook(self._make_acc_hook(id(p)))
+                self._param_handles.append(h)
+        return pre_hook
+
+    def _record(self, pid: int, g: torch.Tensor) -> None:
+        # weight from the gradient, not the parameter: DTensor may return a gradient with other
+        # placements (a vocab-sharded embedding gets a Replicate gradient)
+        local = (g.to_local() if isinstance(g, DTensor) else g).detach()
+        sq = local.float().pow(2).sum() * (replication_weight(g, self.tp) * self._scale**2)
+        self._small = self._small + sq.cpu()
+        if self.keep_grads:
+            self.kept.setdefault(self._fqn[pid], []).append(g.detach().float() * self._scale)
+
+    def _make_grad_hook(self, pid: int):
+        def hook(grad: torch.Tensor) -> None:
+            self._record(pid, grad)
+        return hook
+
+    def _make_acc_hook(self, pid: int):
+        def hook(p: torch.Tensor) -> None:
+            self._calls[pid] = self._calls.get(pid, 0) + 1
+            if self._calls[pid] == self._k:
+                self._record(pid, p.grad)
+        return hook
+
+    def begin(self, num_microbatches: int, grad_scale: float) -> None:
+        self._k, self._scale = num_microbatches, grad_scale
+        self._small = torch.zeros(())
+        self._calls.clear()
+        self.kept.clear()
+
+    def small_sqnorm_sum(self) -> torch.Tensor:
+        """This rank's share of Σ_j ‖g_j‖² (sum over all ranks = the full sum over j)."""
+        return self._small
+
+    def dots(self, model: nn.Module, index: int, length: int) -> torch.Tensor:
+        """This rank's share of g_jᵀḡ for its small gradients, placed at `index`, `index+1`, ...
+        of a zero vector of `length` (sum over all ranks gives every g_jᵀḡ). ḡ = the current
+        (reduced, sharded) `.grad` of `model`'s parameters, all-gathered over "dp" here."""
+        out = torch.zeros(length, dtype=torch.float64)
+        params = dict(model.named_parameters())
+        for name, kept in self.kept.items():
+            full, tp_placement = _gather_dp(params[name].grad)
+            w = 1.0 if tp_placement is not None and tp_placement.is_shard() else 1.0 / self.tp
+            for k, gk in enumerate(kept):
+                if isinstance(gk, DTensor):
+                    if tp_placement is not None and gk.placements != (tp_placement,):
+                        gk = gk.redistribute(gk.device_mesh, [tp_placement])
+                    gk = gk.to_local()
+                out[index + k] += w * float((gk * full.float()).sum())
+        return out
+
+    def close(self) -> None:
+        for h in self._handles + self._param_handles:
+            h.remove()
+        self._handles, self._param_handles = [], []
+        self.kept.clear()
+
+
+def _gather_dp(g: torch.Tensor):
+    """(dp-unsharded tp-local data of a sharded gradient, its placement on "tp" or None)."""
+    if not isinstance(g, DTensor):
+        return g, None
+    names = g.device_mesh.mesh_dim_names or ()
+    placements = [Replicate() if n == "dp" else p for n, p in zip(names, g.placements)]
+    tp_placement = placements[names.index("tp")] if "tp" in names else None
+    return g.redistribute(g.device_mesh, placements).to_local(), tp_placement

@@ -1,0 +1,32 @@
+"""`copus profile` end to end on 2 gloo ranks (two layouts, one timed step each)."""
+
+import csv
+import json
+import subprocess
+import sys
+
+
+def test_profile_writes_json_and_csv(tmp_path):
+    out = tmp_path / "prof"
+    res = subprocess.run([sys.executable, "-m", "copus", "profile", "--nproc", "2",
+                          "--global-batch", "4", "--micro-batch-sizes", "2",
+                          "--layouts", "2x1x1,1x1x2", "--steps", "1", "--warmup", "0",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((out / "profile.json").read_text())
+    assert {(r["dp"], r["tp"], r["pp"]) for r in rows} == {(2, 1, 1), (1, 1, 2)}
+    for r in rows:
+        assert r["global_batch_size"] == 4 and r["step_s"] > 0
+        assert abs(r["samples_per_s"] - 4 / r["step_s"]) < 1e-6 * r["samples_per_s"]
+        assert r["peak_memory_bytes"] > 1e6  # resident set of a worker: at least a megabyte
+    assert rows[0]["samples_per_s"] >= rows[1]["samples_per_s"]  # fastest first
+    with open(out / "profile.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
+
+
+def test_profile_bad_arguments_exit_2(tmp_path):
+    for argv in (["--global-batch", "0"], ["--layouts", "4x4"], ["--nproc", "2", "--layouts", "3x1x1"]):
+        res = subprocess.run([sys.executable, "-m", "copus", "profile", *argv, "--out",
+                              str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr

@@ -146,13 +146,18 @@ def test_profile_table_prior():
 
 def test_fixed_table_predictor_is_used_as_is():
     class Table:
+        full_calls = 0
+
         def predict(self, dp, tp, pp, micro_batch_size, num_microbatches):
+            self.full_calls += np.size(dp) > 1
             return np.where(np.asarray(dp) == 8, 0.5, 2.0) * np.asarray(num_microbatches)
 
-    ctrl = _controller(step_time_model=Table(), reconfig_cost_s=0.0)
+    table = Table()
+    ctrl = _controller(step_time_model=table, reconfig_cost_s=0.0)
     assert ctrl.fitter is None
-    decisions, _ = _drive(ctrl, 30)
+    decisions, _ = _drive(ctrl, 60)
     assert decisions[0].plan.dp == 8
+    assert table.full_calls == 1  # a fixed model scores the candidate set once
 
 
 def test_state_round_trip_gives_identical_decisions():

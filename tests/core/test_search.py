@@ -157,3 +157,16 @@ def test_memory_pruning_is_active_in_these_tests():
     full = build_candidates(8, SHAPE, min_batch=16, max_batch=512)
     assert 0 < len(CANDS) < len(full)
     assert CANDS.index_of(_plan(8, 1, 1, 8, 1)) is None  # 20 + 24 GB > 40 GB
+
+
+def test_precomputed_step_times_give_the_same_result():
+    current = _plan(8, 1, 1, 2, 1)
+    model = ToyStepTime()
+    a = evaluate(CANDS, model, 300.0, current, elapsed_s=500.0)
+    b = evaluate(CANDS, model, 300.0, current, elapsed_s=500.0,
+                 step_s=CANDS.predict_step_s(model))
+    assert a.decision == b.decision and a.explanation == b.explanation
+    with pytest.raises(ValueError, match="step_s has shape"):
+        evaluate(CANDS, model, 300.0, current, step_s=np.ones(3))
+    with pytest.raises(ValueError, match="b_noise=nan"):
+        evaluate(CANDS, model, float("nan"), current)

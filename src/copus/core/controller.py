@@ -77,6 +77,7 @@ class Controller:
         self.last_decision_step: int | None = None
         self.seen_plan: ParallelPlan | None = None
         self.last_explanation: dict = {"action": "wait", "why": "no step observed yet"}
+        self._predicted: tuple[object, np.ndarray] | None = None  # (model, step_s of every cand.)
 
     # ---- what the decision uses ----------------------------------------------------------------
 
@@ -84,6 +85,13 @@ class Controller:
     def model(self) -> StepTimePredictor:
         """The step-time model in use: the online fit when there is a fitter, else the fixed one."""
         return self.fitter.model if self.fitter is not None else self._fixed_model
+
+    def predicted_step_s(self) -> np.ndarray:
+        """The model's step time for every candidate, recomputed only when the model changes."""
+        model = self.model
+        if self._predicted is None or self._predicted[0] is not model:
+            self._predicted = (model, self.candidates.predict_step_s(model))
+        return self._predicted[1]
 
     @property
     def reconfig_cost_s(self) -> float:
@@ -118,7 +126,8 @@ class Controller:
         b_used = self.calibration * record.b_noise
         result = evaluate(self.candidates, self.model, b_used, record.plan,
                           reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
-                          useful_s=self.useful_s, step=record.step, **self.search_options)
+                          useful_s=self.useful_s, step=record.step,
+                          step_s=self.predicted_step_s(), **self.search_options)
         self.last_decision_step = record.step
         self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
                                  "b_noise_rel_err": record.b_noise_rel_err,

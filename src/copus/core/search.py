@@ -105,8 +105,14 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
              allow_shrink: bool = True, reconfig_cost_s: float = 2.0, elapsed_s: float = 0.0,
              useful_s: float | None = None, horizon_s: float | None = None,
              allow_reconfigure: bool = True, lr_aware: bool = True, ref_batch: float = 1.0,
-             lr_ref_batch: float | None = None, step: int = 0, top_k: int = 5) -> SearchResult:
-    """Rank the allowed candidates and decide whether to switch (see module docstring)."""
+             lr_ref_batch: float | None = None, step: int = 0, top_k: int = 5,
+             step_s: np.ndarray | None = None) -> SearchResult:
+    """Rank the allowed candidates and decide whether to switch (see module docstring).
+
+    Only the candidates allowed by the growth cap, batch range and layout lock are predicted,
+    unless `step_s` (the model's prediction for every candidate, e.g. cached by the caller
+    while the model does not change) is given.
+    """
     if math.isnan(b_noise) or b_noise <= 0:
         raise ValueError(f"b_noise={b_noise} is invalid; allowed: a number > 0 (inf: unknown)")
     if margin < 0 or max_growth < 1:
@@ -116,7 +122,12 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
                        max_batch=max_batch, allow_shrink=allow_shrink,
                        allow_reconfigure=allow_reconfigure)
     idx = np.flatnonzero(allowed)  # only these are predicted and scored
-    step_s = candidates.predict_step_s(model, idx)
+    if step_s is None:
+        step_s = candidates.predict_step_s(model, idx)
+    else:
+        if np.shape(step_s) != (len(candidates),):
+            raise ValueError(f"step_s has shape {np.shape(step_s)}; allowed: ({len(candidates)},)")
+        step_s = np.asarray(step_s, dtype=float)[idx]
     gbs = candidates.global_batch_size[idx]
     raw = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
                   lr_ref_batch=lr_ref_batch)

@@ -235,15 +235,19 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[
 def torchrun_argv(host: Host, rdzv_host: Host, argv: Sequence[str], *, nnodes: str,
                   nproc_per_node: int, rdzv_id: str, port: int = 29400,
                   max_restarts: int = 0, python: str | None = None,
+                  rdzv_conf: Mapping[str, object] | None = None,
                   extra: Sequence[str] = ()) -> list[str]:
     """`torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST1:PORT <argv>` for `host`.
 
     `--local-addr` makes the agent advertise its veth address (the machine's hostname resolves
     to 127.0.0.1 in every namespace), and `is_host` says which agent serves the c10d store: the
     automatic check compares the endpoint with the machine's hostname/addresses, which fails
-    here for the same reason.
+    here for the same reason. `rdzv_conf` adds c10d rendezvous settings (last_call_timeout,
+    keep_alive_interval, ...).
     """
-    conf = f"is_host={'true' if host == rdzv_host else 'false'},join_timeout=60"
+    conf_items = {"is_host": "true" if host == rdzv_host else "false", "join_timeout": 60,
+                  **(rdzv_conf or {})}
+    conf = ",".join(f"{k}={v}" for k, v in conf_items.items())
     return [python or sys.executable, "-m", "torch.distributed.run",
             "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv_host.addr}:{port}",
@@ -255,3 +259,16 @@ def rx_bytes(host: Host) -> int:
     """Bytes received so far on the host's veth interface."""
     out = _ip("-n", host.name, "-s", "-j", "link", "show", host.ifname)
     return int(json.loads(out.stdout)[0]["stats64"]["rx"]["bytes"])
+
+
+def kill_host(host: Host, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every process inside `host`'s namespace: the host "dies" (agent and workers; the
+    elastic agent starts workers in sessions of their own, so a process-group kill misses them).
+    Returns the pids signalled."""
+    pids = [int(p) for p in _ip("netns", "pids", host.name, check=False).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids

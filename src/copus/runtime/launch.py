@@ -84,7 +84,7 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
         run_id=f"copus-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": 120}, max_restarts=max_restarts,
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1",
     )
     results = elastic_launch(config, entry)(cfg, run_dir, resume)
     return results[0] if 0 in results else next(iter(results.values()))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from copus.config import Config, config_to_toml
+from copus.config import Config
 from copus.core.gns import DecaySchedule, GnsEstimator
 from copus.core.models import ModelShape, get_model_shape
 from copus.core.plan import ParallelPlan, plan_problems
@@ -129,31 +129,35 @@ def plan_from_dict(d: dict) -> ParallelPlan:
 # ------------------------------------------------------------------------------------ trainer
 
 Hook = Callable[[int, np.ndarray, np.ndarray], None]
+PolicyFactory = Callable[[Config, ParallelPlan, int, ModelShape], Any]
 
 
 class Trainer:
     """One rank's training run. Build, then `run()`; every rank executes the same calls."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
-                 on_batch: Hook | None = None) -> None:
+    def __init__(self, cfg: Config, run_dir: str | Path, device: torch.device, *,
+                 resume: bool = False, on_batch: Hook | None = None,
+                 policy_factory: PolicyFactory | None = None) -> None:
+        """`on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
+        `policy_factory` replaces the configured policy (tests, library use)."""
         from copus.runtime import data as data_mod
-        from copus.runtime.dist import MeshCache, choose_device
+        from copus.runtime.dist import MeshCache
 
         self.cfg, self.run_dir, self.on_batch = cfg, Path(run_dir), on_batch
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shape = get_model_shape(cfg.model.name)
-        self.device = choose_device(cfg.parallel.backend)
+        self.device = device
         self.train_set, self.val_set, _ = data_mod.build_datasets(
             cfg.data, self.shape.seq_len, self.shape.vocab_size)
         self.sampler = data_mod.GlobalSampler(len(self.train_set), cfg.train.seed)
         self.plan = initial_plan(cfg, self.world, self.shape)
-        self.policy = make_run_policy(cfg, self.plan, self.world, self.shape)
+        self.policy = (policy_factory or make_run_policy)(cfg, self.plan, self.world, self.shape)
         self.gns = GnsEstimator(DecaySchedule(decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
                                               switch_tokens=cfg.gns.decay_switch_tokens))
         self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
                                                     self.shape.seq_len)
         self.progress = Progress()
-        self.mesh_cache = MeshCache(self.device)
+        self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
         self.engine = self._make_engine(self.plan)
@@ -165,17 +169,25 @@ class Trainer:
     def _make_engine(self, plan: ParallelPlan):
         from copus.runtime.engine import Engine, EngineSettings
 
-        settings = EngineSettings.from_config(self.cfg)
+        t, par = self.cfg.train, self.cfg.parallel
+        settings = EngineSettings(
+            weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+            grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
+            activation_checkpointing=par.activation_checkpointing,
+            reshard_after_forward=par.reshard_after_forward, gns_small=self.cfg.gns.small,
+            ip_extras=self.cfg.batch.policy == "inner-product-test", dtype=t.dtype)
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
                       seed=self.cfg.train.seed)
 
     def _make_writer(self):
         from copus.runtime.metrics import RunWriter
 
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(config_to_toml(self.cfg))
-        return RunWriter(self.run_dir, self.cfg, enabled=self.rank == 0)
+        cfg = self.cfg
+        writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
+                           progress=cfg.log.progress, total_steps=cfg.train.max_steps,
+                           total_tokens=cfg.train.max_tokens)
+        writer.write_config(cfg)
+        return writer
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -244,7 +256,9 @@ class Trainer:
             big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
             grad_sqnorm=self.gns.grad_sqnorm, grad_trace_cov=self.gns.grad_trace_cov,
             b_noise=self.gns.b_noise, b_noise_rel_err=self.gns.rel_err, skipped=not finite)
-        self.writer.step(record, grad_norm=float(out.grad_norm))
+        self.writer.log_step(record, grad_norm=float(out.grad_norm),
+                             small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
+                             num_small=record.num_small, small_batch=record.small_batch)
         if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
             raise TrainingError(
                 f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
@@ -255,14 +269,15 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss on the fixed validation subset (the first eval.num_samples windows)."""
         n = min(self.cfg.eval.num_samples, len(self.val_set))
-        n -= n % self.plan.dp
+        n -= n % (self.plan.dp * self.plan.micro_batch_size)
         if n <= 0:
             return math.nan
         ids = np.arange(n)
         local = ids.reshape(self.plan.dp, -1)[self.engine.dp_rank]
         tokens = torch.from_numpy(self.val_set.batch(local).astype(np.int64)).to(self.device)
         loss = float(self.engine.eval_loss(tokens))
-        self.writer.eval(step=self.progress.step, tokens=self.progress.tokens, loss=loss)
+        self.writer.log_eval(self.progress.step, loss, samples=self.progress.samples,
+                             tokens=self.progress.tokens, num_samples=n)
         return loss
 
     # -- decisions ----------------------------------------------------------------------------
@@ -278,52 +293,74 @@ class Trainer:
         """Switch to `decision.plan` at this step boundary; return whether it was applied.
 
         Batch change (same dp, tp, pp): `Engine.set_plan` + LR rule factor for the new batch.
-        Layout change: through a checkpoint boundary (`reconfigure_through_checkpoint`) unless
-        controller.allow_reconfigure is false, then refused. Every outcome goes to
-        decisions.jsonl with its reason.
+        Layout change: `reconfigure` (controller.switch: in the same processes, or through a
+        checkpoint) unless controller.allow_reconfigure is false, then refused. Its measured cost
+        (slowest rank) goes to the policy's `record_switch_cost` when it has one. Every outcome
+        goes to decisions.jsonl with its reason (and the switch's phases and memory).
         """
         new, old = decision.plan, self.plan
         problems = plan_problems(new, self.world, self.shape)
         if problems:
-            self.writer.decision(decision, applied=False, note=f"refused: {problems[0]}")
+            self.writer.log_decision(decision, applied=False, note=f"refused: {problems[0]}")
             return False
         if new == old:
             return False
+        switch: dict | None = None
         t0 = time.perf_counter()
         if new.layout == old.layout:
             self.engine.set_plan(new)
         elif not self.cfg.controller.allow_reconfigure:
-            self.writer.decision(decision, applied=False,
-                                 note="refused: controller.allow_reconfigure=false")
+            self.writer.log_decision(decision, applied=False,
+                                     note="refused: controller.allow_reconfigure=false")
             return False
         else:
-            self.reconfigure_through_checkpoint(new)
+            switch = self.reconfigure(new)
         self.plan = new
         if new.global_batch_size != old.global_batch_size:
             self.lr.on_batch_change(new.global_batch_size, step=self.progress.step,
                                     grad_sqnorm=self.gns.grad_sqnorm,
                                     grad_trace_cov=self.gns.grad_trace_cov)
         cost_s = time.perf_counter() - t0
-        self.writer.decision(decision, applied=True,
-                             note=f"applied in {cost_s:.3f} s; lr factor {self.lr.factor:.4g}")
+        if switch is not None:
+            cost_s = max(cost_s, switch["wall_s"])
+            if self.rank == 0 and hasattr(self.policy, "record_switch_cost"):
+                self.policy.record_switch_cost(cost_s)
+        self.writer.log_decision(decision, switch_s=cost_s, applied=True,
+                                 lr_factor=self.lr.factor, **({"switch": switch} if switch else {}))
         self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
                  f"({decision.reason})")
         return True
+
+    def reconfigure(self, plan: ParallelPlan) -> dict:
+        """New (dp, tp, pp) by controller.switch: "in-process" (`reconfigure.switch_engine`, state
+        staged in /dev/shm or the run folder) or "checkpoint"; returns the SwitchReport dict."""
+        from copus.runtime import reconfigure as rc
+
+        if self.cfg.controller.switch == "checkpoint":
+            report = rc.timed_switch("checkpoint", self.plan, plan, self.device,
+                                     lambda: self.reconfigure_through_checkpoint(plan))
+        else:
+            self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine,
+                                                   fallback_root=self.run_dir)
+        self.log(f"reconfigure {report.old_plan} -> {report.new_plan} ({report.method}): "
+                 f"{report.wall_s:.2f} s")
+        return report.to_dict()
 
     def reconfigure_through_checkpoint(self, plan: ParallelPlan) -> None:
         """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
         path = self.save_checkpoint()
         self.engine.close()
         self.engine = self._make_engine(plan)
-        ckpt.load(path, self._dcp_state(), check=False)
-        self.engine.load_state(self._loaded_state)
+        state = self._dcp_state()
+        ckpt.load(path, state, check=False)
+        self.engine.load_state(state["model"], state["optim"])
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def _dcp_state(self) -> dict[str, Any]:
-        self._loaded_state = {"model": self.engine.model_state(),
-                              "optim": self.engine.optim_state()}
-        return self._loaded_state
+        """The engine's (model, optimizer) state dicts: what DCP saves, or fills on load."""
+        model_sd, optim_sd = self.engine.state_dicts()
+        return {"model": model_sd, "optim": optim_sd}
 
     def trainer_state(self) -> dict:
         """Everything but tensors, as JSON data (rank 0's view)."""
@@ -353,8 +390,9 @@ class Trainer:
         path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
         if path is None:
             raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
-        state = ckpt.load(path, self._dcp_state())
-        self.engine.load_state(self._loaded_state)
+        tensors = self._dcp_state()
+        state = ckpt.load(path, tensors)
+        self.engine.load_state(tensors["model"], tensors["optim"])
         saved_plan = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
         self.gns.load_state_dict(state["gns"])
@@ -362,14 +400,18 @@ class Trainer:
         self.lr.load_state_dict(state["lr"])
         if state.get("world_size") == self.world:
             ckpt.set_rng_state(state["rng"])
-        if saved_plan != self.plan and not plan_problems(saved_plan, self.world, self.shape):
-            if saved_plan.layout == self.plan.layout:
-                self.engine.set_plan(saved_plan)
-                self.plan = saved_plan
-            else:
-                self.log(f"resume: checkpoint plan {saved_plan.describe()} differs from "
-                         f"{self.plan.describe()}; continuing with the batch of the checkpoint")
-                self._adopt_batch(saved_plan.global_batch_size)
+        if saved_plan.layout == self.plan.layout and not plan_problems(saved_plan, self.world,
+                                                                        self.shape):
+            self.engine.set_plan(saved_plan)
+            self.plan = saved_plan
+        else:
+            self.log(f"resume: checkpoint plan {saved_plan.describe()} does not fit this world "
+                     f"({self.world} ranks, layout {self.plan.layout}); keeping its global batch")
+            self._adopt_batch(saved_plan.global_batch_size)
+        if self.plan.global_batch_size != saved_plan.global_batch_size:
+            self.lr.on_batch_change(self.plan.global_batch_size, step=self.progress.step,
+                                    grad_sqnorm=self.gns.grad_sqnorm,
+                                    grad_trace_cov=self.gns.grad_trace_cov)
         self.log(f"resumed from {path.name}: step {self.progress.step}, "
                  f"{self.progress.tokens} tokens, plan {self.plan.describe()}")
 
@@ -392,10 +434,12 @@ class Trainer:
                    "num_skipped": p.num_skipped, "train_s": p.train_s,
                    "final_plan": plan_to_dict(self.plan),
                    "b_noise": _json_float(self.gns.b_noise)}
-        self.writer.close(summary)
+        self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,
+                            final_plan=plan_to_dict(self.plan))
         return summary
 
     def close(self) -> None:
+        self.writer.close()
         self.engine.close()
 
 
@@ -414,23 +458,23 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 # ------------------------------------------------------------------------------------ entry
 
-def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None) -> dict:
+def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None,
+           policy_factory: PolicyFactory | None = None) -> dict:
     """Entry of one rank (spawned by launch.py or run under torchrun): returns a result dict.
 
     Deliberate stops (ValueError for a bad setting, TrainingError) come back as
     {"error": message, "kind": "value" | "training"} so the elastic agent does not restart them.
     A restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest checkpoint.
     """
-    from copus.runtime.dist import init_distributed, shutdown_distributed
+    from copus.runtime.dist import init_distributed, shutdown
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    init_distributed(cfg.parallel.backend)
+    device = init_distributed(backend=cfg.parallel.backend)
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, resume=resume or (
-            restarted and bool(ckpt.step_dirs(Path(run_dir) / "checkpoints"))), on_batch=on_batch)
+        trainer = Trainer(cfg, run_dir, device, resume=resume or (
+            restarted and bool(ckpt.step_dirs(Path(run_dir) / "checkpoints"))),
+            on_batch=on_batch, policy_factory=policy_factory)
         result = trainer.run()
     except ValueError as exc:
         result = {"error": str(exc), "kind": "value"}
@@ -439,5 +483,5 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
     finally:
         if trainer is not None:
             trainer.close()
-    shutdown_distributed()
+    shutdown()
     return result

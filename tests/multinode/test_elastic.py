@@ -1,17 +1,23 @@
-"""Elastic world size: a host dies mid-run, the survivor resumes at a smaller world and finishes.
+"""Elastic world size (`torchrun --nnodes 1:2`): hosts leave and join a running copus job.
 
-Two namespaced hosts run `torchrun --nnodes 1:2 --max-restarts 3 ... -m copus train` with no
-fixed dp (the plan is chosen for whatever world the rendezvous forms) and a checkpoint every 4
-steps. Once step 6 is logged, every process in host 2's namespace (its elastic agent and its
-worker) is killed with SIGKILL. Host 1's worker then fails in a gloo collective, its agent
-starts a new rendezvous round, which closes with one node; the restarted worker
-(TORCHELASTIC_RESTART_COUNT=1) resumes from the step-4 checkpoint under a plan for world 1.
+Shrink (runs by default): two namespaced hosts train with no fixed dp (the plan is chosen for
+whatever world the rendezvous forms) and a checkpoint every 4 steps. Once step 6 is logged, every
+process in host 2's namespace (elastic agent and worker) is killed with SIGKILL. Host 1's worker
+fails in a gloo collective, its agent opens a new rendezvous round, which closes with one node,
+and the restarted worker (TORCHELASTIC_RESTART_COUNT=1) resumes from the latest checkpoint under
+a plan for world 1.
 
-Checked: host 1 exits 0; steps 1..4 ran at dp=2, the final lineage after the checkpoint at dp=1;
-the steps run twice (5, 6, ..., before and after the kill) have the same loss to rel. 1e-5 (same
-parameters, optimizer state and samples; only the reduction order differs); sample accounting:
-every step of the final lineage advanced the global sample offset by its global batch, and the
-summary's samples/tokens are their sums.
+Grow (opt-in, see SCALE_UP_GAP): host 1 trains alone, host 2 joins; both agents restart their
+workers into a world of 2, which should resume from the latest checkpoint at dp=2.
+
+Checked: the launcher exits 0; the steps before the checkpoint ran at the old world, the final
+lineage after it at the new one; the steps run twice (before and after the change) have the same
+loss to rel. 1e-5 (same parameters, optimizer state and samples; only the reduction order
+differs); sample accounting: every step of the final lineage advanced the global sample offset by
+its global batch, and the summary's samples/tokens are their sums.
+
+The c10d store is served by host 1's agent (the rendezvous endpoint), so host 1 must survive:
+that is c10d's limit, not copus's (etcd-v2 serves the store from outside the job).
 """
 
 import json
@@ -31,7 +37,7 @@ SKIP = netns.skip_reason()
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
 
-STEPS, CKPT_EVERY, KILL_AFTER, BATCH, SEQ_LEN = 16, 4, 6, 8, 128
+STEPS, CKPT_EVERY, CHANGE_AFTER, BATCH, SEQ_LEN = 16, 4, 6, 8, 128
 REL_TOL = 1e-5
 TRAIN = ["-m", "copus", "train", "--max-steps", str(STEPS), "--policy", "constant", "--seed", "0",
          "--set", "parallel.micro_batch_size=2", "--set", f"batch.initial={BATCH}",
@@ -39,9 +45,18 @@ TRAIN = ["-m", "copus", "train", "--max-steps", str(STEPS), "--policy", "constan
          "--set", "train.lr_schedule=constant", "--set", "eval.interval_steps=0",
          "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
          "--set", "log.progress=false", "--set", "log.tensorboard=false"]
-# last_call_timeout: how long a round with >= min nodes waits for more (the first round closes
-# at once when both hosts join); keep-alive: how fast a dead agent is noticed.
-RDZV = dict(last_call_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3)
+# last_call_timeout: how long a round with >= min nodes waits for more (a round closes at once
+# when max nodes have joined); keep-alive: how fast a dead agent is noticed.
+RDZV = dict(last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=3)
+# torch 2.13's agent-shared TCPStore deadlocks a scale-up round in which rank 0 keeps rank 0
+# (the joining agent waits for MASTER_ADDR under the new round's prefix, which rank 0 never
+# writes again); pytorch/pytorch#135712 documents this switch for elastic restarts.
+ENV = dict(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+SCALE_UP_GAP = (
+    "copus resumes only when TORCHELASTIC_RESTART_COUNT > 0 (runtime/trainer.py worker); a "
+    "membership-change restart (a host joins) keeps it at 0, so the workers start over from "
+    "step 0 instead of the latest checkpoint")
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -52,55 +67,81 @@ def _rows(run_dir: Path) -> list[dict]:
             if line.strip().endswith("}")]
 
 
-def test_host_dies_survivor_resumes_at_smaller_world(tmp_path):
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with netns.hosts(2) as hosts:
-        logs = [open(tmp_path / f"host{h.index}.log", "w") for h in hosts]
-        procs = [h.popen(netns.torchrun_argv(h, hosts[0], [*TRAIN, "--run-dir", str(run_dir)],
-                                             nnodes="1:2", nproc_per_node=1, rdzv_id="elastic",
-                                             max_restarts=3, rdzv_conf=RDZV),
-                         env=env, stdout=log, stderr=subprocess.STDOUT)
-                 for h, log in zip(hosts, logs)]
-        t0 = time.perf_counter()
-        deadline = t0 + 300
-        while not any(r["step"] >= KILL_AFTER for r in _rows(run_dir)):
-            assert procs[0].poll() is None and time.perf_counter() < deadline, \
-                "run ended or stalled before the kill"
-            time.sleep(0.2)
-        kill_s = time.perf_counter() - t0
-        assert netns.kill_host(hosts[1])  # agent + worker of host 2
-        results = netns.wait_all(procs, timeout_s=300)
-        total_s = time.perf_counter() - t0
-        for log in logs:
-            log.close()
-    host1_log = (tmp_path / "host1.log").read_text()
-    print(f"elastic run: host 2 killed at {kill_s:.1f} s, finished at {total_s:.1f} s")
-    assert results[0][0] == 0, host1_log[-4000:]
-    assert results[1][0] != 0  # killed
-    found = re.search(r"resumed from step-(\d+)", host1_log)
-    assert found, host1_log[-4000:]
-    ckpt_step = int(found.group(1))  # 4 unless the first attempt outran the kill past step 8
-    assert ckpt_step >= CKPT_EVERY and ckpt_step % CKPT_EVERY == 0
+def _start(host, hosts, run_dir: Path, log_path: Path):
+    argv = netns.torchrun_argv(host, hosts[0], [*TRAIN, "--run-dir", str(run_dir)],
+                               nnodes="1:2", nproc_per_node=1, rdzv_id="elastic",
+                               max_restarts=3, rdzv_conf=RDZV)
+    return host.popen(argv, env=dict(os.environ, **ENV), stdout=open(log_path, "w"),
+                      stderr=subprocess.STDOUT)
 
+
+def _wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while not any(r["step"] >= step for r in _rows(run_dir)):
+        assert proc.poll() is None and time.perf_counter() < deadline, \
+            "run ended or stalled before the membership change"
+        time.sleep(0.2)
+
+
+def _check_lineage(run_dir: Path, log: str, dp_before: int, dp_after: int) -> None:
+    """One membership change: rows of the first attempt, then the resumed attempt."""
+    found = re.search(r"resumed from step-(\d+)", log)
+    assert found, log[-4000:]
+    ckpt_step = int(found.group(1))  # 4 unless the first attempt outran the change past step 8
+    assert ckpt_step >= CKPT_EVERY and ckpt_step % CKPT_EVERY == 0
     rows = _rows(run_dir)
     cut = next((i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]), None)
     assert cut is not None, "metrics.jsonl shows no restart"
-    first, resumed = rows[:cut], rows[cut:]  # the attempt that lost host 2, the resumed one
+    first, resumed = rows[:cut], rows[cut:]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))
-    assert len(first) >= KILL_AFTER
-    assert all(r["dp"] == 2 for r in first), "the first rendezvous did not form a 2-host world"
+    assert len(first) >= CHANGE_AFTER
+    assert all(r["dp"] == dp_before for r in first), [r["dp"] for r in first]
     assert [r["step"] for r in resumed] == list(range(ckpt_step + 1, STEPS + 1))
-    assert all((r["dp"], r["tp"], r["pp"]) == (1, 1, 1) for r in resumed)  # replanned for world 1
+    assert all((r["dp"], r["tp"], r["pp"]) == (dp_after, 1, 1) for r in resumed)  # replanned
     for before, after in zip(first[ckpt_step:], resumed):  # steps run twice
         assert after["loss"] == pytest.approx(before["loss"], rel=REL_TOL), after["step"]
-    lineage = first[:ckpt_step] + resumed
     offset = 0
-    for r in lineage:
+    for r in first[:ckpt_step] + resumed:
         offset += r["global_batch_size"]
         assert r["samples"] == offset and r["tokens"] == offset * SEQ_LEN, r
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
     assert summary["samples"] == STEPS * BATCH == offset
     assert summary["tokens"] == STEPS * BATCH * SEQ_LEN
-    assert summary["final_plan"]["dp"] == 1
+    assert summary["final_plan"]["dp"] == dp_after
+
+
+def test_host_dies_survivor_resumes_at_smaller_world(tmp_path):
+    run_dir = tmp_path / "run"
+    with netns.hosts(2) as hosts:
+        t0 = time.perf_counter()
+        procs = [_start(h, hosts, run_dir, tmp_path / f"host{h.index}.log") for h in hosts]
+        _wait_for_step(run_dir, CHANGE_AFTER, procs[0])
+        kill_s = time.perf_counter() - t0
+        assert netns.kill_host(hosts[1])  # agent + worker of host 2
+        results = netns.wait_all(procs, timeout_s=300)
+        total_s = time.perf_counter() - t0
+    log = (tmp_path / "host1.log").read_text()
+    print(f"elastic shrink: host 2 killed at {kill_s:.1f} s, finished at {total_s:.1f} s")
+    assert results[0][0] == 0, log[-4000:]
+    assert results[1][0] != 0  # killed
+    _check_lineage(run_dir, log, dp_before=2, dp_after=1)
+
+
+@pytest.mark.skipif(not os.environ.get("COPUS_TEST_SCALE_UP"),
+                    reason=f"known gap, opt-in with COPUS_TEST_SCALE_UP=1: {SCALE_UP_GAP}")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SCALE_UP_GAP)
+def test_host_joins_running_job_and_it_resumes_at_larger_world(tmp_path):
+    run_dir = tmp_path / "run"
+    with netns.hosts(2) as hosts:
+        t0 = time.perf_counter()
+        first = _start(hosts[0], hosts, run_dir, tmp_path / "host1.log")
+        _wait_for_step(run_dir, CHANGE_AFTER, first)
+        join_s = time.perf_counter() - t0
+        second = _start(hosts[1], hosts, run_dir, tmp_path / "host2.log")
+        results = netns.wait_all([first, second], timeout_s=300)
+        total_s = time.perf_counter() - t0
+    log = (tmp_path / "host1.log").read_text()
+    print(f"elastic grow: host 2 joined at {join_s:.1f} s, finished at {total_s:.1f} s")
+    assert [rc for rc, _ in results] == [0, 0], log[-4000:]
+    _check_lineage(run_dir, log, dp_before=1, dp_after=2)

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from copus.core import hardware
 from copus.core.topology import (NodeTopology, crosses_nodes, crossing_dims, groups,
-                                 node_topology_from_env, nodes_spanned, profile_overrides)
+                                 launched_hardware, node_topology_from_env, nodes_spanned,
+                                 profile_overrides)
 
 TORCHRUN_2x4 = dict(WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="2",
                     ROLE_WORLD_SIZE="8", GROUP_RANK="1", RANK="5", LOCAL_RANK="1")
@@ -108,3 +109,23 @@ def test_profile_overrides_keep_a_valid_profile():
     h100 = next(iter(hardware.HARDWARE.values()))
     prof = hardware.with_overrides(h100, **profile_overrides(topo, h100.nvlink_group))
     assert prof.gpus_per_node == 2 and prof.gpus_per_node % prof.nvlink_group == 0
+
+
+def test_launched_hardware_prices_cross_node_tp_with_the_network():
+    from copus.core.models import get_model_shape
+    from copus.core.throughput import StepTimeModel
+
+    h100 = hardware.get_hardware("h100-sxm")
+    assert launched_hardware(h100, {}) is h100  # not launched: unchanged
+    env = dict(WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", GROUP_WORLD_SIZE="2")
+    hw = launched_hardware(h100, env)
+    assert (hw.gpus_per_node, hw.nvlink_group) == (8, 8)
+    shape = get_model_shape("tinyllama-1.1b")
+    # the same 16 ranks on nodes of 8 (from the launcher) vs nodes of 4: tp=8 crosses only on 4
+    small = launched_hardware(h100, dict(WORLD_SIZE="16", LOCAL_WORLD_SIZE="4"))
+    t8 = StepTimeModel.analytic(shape, hw).tiers(2, 8, 1)[0]
+    t4 = StepTimeModel.analytic(shape, small).tiers(2, 8, 1)[0]
+    assert int(t8) == 0 and int(t4) == 2
+    s8 = StepTimeModel.analytic(shape, hw).predict(2, 8, 1, 1, 8)
+    s4 = StepTimeModel.analytic(shape, small).predict(2, 8, 1, 1, 8)
+    assert float(s4) > float(s8)  # tensor parallelism over the network is slower

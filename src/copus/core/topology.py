@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from copus.core.hardware import HardwareProfile, with_overrides
+
 DIMS = ("pp", "dp", "tp")  # mesh order, outermost → innermost
 
 
@@ -173,3 +175,19 @@ def profile_overrides(topology: NodeTopology, nvlink_group: int) -> dict[str, in
     """
     return dict(gpus_per_node=topology.gpus_per_node,
                 nvlink_group=math.gcd(nvlink_group, topology.gpus_per_node))
+
+
+def launched_hardware(profile: HardwareProfile, env: Mapping[str, str] | None = None,
+                      world_size: int | None = None) -> HardwareProfile:
+    """`profile` with the node shape the launcher reports in `env` (default `os.environ`).
+
+    The step-time model then prices every tp/dp/pp group that `crosses_nodes` with the profile's
+    inter-node bandwidth (tier 2 of `copus.core.hardware`). Without launcher variables the
+    profile is returned unchanged (a single process knows nothing about other nodes).
+    """
+    env = os.environ if env is None else env
+    if not any(k in env for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                                  "ROLE_WORLD_SIZE")):
+        return profile
+    topo = node_topology_from_env(env, world_size)
+    return with_overrides(profile, **profile_overrides(topo, profile.nvlink_group))

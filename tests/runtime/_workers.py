@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +38,11 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out: Any, args: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        result = fn(*args)
+        result = pickle.dumps(fn(*args))  # fail here, with a traceback, if not picklable
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
+        out.close()
+        out.join_thread()  # flush the queue before the hard exit
         os._exit(1)
     out.put((rank, True, result))
     dist.barrier()
@@ -55,16 +59,23 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
             try:
-                rank, ok, value = out.get(timeout=timeout)
+                rank, ok, value = out.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} "
-                                   f"did not finish within {timeout:.0f}s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} exited without a result "
+                                       f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} "
+                                       f"did not finish within {timeout:.0f}s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -73,3 +84,60 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
                 p.terminate()
                 p.join(timeout=10)
     return [results[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------ single-process references
+def per_sample_grads(model, tokens):
+    """{name: [n, *shape]} per-sequence gradients of the mean token loss (torch.func + vmap)."""
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, seq):
+        logits = functional_call(model, p, (seq[None, :-1],))
+        return F.cross_entropy(logits[0].float(), seq[1:])
+
+    return vmap(grad(loss_one), in_dims=(None, 0))(params, tokens)
+
+
+def exact_stats(model, tokens, small_batch: int) -> dict:
+    """Exact s̄, q and (1/J)Σ(g_jᵀḡ)² with g_j = mean gradient of consecutive `small_batch` rows."""
+    import torch
+
+    ps = per_sample_grads(model, tokens)
+    flat = torch.cat([g.flatten(1) for g in ps.values()], dim=1).double()  # [n, P]
+    big = flat.mean(0)
+    small = flat.view(-1, small_batch, flat.shape[1]).mean(1)  # [J, P]
+    return {"small_sqnorm": float(small.pow(2).sum(1).mean()), "big_sqnorm": float(big @ big),
+            "ip_sq_mean": float((small @ big).pow(2).mean()),
+            "grads": {k: v.mean(0) for k, v in ps.items()}}
+
+
+def reference_train(shape, batches, lr: float, seed: int = 0, **settings) -> list[dict]:
+    """Plain single-process AdamW training with the engine's optimizer rules; per step returns
+    loss (mean over the batch), q = ‖ḡ‖² and the parameters after the step."""
+    import torch
+    import torch.nn.functional as F
+
+    from copus.runtime.engine import EngineSettings
+    from copus.runtime.model import build_model, materialize
+
+    s = EngineSettings(**settings)
+    model = materialize(build_model(shape, "cpu"), "cpu", seed)
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2],
+               "weight_decay": s.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(s.beta1, s.beta2), eps=s.eps)
+    out = []
+    for tokens in batches:
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        q = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+        if s.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        out.append({"loss": float(loss.detach()), "big_sqnorm": q,
+                    "params": {k: v.detach().clone() for k, v in model.named_parameters()}})
+    return out

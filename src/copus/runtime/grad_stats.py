@@ -34,6 +34,7 @@ dp once per parameter (the size of one FSDP parameter all-gather).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -88,6 +89,8 @@ class GradStats:
         self._handles = []
         self._param_handles = []
         self._small = torch.zeros(())
+        self._partial: list[torch.Tensor] = []
+        self._partial_group = None
         self._k, self._scale = 1, 1.0
         for mod_name, mod in model.named_modules():
             if any(p is not None for p in mod._parameters.values()):
@@ -107,6 +110,15 @@ class GradStats:
         return pre_hook
 
     def _record(self, pid: int, g: torch.Tensor) -> None:
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            # sequence parallel: norm-weight gradients are partial sums over tp; reduce them in
+            # one batched all-reduce in `small_sqnorm_sum` (a few × dim floats per micro-batch)
+            dim = next(i for i, pl in enumerate(g.placements) if pl.is_partial())
+            self._partial.append(g.to_local().detach().float().flatten() * self._scale)
+            self._partial_group = g.device_mesh.get_group(dim)
+            if self.keep_grads:
+                self.kept.setdefault(self._fqn[pid], []).append(g.detach().float() * self._scale)
+            return
         # weight from the gradient, not the parameter: DTensor may return a gradient with other
         # placements (a vocab-sharded embedding gets a Replicate gradient)
         local = (g.to_local() if isinstance(g, DTensor) else g).detach()
@@ -130,11 +142,21 @@ class GradStats:
     def begin(self, num_microbatches: int, grad_scale: float) -> None:
         self._k, self._scale = num_microbatches, grad_scale
         self._small = torch.zeros(())
+        self._partial.clear()
         self._calls.clear()
         self.kept.clear()
 
     def small_sqnorm_sum(self) -> torch.Tensor:
-        """This rank's share of Σ_j ‖g_j‖² (sum over all ranks = the full sum over j)."""
+        """This rank's share of Σ_j ‖g_j‖² (sum over all ranks = the full sum over j).
+
+        Collective over tp when sequence parallel produced partial gradients (all tp ranks of a
+        stage call it at the same point of the step)."""
+        if not self._partial:
+            return self._small
+        vec = torch.cat(self._partial)
+        dist.all_reduce(vec, group=self._partial_group)
+        self._partial.clear()
+        self._small = self._small + vec.pow(2).sum().cpu() / self.tp
         return self._small
 
     def dots(self, model: nn.Module, index: int, length: int) -> torch.Tensor:

@@ -120,17 +120,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--resume: {run_dir} has no checkpoints/ folder")
 
     from copus.runtime import launch
-    from copus.runtime.trainer import TrainingError, validate_before_launch
 
-    validate_before_launch(cfg, launch.world_size(cfg))
+    launch.validate_before_launch(cfg, launch.world_size(cfg))
     if os.environ.get("RANK", "0") == "0":
         print(f"copus train: run folder {run_dir}", file=sys.stderr)
     try:
         result = launch.launch(cfg, str(run_dir), resume=args.resume,
                                max_restarts=args.max_restarts)
-    except TrainingError as exc:
-        print(f"copus train: error: {exc}", file=sys.stderr)
-        return 1
     except Exception as exc:  # ChildFailedError and friends: one line, details are above
         print(f"copus train: error: workers failed ({exc.__class__.__name__}); see the log "
               f"above and {run_dir}", file=sys.stderr)

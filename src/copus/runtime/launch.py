@@ -8,6 +8,7 @@
   checkpoint (TORCHELASTIC_RESTART_COUNT > 0).
 - N = 1 without an outer launcher runs in-process with a one-rank process group.
 
+The plan and policy are resolved and validated here, without torch, before anything starts.
 Workers report deliberate stops (bad plan, non-finite run, ...) as a result instead of raising,
 so the elastic agent does not restart a run that would fail the same way again.
 """
@@ -21,8 +22,85 @@ from collections.abc import Callable
 from typing import Any
 
 from copus.config import Config
+from copus.core.models import ModelShape, get_model_shape
+from copus.core.plan import ParallelPlan, plan_problems
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def check_run_length(cfg: Config) -> None:
+    """A run needs an end: train.max_steps > 0 or train.max_tokens > 0. (A decaying LR schedule
+    without max_tokens decays over max_steps × the initial tokens per step, see optim.py.)"""
+    if cfg.train.max_steps == 0 and cfg.train.max_tokens == 0:
+        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
+                         "(set one of them)")
+
+
+def default_micro_batch_size(per_dp: int, pp: int, cap: int = 4) -> int:
+    """Largest divisor of the per-dp-rank batch that is ≤ `cap` and leaves ≥ pp micro-batches."""
+    best = 1
+    for m in range(1, min(cap, per_dp) + 1):
+        if per_dp % m == 0 and per_dp // m >= pp:
+            best = m
+    return best
+
+
+def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPlan:
+    """Fixed degrees from [parallel]; unset ones: tp = pp = 1 and dp = the rest (pure FSDP).
+
+    Global batch = batch.initial; micro_batch_size = parallel.micro_batch_size, else
+    `default_micro_batch_size(initial / dp, pp)`. ValueError names the first problem.
+    """
+    p = cfg.parallel
+    tp, pp = p.tp or 1, p.pp or 1
+    if p.dp:
+        dp = p.dp
+    elif world_size % (tp * pp):
+        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the world size "
+                         f"{world_size}")
+    else:
+        dp = world_size // (tp * pp)
+    batch = cfg.batch.initial
+    if batch % dp:
+        raise ValueError(f"batch.initial={batch}: allowed: a multiple of dp={dp}")
+    mbs = p.micro_batch_size or default_micro_batch_size(batch // dp, pp)
+    if (batch // dp) % mbs:
+        raise ValueError(f"parallel.micro_batch_size={mbs}: allowed: a divisor of "
+                         f"batch.initial/dp={batch // dp}")
+    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
+                        num_microbatches=batch // (dp * mbs))
+    problems = plan_problems(plan, world_size, shape)
+    if problems:
+        raise ValueError(f"invalid plan {plan.describe()}: {problems[0]}")
+    return plan
+
+
+def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape):
+    """The configured batch policy (core.policies), starting from `plan`."""
+    from copus.core.policies import PolicySettings, make_policy
+
+    settings = PolicySettings.from_config(cfg)
+    kw: dict[str, Any] = {}
+    if cfg.batch.policy == "goodput":
+        c = cfg.controller
+        kw = dict(margin=c.margin, lr_aware=c.lr_aware, reconfig_cost_s=c.reconfig_cost_s,
+                  allow_reconfigure=c.allow_reconfigure,
+                  refit_interval_steps=c.refit_interval_steps)
+        if cfg.parallel.memory_budget_gb > 0:
+            kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
+    return make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
+
+
+def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
+    """Everything checkable without workers: run length, plan, policy. ValueError on a mistake."""
+    check_run_length(cfg)
+    shape = get_model_shape(cfg.model.name)
+    plan = initial_plan(cfg, world_size, shape)
+    make_run_policy(cfg, plan, world_size, shape)
+    return plan
+
 
 
 def under_torchrun() -> bool:

@@ -161,6 +161,7 @@ class ControllerConfig:
     lr_aware: bool = _opt(True, _bool())
     reconfig_cost_s: float = _opt(2.0, _real(0.0))
     allow_reconfigure: bool = _opt(True, _bool())
+    switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))
 
 

@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --run-dir DIR (the run folder to continue)")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts}: allowed: an integer >= 0")
-    cfg = resolve_config(args)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     if args.resume and not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"--resume: {run_dir} has no checkpoints/ folder")
+    cfg = resolve_config(args)
 
     from copus.runtime import launch
 

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import os
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -37,7 +38,7 @@ def _read_one(path: Path | Traversable, limit: int) -> str:
             stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
             with io.TextIOWrapper(stream, encoding="utf-8") as fh:
                 return fh.read(limit) if limit > 0 else fh.read()
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
         raise ValueError(f"data.source={str(path)!r}: cannot be read as UTF-8 text "
                          f"({type(exc).__name__}: {exc})") from None
 
@@ -84,6 +85,15 @@ def load_text(source: str, max_chars: int = 0) -> str:
     if not text.strip():
         raise ValueError(f"data.source={source!r}: the text is empty")
     return text
+
+
+def check_source(source: str, probe_chars: int = 4096) -> None:
+    """Fail fast, before any worker starts: every file of `source` exists and its first
+    `probe_chars` characters read as UTF-8 text, and the text is not empty. ValueError names the
+    bad path (as `load_text` would, much later, on every rank)."""
+    if any(_read_one(path, probe_chars).strip() for path in _text_files(source)):
+        return
+    load_text(source)  # only blank starts: read everything (raises if the text is empty)
 
 
 # --------------------------------------------------------------------------------- tokenizers

@@ -94,8 +94,12 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
 
 
 def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
-    """Everything checkable without workers: run length, plan, policy. ValueError on a mistake."""
+    """Everything checkable without workers: run length, corpus, plan, policy. ValueError on a
+    mistake."""
+    from copus.runtime.data import check_source
+
     check_run_length(cfg)
+    check_source(cfg.data.source)
     shape = get_model_shape(cfg.model.name)
     plan = initial_plan(cfg, world_size, shape)
     make_run_policy(cfg, plan, world_size, shape)

@@ -37,7 +37,7 @@ SKIP = netns.skip_reason()
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
 
-STEPS, CKPT_EVERY, CHANGE_AFTER, BATCH, SEQ_LEN = 16, 4, 6, 8, 128
+STEPS, CKPT_EVERY, CHANGE_AFTER, BATCH, SEQ_LEN = 10, 4, 6, 8, 128
 REL_TOL = 1e-5
 TRAIN = ["-m", "copus", "train", "--max-steps", str(STEPS), "--policy", "constant", "--seed", "0",
          "--set", "parallel.micro_batch_size=2", "--set", f"batch.initial={BATCH}",

@@ -131,6 +131,8 @@ class Trainer:
                            progress=cfg.log.progress, total_steps=cfg.train.max_steps,
                            total_tokens=cfg.train.max_tokens)
         writer.write_config(cfg)
+        if self.rank == 0:   # present even when the policy never decides
+            (self.run_dir / "decisions.jsonl").touch()
         return writer
 
     def log(self, message: str) -> None:

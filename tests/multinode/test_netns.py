@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import netns  # noqa: E402
 
 HERE = Path(__file__).parent
 SKIP = netns.skip_reason()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
+needs_netns = pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")
+pytestmark = pytest.mark.slow
 
 
 def _ours() -> set[str]:
@@ -30,6 +31,7 @@ def _root_addrs() -> str:
     return subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
 
 
+@needs_netns
 def test_hosts_have_addresses_reach_each_other_and_are_removed():
     server = "import socket;s=socket.socket();s.bind(('0.0.0.0',5555));s.listen();" \
              "c,_=s.accept();c.sendall(c.recv(16)[::-1])"
@@ -58,6 +60,7 @@ def test_hosts_have_addresses_reach_each_other_and_are_removed():
     assert _ours() == set()
 
 
+@needs_netns
 def test_hosts_are_removed_after_an_exception_with_processes_still_running():
     with pytest.raises(RuntimeError, match="boom"):
         with netns.hosts(2) as hosts:
@@ -67,6 +70,7 @@ def test_hosts_are_removed_after_an_exception_with_processes_still_running():
     assert _ours() == set()
 
 
+@needs_netns
 def test_stale_namespaces_of_dead_creators_are_removed():
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -76,6 +80,7 @@ def test_stale_namespaces_of_dead_creators_are_removed():
     assert name not in netns._namespaces()
 
 
+@needs_netns
 def test_torchrun_c10d_gloo_all_reduce_across_two_namespaced_hosts(tmp_path):
     with netns.hosts(2) as hosts:
         before = [netns.rx_bytes(h) for h in hosts]
@@ -100,3 +105,22 @@ def test_torchrun_c10d_gloo_all_reduce_across_two_namespaced_hosts(tmp_path):
         assert rec["peers"] == addrs  # rank r ran on host r+1 (group_rank r)
         assert rec["group_rank"] == r
     assert all(b > a for a, b in zip(before, after))  # the bytes went over the veth links
+
+
+def _skip_reason_with(prefix: list[str], env: dict | None = None) -> str:
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import netns; print(netns.skip_reason())"
+    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_skip_reason_without_iproute2():
+    assert "`ip` is not installed" in _skip_reason_with([], dict(os.environ, PATH="/nonexistent"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to drop privileges")
+def test_skip_reason_when_not_root():
+    reason = _skip_reason_with(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+    assert "need root" in reason and "65534" in reason

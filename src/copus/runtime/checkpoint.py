@@ -12,7 +12,9 @@ and the parent folder is fsync'ed. A crash at any point leaves either a complete
 `tmp-*` folder that is ignored and removed by the next save. "latest" is simply the highest
 `step-N` whose manifest and checksums verify; a corrupt or truncated one is reported by file name
 and the previous good one is used. DCP reshards on load, so a checkpoint loads under any plan and
-world size. Nothing is unpickled from our files: the trainer state is JSON.
+world size. Nothing in a checkpoint can run code on load: the trainer state is JSON, DCP's
+pickled `.metadata` is read by an unpickler that admits only DCP's own metadata classes, and
+non-tensor items (DCP reads them with `torch.load(weights_only=False)`) are read weights-only.
 
 With a process group, every rank calls `save`/`load` (DCP is collective); only rank 0 touches
 the folder structure, and multi-node runs need `<root>` on a shared file system (as DCP does).
@@ -21,8 +23,10 @@ the folder structure, and multi-node runs need `<root>` on a shared file system 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -32,6 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner,
+                                         FileSystemReader)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -73,6 +80,73 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# Globals DCP's `.metadata` pickle may name (torch 2.13); anything else is refused.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: classes outside `_METADATA_GLOBALS` (and torch dtypes) raise
+    instead of being imported, so a crafted `.metadata` cannot call anything."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """DCP's `<path>/.metadata`, safely; CheckpointError names the file on any problem."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError,
+            IndexError, KeyError) as exc:
+        raise CheckpointError(f"{file} is not valid DCP metadata ({exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through `read_metadata` (no arbitrary unpickling)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner reading non-tensor items weights-only (plain data, no objects)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            why = [x for x in str(exc).splitlines() if "Unsupported" in x or "global" in x]
+            raise CheckpointError(f"item {read_item.dest_index.fqn!r} is not plain data, "
+                                  f"refused ({(why or ['weights-only load failed'])[0].strip()})"
+                                  ) from None
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
@@ -109,6 +183,10 @@ def verify(path: str | Path) -> str | None:
     for name in (TRAINER_STATE, ".metadata"):
         if name not in entries:
             return f"{path} has no {name} in its manifest"
+    try:
+        read_metadata(path)
+    except CheckpointError as exc:
+        return str(exc)
     return None
 
 
@@ -209,8 +287,26 @@ def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> 
         problem = verify(path)
         if problem is not None:
             raise CheckpointError(problem)
-    dcp.load(dcp_state, checkpoint_id=str(path), no_dist=not _distributed())
+    try:
+        dcp.load(dcp_state, checkpoint_id=str(path), storage_reader=_SafeReader(str(path)),
+                 planner=_SafeLoadPlanner(), no_dist=not _distributed())
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except CheckpointException as exc:  # DCP wraps each rank's failure; surface a refusal
+        refusal = _refusal(exc)
+        if refusal is None:
+            raise
+        raise CheckpointError(f"{path}: {refusal}") from None
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def _refusal(exc: CheckpointException) -> str | None:
+    """The first line of a safe-loading refusal inside DCP's wrapped failures, if any."""
+    for failure, _ in exc.failures.values():
+        text = str(failure)
+        if isinstance(failure, CheckpointError) or "not allowed in DCP metadata" in text:
+            return text.strip().splitlines()[0]
+    return None
 
 
 def rng_state() -> dict:

@@ -225,3 +225,19 @@ def test_every_sample_consumed_once_across_batch_and_dp_changes(tmp_path):
     decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()]
     assert [d["global_batch_size"] for d in decisions] == [16, 24]
     assert np.isfinite(list(_losses(run).values())).all()
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_stop_the_run_with_a_clear_error(tmp_path):
+    """lr = 1e30 blows the weights up; after train.max_nonfinite_steps consecutive non-finite
+    steps (skipped, not applied) the worker stops and reports why instead of raising."""
+    from copus.runtime.launch import launch
+
+    cfg = _cfg("parallel.nproc=1", "train.max_steps=30", "train.lr=1e30",
+               "train.max_nonfinite_steps=3", "train.grad_clip=0.0", "batch.policy='constant'")
+    result = launch(cfg, str(tmp_path / "run"), max_restarts=0)
+    assert result["kind"] == "training"
+    assert "3 consecutive non-finite steps" in result["error"]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows[-3:]] == [True, True, True]
+    assert len(rows) < 30

@@ -109,6 +109,10 @@ def resolve_config(args: argparse.Namespace):
 
 
 def default_run_dir() -> Path:
+    """runs/<timestamp>; under torchrun runs/<run id>, the same on every rank and node."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if "RANK" in os.environ and run_id and run_id != "none":
+        return Path("runs") / f"torchrun-{run_id}"
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 

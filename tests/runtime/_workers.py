@@ -91,6 +91,7 @@ def per_sample_grads(model, tokens):
     """{name: [n, *shape]} per-sequence gradients of the mean token loss (torch.func + vmap)."""
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -98,7 +99,8 @@ def per_sample_grads(model, tokens):
         logits = functional_call(model, p, (seq[None, :-1],))
         return F.cross_entropy(logits[0].float(), seq[1:])
 
-    return vmap(grad(loss_one), in_dims=(None, 0))(params, tokens)
+    with sdpa_kernel(SDPBackend.MATH):  # the math path has vmap batching rules (2x faster)
+        return vmap(grad(loss_one), in_dims=(None, 0))(params, tokens)
 
 
 def exact_stats(model, tokens, small_batch: int) -> dict:

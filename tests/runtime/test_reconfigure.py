@@ -60,7 +60,7 @@ def _full_state(engine) -> dict:
             v = sd[key]
             if isinstance(v, DTensor):
                 v = v.full_tensor()
-            out[prefix + key] = v.detach().cpu().numpy().copy() if isinstance(v, torch.Tensor) \
+            out[prefix + key] = v.detach().cpu().clone().numpy() if isinstance(v, torch.Tensor) \
                 else v
     return out
 
@@ -89,7 +89,7 @@ def _engine_switches(root: str) -> dict:
     after = _full_state(engine)
     losses += _steps(engine, range(2, 4))
     save(engine, "before-2")
-    engine, rep2 = switch_engine(engine, PP2DP2, build, fallback_root=root)
+    engine, rep2 = switch_engine(engine, PP2DP2, build, fallback_root=root, prefer_shm=False)
     after2 = _full_state(engine)
     losses += _steps(engine, range(4, 6))
     engine.close()
@@ -223,6 +223,7 @@ def test_switch_reports_are_measured_and_agree_across_ranks(four_ranks):
         phases = [rep[k] for k in ("stage_s", "teardown_s", "build_s", "load_s")]
         assert all(0 <= x <= rep["wall_s"] for x in phases) and sum(phases) > 0
         assert rep["staged_bytes"] > 0 and rep["rss_peak_mb"] >= rep["rss_before_mb"] > 0
+    assert [rep["staging"] for rep in reports] == ["shm", "disk"]
     assert reports[0]["old_plan"] == DP4.describe() and reports[1]["new_plan"] == \
         PP2DP2.describe()
 
@@ -275,3 +276,23 @@ def test_in_process_and_checkpoint_switches_give_the_same_losses(four_ranks):
     a, b = _losses(root / "in-process"), _losses(root / "checkpoint")
     assert len(a) == 4 and np.isfinite(a).all()
     assert a == b                                               # tolerance: exact
+
+
+def test_release_tensors_frees_weights_grads_and_adam_state():
+    import torch
+
+    from copus.runtime.reconfigure import release_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    shared = model[1].bias.detach().numpy()          # numpy-shared storages cannot be shrunk
+    freed, stuck = release_tensors(model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert stuck == 1 and shared.size == 4
+    # fp32 params (less the stuck bias: 4 floats) + grads + exp_avg + exp_avg_sq + 4 steps
+    assert freed == 4 * (n - 4) + 3 * 4 * n + 4 * 4
+    assert all(p.untyped_storage().nbytes() == 0 for p in model[0].parameters())
+    assert all(p.grad.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values() for v in st.values())

@@ -252,7 +252,12 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    try:
+        dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    except CheckpointException as exc:  # a BaseException holding each rank's traceback
+        causes = sorted({str(failure) for failure, _ in exc.failures.values()})
+        raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
+                              "checkpoints are intact") from None
     _barrier()
     if _rank() == 0:
         json.dumps(trainer_state)  # fail before touching the folder if not serialisable

@@ -241,3 +241,22 @@ def test_nonfinite_steps_stop_the_run_with_a_clear_error(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows[-3:]] == [True, True, True]
     assert len(rows) < 30
+
+
+@pytest.mark.parametrize("dp,pp,mbs,nmb,rows", [
+    (2, 1, 4, 1, 32),     # 64 samples over 2 ranks
+    (2, 1, 64, 1, 32),    # micro-batch larger than the eval share: one eval micro-batch
+    (1, 2, 8, 3, 64),
+    (1, 2, 64, 2, 128),   # a pipeline needs >= pp eval micro-batches
+    (4, 1, 3, 1, 15),     # 16 rows, rounded down to a multiple of 3
+])
+def test_eval_rows(dp, pp, mbs, nmb, rows):
+    from types import SimpleNamespace
+
+    from copus.core.plan import ParallelPlan
+    from copus.runtime.trainer import Trainer
+
+    fake = SimpleNamespace(plan=ParallelPlan(dp=dp, tp=1, pp=pp, micro_batch_size=mbs,
+                                             num_microbatches=nmb),
+                           cfg=load_config(None, ["eval.num_samples=64"]), val_set=range(1000))
+    assert Trainer.eval_rows(fake) == rows

@@ -3,8 +3,9 @@
 config → plan → Engine → per step: global sample ids (one offset for the whole run) → this dp
 rank's slice → `Engine.train_step` → `GnsEstimator.update` → `StepRecord` → metrics line (rank 0)
 → `policy.observe` on rank 0 → `Decision` broadcast → applied at the step boundary:
-a batch change calls `Engine.set_plan` and rescales the LR; a layout change ("reconfigure") goes
-through a checkpoint boundary (save, rebuild the engine under the new plan, load resharded).
+a batch change calls `Engine.set_plan` and rescales the LR; a layout change ("reconfigure") is
+switched in the same processes (`runtime/reconfigure.py`) or, with controller.switch="checkpoint",
+through a checkpoint (save, rebuild the engine under the new plan, load resharded).
 Eval every `eval.interval_steps` on a fixed validation subset, checkpoints every
 `checkpoint.interval_steps` and at the end, `resume` from the latest good checkpoint under any plan.
 """
@@ -212,18 +213,26 @@ class Trainer:
                 "resume from an earlier checkpoint")
         return record
 
+    def eval_rows(self) -> int:
+        """Validation rows per dp rank: about eval.num_samples / dp, a multiple of the engine's
+        eval micro-batch min(micro_batch_size, rows), and ≥ pp micro-batches under a pipeline."""
+        plan = self.plan
+        rows = max(self.cfg.eval.num_samples // plan.dp, 1)
+        rows -= rows % min(plan.micro_batch_size, rows)
+        if plan.pp > 1:
+            rows = max(rows, plan.pp * plan.micro_batch_size)
+        return rows if rows * plan.dp <= len(self.val_set) else 0
+
     def evaluate(self) -> float:
-        """Mean loss on the fixed validation subset (the first eval.num_samples windows)."""
-        n = min(self.cfg.eval.num_samples, len(self.val_set))
-        n -= n % (self.plan.dp * self.plan.micro_batch_size)
-        if n <= 0:
+        """Mean loss on the fixed validation subset: the first dp·eval_rows() windows."""
+        rows, dp = self.eval_rows(), self.plan.dp
+        if rows <= 0:
             return math.nan
-        ids = np.arange(n)
-        local = ids.reshape(self.plan.dp, -1)[self.engine.dp_rank]
+        local = np.arange(rows * dp).reshape(dp, rows)[self.engine.dp_rank]
         tokens = torch.from_numpy(self.val_set.batch(local).astype(np.int64)).to(self.device)
         loss = float(self.engine.eval_loss(tokens))
         self.writer.log_eval(self.progress.step, loss, samples=self.progress.samples,
-                             tokens=self.progress.tokens, num_samples=n)
+                             tokens=self.progress.tokens, num_samples=rows * dp)
         return loss
 
     # -- decisions ----------------------------------------------------------------------------

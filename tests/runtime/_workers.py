@@ -116,9 +116,11 @@ def exact_stats(model, tokens, small_batch: int) -> dict:
             "grads": {k: v.mean(0) for k, v in ps.items()}}
 
 
-def reference_train(shape, batches, lr: float, seed: int = 0, **settings) -> list[dict]:
+def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None,
+                    **settings) -> list[dict]:
     """Plain single-process AdamW training with the engine's optimizer rules; per step returns
-    loss (mean over the batch), q = ‖ḡ‖² and the parameters after the step."""
+    loss (mean over the batch), q = ‖ḡ‖², the parameters after the step and (with
+    `eval_tokens`) the loss on them after the step."""
     import torch
     import torch.nn.functional as F
 
@@ -142,4 +144,8 @@ def reference_train(shape, batches, lr: float, seed: int = 0, **settings) -> lis
         opt.zero_grad()
         out.append({"loss": float(loss.detach()), "big_sqnorm": q,
                     "params": {k: v.detach().clone() for k, v in model.named_parameters()}})
+        if eval_tokens is not None:
+            with torch.no_grad():
+                out[-1]["eval"] = float(F.cross_entropy(model(eval_tokens[:, :-1]).flatten(0, 1),
+                                                        eval_tokens[:, 1:].flatten()))
     return out

@@ -19,6 +19,8 @@ from tests.runtime.test_engine import LR, SHAPE, _local, _out, batch
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
 # (global_batch_size, micro_batch_size) per step: batch and micro-batch change at steps 2 and 3
 STEPS = [(8, 2), (8, 2), (4, 1), (16, 4), (16, 4)]
+EVAL_AFTER = 3  # eval_loss after this step (a forward-only schedule under PP), then train on
+EVAL_ROWS = 8
 
 
 def _layout_work():
@@ -39,8 +41,10 @@ def _layout_work():
             if (gbs, mbs) != (eng.plan.global_batch_size, eng.plan.micro_batch_size):
                 eng.set_plan(eng.plan.with_batch(gbs, micro_batch_size=mbs))
             outs.append(_out(eng.train_step(_local(eng, batch(step, gbs)), LR)))
+            if step == EVAL_AFTER:
+                ev = eng.eval_loss(_local(eng, batch(50, EVAL_ROWS)))
         eng.close()
-        res[(dp, tp, pp)] = {"steps": outs, "seconds": time.perf_counter() - t0}
+        res[(dp, tp, pp)] = {"steps": outs, "eval": ev, "seconds": time.perf_counter() - t0}
     res["num_meshes"] = len(cache)
     return res
 
@@ -55,7 +59,8 @@ def reference():
     from copus.runtime.model import build_model, materialize
 
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
-    return {"train": reference_train(SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR),
+    return {"train": reference_train(SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR,
+                                     eval_tokens=batch(50, EVAL_ROWS)),
             "micro0": exact_stats(model, batch(0, 8), small_batch=2)}
 
 
@@ -75,6 +80,8 @@ def test_layout_matches_single_process_reference(results, reference, layout):
         assert o["finite"]
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-4)
         assert o["big_sqnorm"] == pytest.approx(r["big_sqnorm"], rel=1e-3)
+    assert results[0][layout]["eval"] == pytest.approx(reference["train"][EVAL_AFTER]["eval"],
+                                                       rel=1e-4)
     ex = reference["micro0"]
     assert steps[0]["small_sqnorm"] == pytest.approx(ex["small_sqnorm"], rel=1e-3)
     assert [(o["small_batch"], o["num_small"]) for o in steps] == \

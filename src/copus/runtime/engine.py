@@ -206,14 +206,17 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, local_tokens: torch.Tensor) -> float:
         """Mean token loss over every dp rank's `local_tokens` (no gradients, no state change).
-        Rows are processed in chunks of micro_batch_size (the row count must divide evenly)."""
+        Rows run in equal chunks of at most micro_batch_size (at least pp chunks under PP)."""
         p = self.plan
         tokens = self._check_tokens(local_tokens, None)
-        mbs = min(p.micro_batch_size, tokens.shape[0])
-        if tokens.shape[0] % mbs:
-            raise ValueError(f"eval rows {tokens.shape[0]} must be a multiple of "
-                             f"micro_batch_size={mbs}")
-        k, inputs, targets = tokens.shape[0] // mbs, tokens[:, :-1], tokens[:, 1:]
+        rows = tokens.shape[0]
+        k = -(-rows // p.micro_batch_size)  # chunks of at most micro_batch_size rows
+        if self.pipeline is not None:
+            k = max(k, p.pp)  # a schedule needs >= one micro-batch per stage
+        if rows % k:
+            raise ValueError(f"eval rows {rows} cannot be split into {k} equal micro-batches; "
+                             f"allowed: a multiple of {k}")
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         share = 1.0 / (p.dp * p.tp)
         with self._autocast():
             if self.pipeline is None:

@@ -21,6 +21,7 @@ LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
 STEPS = [(8, 2), (8, 2), (4, 1), (16, 4), (16, 4)]
 EVAL_AFTER = 3  # eval_loss after this step (a forward-only schedule under PP), then train on
 EVAL_ROWS = 8
+RANK_MODE_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
 
 
 def _layout_work():
@@ -45,6 +46,11 @@ def _layout_work():
                 ev = eng.eval_loss(_local(eng, batch(50, EVAL_ROWS)))
         eng.close()
         res[(dp, tp, pp)] = {"steps": outs, "eval": ev, "seconds": time.perf_counter() - t0}
+    for dp, tp, pp in RANK_MODE_LAYOUTS:  # one small gradient per dp rank, under TP and PP
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=2, num_microbatches=2)
+        eng = Engine(SHAPE, plan, EngineSettings(gns_small="rank"), "cpu", cache, seed=0)
+        res[("rank", dp, tp, pp)] = _out(eng.train_step(_local(eng, batch(0, 8)), LR))
+        eng.close()
     res["num_meshes"] = len(cache)
     return res
 
@@ -61,7 +67,8 @@ def reference():
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
     return {"train": reference_train(SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR,
                                      eval_tokens=batch(50, EVAL_ROWS)),
-            "micro0": exact_stats(model, batch(0, 8), small_batch=2)}
+            "micro0": exact_stats(model, batch(0, 8), small_batch=2),
+            "rank0": exact_stats(model, batch(0, 8), small_batch=4)}
 
 
 def test_ranks_agree_and_meshes_are_cached(results):
@@ -98,3 +105,11 @@ def test_gns_estimates_agree_across_layouts(results):
     assert (base[:, 1] > 0).all()          # tr(Σ) > 0 on this random-token data
     for lay in LAYOUTS[1:]:
         assert torch.allclose(torch.tensor(estimates(lay)), base, rtol=2e-3, atol=1e-4), lay
+
+
+@pytest.mark.parametrize("layout", RANK_MODE_LAYOUTS, ids=lambda x: "dp%d_tp%d_pp%d" % x)
+def test_rank_mode_under_tp_and_pp_equals_exact(results, reference, layout):
+    o, ex = results[0][("rank", *layout)], reference["rank0"]
+    assert (o["small_batch"], o["num_small"]) == (4, 2)
+    assert o["small_sqnorm"] == pytest.approx(ex["small_sqnorm"], rel=1e-4)
+    assert o["big_sqnorm"] == pytest.approx(ex["big_sqnorm"], rel=1e-4)

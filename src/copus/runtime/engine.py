@@ -157,13 +157,13 @@ class Engine:
                     loss = token_loss(self.model(x), y)
                 (loss / k).backward()
                 total = total + loss.detach()
-            return total.float().cpu() * (share / k)
+            return total.float() * (share / k)
         self.stats.begin(k, grad_scale=1.0 if self.gns_small == "microbatch" else 1.0 / k)
         with self._autocast():
             losses = self.pipeline.run(inputs, targets, k, train=True)
         if not self.pipeline.is_last:
-            return torch.zeros(())
-        return torch.stack([x.detach().float().cpu() for x in losses]).mean() * share
+            return torch.zeros((), device=self.device)
+        return torch.stack([x.detach().float() for x in losses]).mean() * share
 
     def train_step(self, local_tokens: torch.Tensor, lr: float) -> StepOutput:
         """Forward/backward over this dp rank's `micro_batch_size·num_microbatches` sequences
@@ -175,12 +175,11 @@ class Engine:
         num_small = p.dp * (p.num_microbatches if self.gns_small == "microbatch" else 1)
         per_rank = num_small // p.dp
         head = [loss_share, self.stats.small_sqnorm_sum(), weighted_sqnorm(grads, p.tp)]
-        vec = torch.stack([h.double() for h in head])
+        vec = torch.stack([h.to(self.device, torch.float64) for h in head])
         if self.settings.ip_extras:
             dots = self.stats.dots(self.model, self.dp_rank * per_rank, num_small)
-            vec = torch.cat([vec, dots])
-        vec = vec.to(self.device)
-        dist.all_reduce(vec)
+            vec = torch.cat([vec, dots.to(self.device)])
+        dist.all_reduce(vec)  # the step's only statistics collective: [loss, Σ‖g_j‖², ‖ḡ‖², dots]
         vec = vec.cpu()
         loss, small_sum, big_sq = (float(x) for x in vec[:3])
         ip = float((vec[3:] ** 2).mean()) if self.settings.ip_extras else None
@@ -224,9 +223,9 @@ class Engine:
                                                                        targets.chunk(k))]
             else:
                 losses = self.pipeline.run(inputs, targets, k, train=False)
-        part = torch.stack([x.float().cpu() for x in losses]).mean() * share if losses else \
-            torch.zeros(())
-        vec = part.double().reshape(1).to(self.device)
+        part = torch.stack([x.float() for x in losses]).mean() * share if losses else \
+            torch.zeros((), device=self.device)
+        vec = part.to(self.device, torch.float64).reshape(1)
         dist.all_reduce(vec)
         return float(vec.cpu()[0])
 

@@ -65,8 +65,8 @@ def local_sqnorm(t: torch.Tensor) -> torch.Tensor:
 def weighted_sqnorm(tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
     """This rank's share of ‖·‖² over `tensors`: summed over all ranks it gives the full norm²."""
     out = torch.zeros((), dtype=torch.float32)
-    for t in tensors:
-        out = out + replication_weight(t, tp) * local_sqnorm(t).cpu()
+    for t in tensors:  # accumulated on the tensors' device: no host sync per parameter
+        out = out.to(t.device) + replication_weight(t, tp) * local_sqnorm(t)
     return out
 
 
@@ -123,7 +123,7 @@ class GradStats:
         # placements (a vocab-sharded embedding gets a Replicate gradient)
         local = (g.to_local() if isinstance(g, DTensor) else g).detach()
         sq = local.float().pow(2).sum() * (replication_weight(g, self.tp) * self._scale**2)
-        self._small = self._small + sq.cpu()
+        self._small = self._small.to(sq.device) + sq  # stays on the device: no sync per hook
         if self.keep_grads:
             self.kept.setdefault(self._fqn[pid], []).append(g.detach().float() * self._scale)
 
@@ -156,7 +156,7 @@ class GradStats:
         vec = torch.cat(self._partial)
         dist.all_reduce(vec, group=self._partial_group)
         self._partial.clear()
-        self._small = self._small + vec.pow(2).sum().cpu() / self.tp
+        self._small = self._small.to(vec.device) + vec.pow(2).sum() / self.tp
         return self._small
 
     def dots(self, model: nn.Module, index: int, length: int) -> torch.Tensor:

@@ -150,6 +150,10 @@ class Trainer:
     def run(self) -> dict:
         """Train until max_steps / max_tokens; checkpoint at the end; return the summary."""
         cfg = self.cfg
+        if self.done():
+            self.log(f"nothing to do: step {self.progress.step}, {self.progress.tokens} tokens "
+                     "already reach train.max_steps / train.max_tokens")
+            return self.finish()
         while not self.done():
             record = self.train_step()
             step = record.step

@@ -226,3 +226,28 @@ def test_real_disk_full_on_a_tiny_tmpfs(tmp_path):
         _assert_loads_as(first, 1, width=512)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+
+
+def test_killed_during_retention_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Retention (and re-saving a step) deletes a folder; a kill in the middle of that delete
+    must not leave a `step-N` with files missing."""
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    real = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() \
+            else []
+        if files:
+            files[0].unlink()                         # some files gone ...
+            raise KeyboardInterrupt("killed while deleting")   # ... then the process dies
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 3, keep=1)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real)
+    for _, path in ckpt.step_dirs(tmp_path):
+        assert ckpt.verify(path) is None, path        # no half-deleted step-N
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step-3"
+    _save(tmp_path, 4, keep=1)                        # the next save clears the leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]

@@ -266,7 +266,7 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
             _fsync_path(f)
         _write_manifest(tmp, step)
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.rename(tmp, final)
         _fsync_path(root)
         _apply_retention(root, keep)
@@ -278,7 +278,16 @@ def _apply_retention(root: Path, keep: int) -> None:
     if keep <= 0:
         return
     for _, path in step_dirs(root)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder without ever leaving a half-deleted `step-N`: rename it to a
+    `tmp-step-old-*` name first (atomic; a crash leaves a temp folder the next save clears)."""
+    trash = path.with_name(f"{_TMP_PREFIX}old-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> dict:

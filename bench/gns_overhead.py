@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
            "min_step_s_with_stats": min(w), "min_step_s_without_stats": min(wo),
            "ratio_of_minima": min(w) / min(wo),
            "pair_ratio_iqr": [q1, q3], "target": 1.005, "meets_target": ratio <= 1.005,
-           "host": platform.node(), "python": sys.version.split()[0]}
+           "host": platform.node(), "python": sys.version.split()[0],
+           "load_average_1min_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'plan':<24}{'with stats':>12}{'without':>12}{'ratio':>9}{'pair IQR':>18}")

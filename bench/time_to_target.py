@@ -1,0 +1,432 @@
+"""Head-to-head: wall time to target validation losses, every policy on the same data (issue 7).
+
+    python bench/time_to_target.py                       # full comparison (3 seeds, ~1 h on 2 cores)
+    python bench/time_to_target.py --quick               # a smoke run (1 seed, 4 policies, tiny)
+    python bench/time_to_target.py --from runs/time_to_target   # re-analyse, no training
+
+One training run per (policy, seed): the `tiny` model on the embedded corpus, 4 CPU ranks, the
+same seed, data order (GlobalSampler(seed)), LR schedule (in tokens) and token budget for every
+policy. Runs of one seed share one set of worker processes (the `copus train` Trainer, run
+back to back; spawning 4 torch workers costs 30-90 s on this host) and go in a rotated order per
+seed, so slow stretches on a shared machine hit every policy alike. A 3-step warm-up run in
+each worker set is discarded.
+
+Policies (COPUS §3.1 baselines):
+  static-B     fixed global batch B with the fastest plan for B from `copus profile` (run first,
+               or --profile FILE); LR = lr·sqrt(B/B0) (what the adaptive policies use at B).
+  ramp         linear batch ramp B0 → batch.max over the first half of the tokens, start plan.
+  norm-test    Lau et al.'s norm test (η = batch.norm_test_eta), start plan.
+  gns-start    CBS: B ≈ gns_c·b_noise, plan (layout, micro-batch) tuned for B0 ("pessimistic").
+  gns-large    CBS with the layout tuned for the largest static batch ("optimistic"); the
+               micro-batch is the largest that divides B0/dp (batch policies keep it fixed).
+  goodput      COPUS: batch, micro-batch and (dp, tp, pp) chosen by goodput; starts on the B0 plan.
+
+Evaluation: the same fixed validation windows (eval.num_samples) after the step that crosses
+each multiple of max_tokens/num_evals tokens: one token grid for every policy (eval.interval_steps
+counts steps, which cover 16x more tokens at B=128 than at B=8, and a coarser grid alone delays
+a first crossing). Time to a target = wall time of the first evaluation at or below it, linearly
+interpolated with the previous one, EXCLUDING evaluation time (the metrics line of a step is
+written before its evaluation, so an evaluation's cost is its eval.jsonl wall_s minus that
+step's metrics wall_s; every earlier evaluation's cost is subtracted). wall_s starts when the
+run's writer is created: the engine build and first steps count. Decisions and layout switches
+count. Speed-up at a target = (T_base − T_goodput)/T_base (COPUS §3.1), T_base = the baseline
+with the lowest mean time over seeds at that target (a tuned choice, not a per-seed oracle);
+spread = per-seed speed-ups against that baseline.
+Writes bench/results/time_to_target.json and .md (or --out) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REQUEST = "ttt_request.json"
+ALL_POLICIES = ("static-8", "static-32", "static-128", "ramp", "norm-test", "gns-start",
+                "gns-large", "goodput")
+STATIC_GROUP, CBS_GROUP = "static", "cbs"
+
+
+# --------------------------------------------------------------------------- worker (every rank)
+def _token_eval_trainer():
+    """Trainer that evaluates at every multiple of `eval_every_tokens` (a common token grid:
+    eval.interval_steps counts steps, which cover more tokens as the batch grows)."""
+    from copus.runtime.trainer import Trainer
+
+    class TokenEvalTrainer(Trainer):
+        eval_every_tokens = 0
+
+        def train_step(self):
+            record = super().train_step()       # logs the metrics line, then we evaluate
+            if self.progress.tokens >= self.next_eval:
+                self.evaluate()
+                self.next_eval = (self.progress.tokens // self.eval_every_tokens + 1) \
+                    * self.eval_every_tokens
+            return record
+
+    return TokenEvalTrainer
+
+
+def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
+    """Run every training in the request back to back in these processes (Trainer.run each)."""
+    from copus.config import load_config
+    from copus.runtime.dist import init_distributed, shutdown
+
+    req = json.loads((Path(run_dir) / REQUEST).read_text())
+    device = init_distributed(backend=cfg.parallel.backend)
+    trainer_cls = _token_eval_trainer()
+    done = []
+    try:
+        for item in req["runs"]:
+            run_cfg = load_config(None, item["overrides"])
+            trainer = trainer_cls(run_cfg, item["run_dir"], device)
+            trainer.eval_every_tokens = trainer.next_eval = int(item["eval_every_tokens"])
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
+            done.append(item["name"])
+    finally:
+        shutdown()
+    return {"done": done}
+
+
+# --------------------------------------------------------------------------- run specifications
+def plan_overrides(plan: dict) -> list[str]:
+    return [f"parallel.{k}={int(plan[k])}" for k in ("dp", "tp", "pp", "micro_batch_size")]
+
+
+def best_plans(rows: list[dict]) -> dict[int, dict]:
+    """The fastest profiled plan (samples_per_s) for each global batch size."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        b = int(r["global_batch_size"])
+        if b not in best or r["samples_per_s"] > best[b]["samples_per_s"]:
+            best[b] = r
+    return best
+
+
+def start_plan_for_layout(plan: dict, batch: int) -> dict:
+    """`plan`'s layout with the largest micro-batch ≤ its own that fits `batch` (≥ pp micro-batches)."""
+    per = batch // plan["dp"]
+    mbs = max(m for m in range(1, int(plan["micro_batch_size"]) + 1)
+              if per % m == 0 and per // m >= plan["pp"])
+    return {**plan, "micro_batch_size": mbs}
+
+
+def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]:
+    """Policy name → config overrides (common settings first)."""
+    b0, bmax = args.initial_batch, max(args.static)
+    common = [f"model.name={args.model!r}", f"parallel.nproc={args.nproc}",
+              f"train.max_tokens={args.max_tokens}", f"train.warmup_tokens={args.warmup_tokens}",
+              f"train.lr={args.lr}", "gns.max_rel_err=1.0", "checkpoint.interval_steps=0",
+              "checkpoint.keep=1", "log.progress=false", "log.tensorboard=false",
+              "eval.interval_steps=0",
+              f"eval.num_samples={args.eval_samples}", f"batch.ramp_to={bmax}", *args.set]
+    start = start_plan_for_layout(best[b0], b0)
+    large = start_plan_for_layout(best[bmax], b0)
+    adaptive = [f"batch.initial={b0}", f"batch.min={b0}", f"batch.max={bmax}"]
+    specs: dict[str, list[str]] = {}
+    for b in args.static:
+        lr = args.lr * math.sqrt(b / b0)
+        specs[f"static-{b}"] = [*common, "batch.policy='constant'", f"batch.initial={b}",
+                                f"batch.min={min(b, b0)}", f"batch.max={max(b, bmax)}",
+                                f"train.lr={lr:.6g}", *plan_overrides(best[b])]
+    ramp = [f"batch.ramp_samples={args.max_tokens // seq_len // 2}"]
+    specs["ramp"] = [*common, "batch.policy='ramp'", *adaptive, *ramp, *plan_overrides(start)]
+    specs["norm-test"] = [*common, "batch.policy='norm-test'", *adaptive, *plan_overrides(start)]
+    specs["gns-start"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(start)]
+    specs["gns-large"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(large)]
+    specs["goodput"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
+    return specs
+
+
+def group_of(policy: str) -> str:
+    if policy.startswith("static-"):
+        return STATIC_GROUP
+    return CBS_GROUP if policy.startswith("gns-") else "other"
+
+
+# --------------------------------------------------------------------------- running
+def profile(args, out: Path) -> list[dict]:
+    """`copus profile` over the static batches (the tuning the baselines get for free)."""
+    batches = sorted({args.initial_batch, *args.static})
+    cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model",
+           args.model, "--global-batch", ",".join(map(str, batches)), "--micro-batch-sizes",
+           "1,2,4,8,16", "--steps", str(args.profile_steps), "--out", str(out)]
+    for s in args.set:
+        cmd += ["--set", s]
+    print("profiling:", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "profile.json").read_text())
+
+
+def run_seed(args, specs: dict[str, list[str]], seed: int, order: list[str], root: Path) -> None:
+    """All policies of one seed in one worker set, in `order`, after a discarded warm-up."""
+    from copus.config import load_config
+    from copus.runtime.launch import launch
+
+    seed_dir = root / f"seed{seed}"
+    seed_dir.mkdir(parents=True, exist_ok=True)
+    every = max(args.max_tokens // args.num_evals, 1)
+    warm = [*specs[order[0]], "train.max_steps=3"]
+    runs = [{"name": "warmup", "run_dir": str(seed_dir / "_warmup"), "overrides": warm,
+             "eval_every_tokens": 1 << 62}]
+    runs += [{"name": p, "run_dir": str(seed_dir / p), "overrides": [*specs[p], f"train.seed={seed}"],
+              "eval_every_tokens": every} for p in order]
+    for r in runs:
+        load_config(None, r["overrides"])          # a bad setting fails here, not in a worker
+        shutil.rmtree(r["run_dir"], ignore_errors=True)   # a writer appends to an old folder
+    (seed_dir / REQUEST).write_text(json.dumps({"runs": runs}, indent=1))
+    cfg = load_config(None, specs[order[0]])
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    launch(cfg, str(seed_dir), entry=_worker, max_restarts=0)
+    info = {"seed": seed, "order": order, "wall_s": time.perf_counter() - t0,
+            "load_avg_1min": [load0, os.getloadavg()[0]]}
+    (seed_dir / "seed.json").write_text(json.dumps(info))
+    print(f"seed {seed}: {', '.join(order)} in {info['wall_s']:.0f} s, load average "
+          f"{load0:.1f} -> {info['load_avg_1min'][1]:.1f}", flush=True)
+
+
+# --------------------------------------------------------------------------- analysis (pure)
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def eval_curve(run_dir: Path) -> tuple[list[float], list[float], float]:
+    """(training wall times excluding evaluation, val losses, total eval seconds) of one run."""
+    step_wall = {int(r["step"]): float(r["wall_s"]) for r in read_jsonl(run_dir / "metrics.jsonl")}
+    times, losses, eval_total = [], [], 0.0
+    for e in read_jsonl(run_dir / "eval.jsonl"):
+        w = step_wall.get(int(e["step"]))
+        if w is None or e.get("val_loss") is None or not math.isfinite(e["val_loss"]):
+            continue
+        times.append(w - eval_total)
+        losses.append(float(e["val_loss"]))
+        eval_total += max(float(e["wall_s"]) - w, 0.0)
+    return times, losses, eval_total
+
+
+def time_to_target(times: list[float], losses: list[float], target: float) -> float:
+    """First crossing of `target`, linear between the bracketing evaluations (NaN: never)."""
+    for i, (t, v) in enumerate(zip(times, losses)):
+        if v <= target:
+            if i == 0:
+                return t
+            t0, v0 = times[i - 1], losses[i - 1]
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+    return math.nan
+
+
+def loss_at(times: list[float], losses: list[float], when: float) -> float:
+    """Val loss at wall time `when`, linear between evaluations (NaN outside the run)."""
+    for i in range(1, len(times)):
+        if times[i - 1] <= when <= times[i]:
+            f = (when - times[i - 1]) / max(times[i] - times[i - 1], 1e-12)
+            return losses[i - 1] + f * (losses[i] - losses[i - 1])
+    return math.nan
+
+
+def auto_targets(curves: dict, n: int = 4) -> list[float]:
+    """n targets from the median loss at a quarter of each run to the median best loss."""
+    hi = statistics.median(loss_at(t, v, t[-1] * 0.25) for t, v in curves.values() if len(t) > 1)
+    lo = statistics.median(min(v) for _, v in curves.values() if v)
+    return [round(hi + (lo - hi) * k / (n - 1), 3) for k in range(n)]
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def speedups(tt: dict[str, dict[int, float]], seeds: list[int], group: str | None) -> dict:
+    """goodput vs the baseline (in `group`, None = any) with the lowest mean time at a target."""
+    base = {p: s for p, s in tt.items() if p != "goodput" and (group is None or group_of(p) == group)}
+    reached = {p: _mean([s[k] for k in seeds]) for p, s in base.items()
+               if all(not math.isnan(s[k]) for k in seeds)}
+    if not reached or "goodput" not in tt:
+        return {"baseline": None}
+    best = min(reached, key=reached.get)
+    per_seed = [(tt[best][k] - tt["goodput"][k]) / tt[best][k] for k in seeds]
+    finite = [x for x in per_seed if not math.isnan(x)]
+    return {"baseline": best, "per_seed": per_seed,
+            "mean": _mean(per_seed), "min": min(finite) if finite else math.nan,
+            "max": max(finite) if finite else math.nan,
+            "of_means": (reached[best] - _mean([tt["goodput"][k] for k in seeds])) / reached[best]}
+
+
+def analyse(root: Path, targets: list[float] | None, times_at: list[float] | None) -> dict:
+    """Time to each target and loss at fixed times for every run under root/seed*/policy/."""
+    curves, meta = {}, {}
+    for seed_dir in sorted(root.glob("seed*")):
+        seed = int(seed_dir.name[4:])
+        for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
+            t, v, ev = eval_curve(run)
+            if len(t) < 2:
+                continue
+            curves[(run.name, seed)] = (t, v)
+            steps = read_jsonl(run / "metrics.jsonl")
+            meta[(run.name, seed)] = {"eval_s": ev, "train_wall_s": steps[-1]["wall_s"] - ev,
+                                      "tokens": steps[-1]["tokens"], "steps": steps[-1]["step"],
+                                      "batch_end": steps[-1].get("global_batch_size"),
+                                      "layouts": sorted({f"{r.get('dp')}x{r.get('tp')}x{r.get('pp')}"
+                                                         for r in steps})}
+    if not curves:
+        raise ValueError(f"no runs with >= 2 evaluations under {root}")
+    policies = sorted({p for p, _ in curves}, key=lambda p: (ALL_POLICIES + (p,)).index(p))
+    seeds = sorted({s for _, s in curves})
+    targets = targets or auto_targets(curves)
+    shortest = min(t[-1] for t, _ in curves.values())
+    times_at = times_at or [round(shortest * f, 1) for f in (0.25, 0.5, 0.75, 1.0)]
+    empty = ([], [])
+    tt = {f"{x:g}": {p: {s: time_to_target(*curves.get((p, s), empty), x) for s in seeds}
+                     for p in policies} for x in targets}
+    la = {f"{w:g}": {p: {s: loss_at(*curves.get((p, s), empty), w) for s in seeds}
+                     for p in policies} for w in times_at}
+    return {
+        "targets": targets, "times_s": times_at, "seeds": seeds, "policies": policies,
+        "time_to_target_s": tt, "loss_at_time": la,
+        "speedup": {x: {"static": speedups(tt[x], seeds, STATIC_GROUP),
+                        "cbs": speedups(tt[x], seeds, CBS_GROUP),
+                        "any": speedups(tt[x], seeds, None)} for x in tt},
+        "runs": {f"{p}/seed{s}": m for (p, s), m in meta.items()},
+    }
+
+
+# --------------------------------------------------------------------------- report
+def _cell(xs: list[float], spec: str = ".0f") -> str:
+    ok = [x for x in xs if not math.isnan(x)]
+    if not ok:
+        return "–"
+    m = statistics.fmean(ok)
+    miss = f" ({len(xs) - len(ok)} miss)" if len(ok) < len(xs) else ""
+    return (f"{m:{spec}} ± {statistics.stdev(ok):{spec}}" if len(ok) > 1 else f"{m:{spec}}") + miss
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None or math.isnan(x) else f"{100 * x:+.1f}%"
+
+
+def markdown(res: dict) -> str:
+    seeds, pols = res["seeds"], res["policies"]
+    keys = list(res["time_to_target_s"])
+    lines = [f"Time to target validation loss (s, mean ± sd over seeds {seeds}; training wall "
+             "time without evaluation) and loss at fixed wall times.", "",
+             "| policy | " + " | ".join(f"t→{k}" for k in keys) + " | "
+             + " | ".join(f"loss@{w}s" for w in res["loss_at_time"]) + " |",
+             "|" + "---|" * (1 + len(keys) + len(res["loss_at_time"]))]
+    for p in pols:
+        cells = [_cell([res["time_to_target_s"][k][p][s] for s in seeds]) for k in keys]
+        cells += [_cell([res["loss_at_time"][w][p][s] for s in seeds], ".3f")
+                  for w in res["loss_at_time"]]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines += ["", "Speed-up of goodput = (T_base − T_goodput)/T_base, T_base = the baseline with "
+              "the lowest mean time at that target; mean [min, max] of the per-seed speed-ups.", "",
+              "| target | best static | vs static | best CBS | vs CBS | best of all | vs all |",
+              "|---|---|---|---|---|---|---|"]
+    for k in keys:
+        row = [k]
+        for g in ("static", "cbs", "any"):
+            s = res["speedup"][k][g]
+            row += [s["baseline"] or "–", "–" if s["baseline"] is None else
+                    f"{_pct(s['mean'])} [{_pct(s['min'])}, {_pct(s['max'])}]"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+def _json_safe(x):
+    """NaN → None (strict JSON), int dict keys → str."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def _floats(text: str) -> list[float] | None:
+    return None if text in ("", "auto") else [float(x) for x in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--policies", default=",".join(ALL_POLICIES))
+    ap.add_argument("--static", default="8,32,128", help="static global batch sizes")
+    ap.add_argument("--initial-batch", type=int, default=8, help="B0: start of adaptive policies")
+    ap.add_argument("--max-tokens", type=int, default=400_000)
+    ap.add_argument("--warmup-tokens", type=int, default=25_000)
+    ap.add_argument("--lr", type=float, default=3e-3, help="LR at B0 (sqrt rule above it)")
+    ap.add_argument("--num-evals", type=int, default=50,
+                    help="evaluate every max_tokens/num_evals tokens (same grid for every run)")
+    ap.add_argument("--eval-samples", type=int, default=32, help="fixed validation windows")
+    ap.add_argument("--targets", default="auto", help="val-loss targets, or auto")
+    ap.add_argument("--times", default="auto", help="wall times (s) for loss-at-time, or auto")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--profile", default="", help="a copus profile.json to reuse")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="extra config override for every run and the profile")
+    ap.add_argument("--runs", default="", help="run folders root (default runs/time_to_target)")
+    ap.add_argument("--from", dest="from_", default="", help="analyse this runs root only")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 4 policies, 40k tokens")
+    ap.add_argument("--out", default="", help="JSON path (default bench/results/time_to_target.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.max_tokens, args.warmup_tokens = "0", 40_000, 5_000
+        args.policies, args.static, args.num_evals = "static-8,static-32,gns-start,goodput", "8,32", 20
+        args.profile_steps = 1
+    args.static = [int(x) for x in args.static.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    out = Path(args.out) if args.out else RESULTS / ("time_to_target_quick.json" if args.quick
+                                                      else "time_to_target.json")
+    root = Path(args.from_ or args.runs or ("runs/time_to_target" + ("_quick" if args.quick else "")))
+    if not args.from_:
+        from copus.core.models import get_model_shape
+
+        seq_len = get_model_shape(args.model).seq_len
+        rows = (json.loads(Path(args.profile).read_text()) if args.profile
+                else profile(args, root / "profile"))
+        specs = run_specs(args, best_plans(rows), seq_len)
+        unknown = [p for p in policies if p not in specs]
+        if unknown:
+            raise ValueError(f"--policies: {unknown} unknown; allowed: {', '.join(specs)}")
+        (root / "specs.json").write_text(json.dumps({p: specs[p] for p in policies}, indent=1))
+        for i, seed in enumerate(seeds):
+            k = i % len(policies)
+            run_seed(args, specs, seed, policies[k:] + policies[:k], root)
+    res = analyse(root, _floats(args.targets), _floats(args.times))
+    if (root / "specs.json").exists():
+        res["specs"] = json.loads((root / "specs.json").read_text())
+    res["seed_runs"] = [json.loads(p.read_text()) for p in sorted(root.glob("seed*/seed.json"))]
+    res["command"] = "python bench/time_to_target.py " + " ".join(argv if argv is not None
+                                                                   else sys.argv[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_json_safe(res), indent=1))
+    table = markdown(res)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

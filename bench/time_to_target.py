@@ -410,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"--policies: {unknown} unknown; allowed: {', '.join(specs)}")
         (root / "specs.json").write_text(json.dumps({p: specs[p] for p in policies}, indent=1))
-        for i, seed in enumerate(seeds):
-            k = i % len(policies)
-            run_seed(args, specs, seed, policies[k:] + policies[:k], root)
+        for i, seed in enumerate(seeds):      # each policy at a different place per seed
+            k = i * len(policies) // len(seeds)
+            order = policies[k:] + policies[:k]
+            run_seed(args, specs, seed, order[::-1] if i % 2 else order, root)
     res = analyse(root, _floats(args.targets), _floats(args.times))
     if (root / "specs.json").exists():
         res["specs"] = json.loads((root / "specs.json").read_text())

@@ -161,6 +161,11 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
                  nproc: int, max_restarts: int) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Restarted workers must not share the agent's TCPStore: its keys carry no per-round prefix,
+    # so a restarted rank can read the killed generation's gloo address and fail with
+    # "Connection refused" (seen in bench/faults.py; pytorch/pytorch#135712). Opting out gives
+    # every round a fresh store hosted by its rank 0.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"copus-{uuid.uuid4().hex[:8]}",

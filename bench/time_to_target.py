@@ -309,6 +309,81 @@ def analyse(root: Path, targets: list[float] | None, times_at: list[float] | Non
     }
 
 
+# --------------------------------------------------------------------------- why (diagnostics)
+def _plan_key(row: dict) -> tuple:
+    return tuple(int(row.get(k) or 0) for k in ("dp", "tp", "pp", "micro_batch_size",
+                                                "global_batch_size"))
+
+
+def train_wall_at(run_dir: Path, steps: list[dict], step: int) -> float:
+    """wall_s at `step` minus the evaluations before it."""
+    wall = {int(r["step"]): float(r["wall_s"]) for r in steps}
+    evals = [e for e in read_jsonl(run_dir / "eval.jsonl") if int(e["step"]) < step]
+    return wall[step] - sum(max(float(e["wall_s"]) - wall[int(e["step"])], 0.0) for e in evals)
+
+
+def noise_floor(root: Path) -> dict:
+    """Wall-time spread of runs that trained IDENTICALLY so far (same plan, batch and seed, so
+    the same losses): at the last step before any of them changed plan, (max − min)/min of
+    wall_s. This is what timing noise alone does to a time-to-target on this machine."""
+    out = {}
+    for seed_dir in sorted(root.glob("seed*")):
+        groups: dict[tuple, list[tuple[str, list[dict]]]] = {}
+        for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
+            steps = read_jsonl(run / "metrics.jsonl")
+            if steps:
+                groups.setdefault(_plan_key(steps[0]), []).append((run.name, steps))
+        for key, runs in groups.items():
+            if len(runs) < 2:
+                continue
+            common = min(next((int(r["step"]) - 1 for r in st if _plan_key(r) != key),
+                              int(st[-1]["step"])) for _, st in runs)
+            if common < 2:
+                continue
+            walls = {name: train_wall_at(seed_dir / name, st, common) for name, st in runs}
+            lo = min(walls.values())
+            out[f"{seed_dir.name}/B{key[-1]}"] = {"steps": common, "wall_s": walls,
+                                                  "spread": (max(walls.values()) - lo) / lo}
+    return out
+
+
+def run_costs(run_dir: Path) -> dict:
+    """Decisions, layout switches and their measured cost, batch trajectory, tokens/s."""
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    dec = [d for d in read_jsonl(run_dir / "decisions.jsonl") if d.get("applied", True)]
+    switches = [d for d in dec if d.get("kind") != "batch"]
+    batches, layouts = [], []
+    for r in steps:
+        b, lay = r.get("global_batch_size"), f"{r.get('dp')}x{r.get('tp')}x{r.get('pp')}"
+        if not batches or batches[-1][1] != b:
+            batches.append((r["tokens"], b))
+        if not layouts or layouts[-1][1] != lay:
+            layouts.append((r["tokens"], lay))
+    return {"num_decisions": len(dec), "num_layout_switches": len(switches),
+            "switch_s": sum(float(d.get("switch_s") or 0.0) for d in dec),
+            "batch_at_tokens": batches, "layout_at_tokens": layouts,
+            "b_noise_end": steps[-1].get("b_noise") if steps else None}
+
+
+def throughput_surface(rows: list[dict]) -> dict:
+    """Per global batch from the profile: the fastest plan, and how much slower the fastest plan
+    of every other layout is (a flat surface leaves the layout choice little to win)."""
+    out = {}
+    for b in sorted({int(r["global_batch_size"]) for r in rows}):
+        by_layout: dict[str, dict] = {}
+        for r in rows:
+            if int(r["global_batch_size"]) == b:
+                lay = f"{r['dp']}x{r['tp']}x{r['pp']}"
+                if lay not in by_layout or r["samples_per_s"] > by_layout[lay]["samples_per_s"]:
+                    by_layout[lay] = r
+        best = max(by_layout.values(), key=lambda r: r["samples_per_s"])
+        out[str(b)] = {"best": f"{best['dp']}x{best['tp']}x{best['pp']} mb{best['micro_batch_size']}",
+                       "samples_per_s": best["samples_per_s"],
+                       "layout_vs_best": {k: round(v["samples_per_s"] / best["samples_per_s"], 3)
+                                          for k, v in sorted(by_layout.items())}}
+    return out
+
+
 # --------------------------------------------------------------------------- report
 def _cell(xs: list[float], spec: str = ".0f") -> str:
     ok = [x for x in xs if not math.isnan(x)]
@@ -347,7 +422,29 @@ def markdown(res: dict) -> str:
             row += [s["baseline"] or "–", "–" if s["baseline"] is None else
                     f"{_pct(s['mean'])} [{_pct(s['min'])}, {_pct(s['max'])}]"]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + diagnostics_lines(res)) + "\n"
+
+
+def diagnostics_lines(res: dict) -> list[str]:
+    """Timing noise, goodput's switches and the profiled throughput surface, in a few lines."""
+    out = ["", "Diagnostics:"]
+    nf = res.get("noise_floor", {})
+    if nf:
+        spreads = ", ".join(f"{k} {100 * v['spread']:.0f}% over {v['steps']} steps"
+                            for k, v in nf.items())
+        out.append(f"- timing noise (runs with identical steps so far; (max-min)/min of training "
+                   f"wall time): {spreads}")
+    for name, c in sorted(res.get("costs", {}).items()):
+        if name.startswith("goodput/"):
+            b = " → ".join(f"{bs}@{t // 1000}k" for t, bs in c["batch_at_tokens"])
+            lay = " → ".join(f"{x}@{t // 1000}k" for t, x in c["layout_at_tokens"])
+            out.append(f"- {name}: {c['num_decisions']} decisions, {c['num_layout_switches']} "
+                       f"layout switches ({c['switch_s']:.1f} s); batch {b}; layouts {lay}")
+    for b, t in res.get("throughput_surface", {}).items():
+        others = ", ".join(f"{k} {v:.2f}" for k, v in t["layout_vs_best"].items())
+        out.append(f"- profile B={b}: fastest {t['best']} ({t['samples_per_s']:.1f} samples/s); "
+                   f"best plan per layout relative to it: {others}")
+    return out
 
 
 # --------------------------------------------------------------------------- main
@@ -418,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     if (root / "specs.json").exists():
         res["specs"] = json.loads((root / "specs.json").read_text())
     res["seed_runs"] = [json.loads(p.read_text()) for p in sorted(root.glob("seed*/seed.json"))]
+    res["noise_floor"] = noise_floor(root)
+    res["costs"] = {f"{r.name}/{r.parent.name}": run_costs(r)
+                    for r in sorted(root.glob("seed*/*")) if r.is_dir() and r.name != "_warmup"}
+    if (root / "profile" / "profile.json").exists():
+        res["throughput_surface"] = throughput_surface(
+            json.loads((root / "profile" / "profile.json").read_text()))
     res["command"] = "python bench/time_to_target.py " + " ".join(argv if argv is not None
                                                                    else sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -157,16 +157,22 @@ def group_of(policy: str) -> str:
 
 # --------------------------------------------------------------------------- running
 def profile(args, out: Path) -> list[dict]:
-    """`copus profile` over the static batches (the tuning the baselines get for free)."""
-    batches = sorted({args.initial_batch, *args.static})
-    cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model",
-           args.model, "--global-batch", ",".join(map(str, batches)), "--micro-batch-sizes",
-           "1,2,4,8,16", "--steps", str(args.profile_steps), "--out", str(out)]
-    for s in args.set:
-        cmd += ["--set", s]
-    print("profiling:", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True)
-    return json.loads((out / "profile.json").read_text())
+    """`copus profile` at each static batch (the tuning the baselines get for free), with
+    micro-batches ≥ B/16 (≤ 16 sequential micro-batches: smaller ones are slow and never best)."""
+    rows = []
+    for b in sorted({args.initial_batch, *args.static}):
+        mbs = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= b and 16 * m >= b]
+        cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model",
+               args.model, "--global-batch", str(b), "--micro-batch-sizes",
+               ",".join(map(str, mbs)), "--steps", str(args.profile_steps), "--out",
+               str(out / f"B{b}")]
+        for s in args.set:
+            cmd += ["--set", s]
+        print("profiling:", " ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=True)
+        rows += json.loads((out / f"B{b}" / "profile.json").read_text())
+    (out / "profile.json").write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 def run_seed(args, specs: dict[str, list[str]], seed: int, order: list[str], root: Path) -> None:
@@ -478,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--profile", default="", help="a copus profile.json to reuse")
-    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="extra config override for every run and the profile")
     ap.add_argument("--runs", default="", help="run folders root (default runs/time_to_target)")

@@ -312,6 +312,7 @@ def analyse(root: Path, targets: list[float] | None, times_at: list[float] | Non
                         "cbs": speedups(tt[x], seeds, CBS_GROUP),
                         "any": speedups(tt[x], seeds, None)} for x in tt},
         "runs": {f"{p}/seed{s}": m for (p, s), m in meta.items()},
+        "curves": {f"{p}/seed{s}": {"train_s": t, "val_loss": v} for (p, s), (t, v) in curves.items()},
     }
 
 
@@ -453,6 +454,33 @@ def diagnostics_lines(res: dict) -> list[str]:
     return out
 
 
+def plot(res: dict, seed: int, path: Path) -> None:
+    """Validation loss vs training wall time (evaluation excluded), one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for p in res["policies"]:
+        c = res["curves"].get(f"{p}/seed{seed}")
+        if c:
+            ax.plot(c["train_s"], c["val_loss"], label=p, lw=2.2 if p == "goodput" else 1.2,
+                    color="black" if p == "goodput" else None)
+    for x in res["targets"]:
+        ax.axhline(x, color="grey", lw=0.5, ls=":")
+    lo = min(res["targets"]) - 0.15
+    ax.set_ylim(lo, max(res["targets"]) + 0.6)
+    ax.set_xlabel("training wall time, evaluation excluded (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"tiny model, 4 CPU ranks, seed {seed}; dotted: targets")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- main
 def _json_safe(x):
     """NaN → None (strict JSON), int dict keys → str."""
@@ -491,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="from_", default="", help="analyse this runs root only")
     ap.add_argument("--quick", action="store_true", help="1 seed, 4 policies, 40k tokens")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/time_to_target.json)")
+    ap.add_argument("--plot", default="", help="PNG: val loss vs time of the first seed")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.max_tokens, args.warmup_tokens = "0", 40_000, 5_000
@@ -531,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                    else sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_json_safe(res), indent=1))
+    if args.plot:
+        plot(res, res["seeds"][0], Path(args.plot))
     table = markdown(res)
     out.with_suffix(".md").write_text(table)
     print(table)

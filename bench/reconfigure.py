@@ -208,7 +208,8 @@ def checkpoint_restart(args: dict, tr: str, rep: int, root: Path) -> dict:
             "first_step_s": loaded["first_step_s"]}
 
 
-def summarise(inproc: list[dict], restart: list[dict], transitions: list[str]) -> list[dict]:
+def summarise(inproc: list[dict], restart: list[dict], transitions: list[str],
+              nproc: int) -> list[dict]:
     """Medians per transition and over all transitions ("all"), with the ratios."""
     out = []
     for tr in [*transitions, "all"]:
@@ -223,7 +224,11 @@ def summarise(inproc: list[dict], restart: list[dict], transitions: list[str]) -
                    [r["wall_s"] + r["first_step_s"] for r in a])),
                **{k: med(a, k) for k in ("stage_s", "teardown_s", "build_s", "load_s",
                                          "step_s", "rss_before_mb", "rss_peak_mb")},
+               "state_mb_per_rank": float(np.median([r["staged_bytes"] for r in a])) / nproc / 2**20,
+               "rss_peak_delta_mb": float(np.median(
+                   [r["rss_peak_mb"] - r["rss_before_mb"] for r in a])),
                "restart_s": med(b, "restart_s"),
+               "restart_until_worker_entry_s": med(b, "spawn_to_entry_s"),
                "restart_to_first_step_s": med(b, "restart_to_first_step_s")}
         row["ratio"] = row["restart_s"] / row["in_process_s"]
         row["ratio_to_first_step"] = (row["restart_to_first_step_s"]
@@ -242,7 +247,16 @@ def main() -> None:
     ap.add_argument("--transitions", default=",".join(TRANSITIONS),
                     help="chained layout changes, e.g. dp4>dp2tp2,dp2tp2>pp2dp2,pp2dp2>dp4")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--from-json", default="", help="re-summarise a saved result, run nothing")
     ns = ap.parse_args()
+    if ns.from_json:
+        result = json.loads(Path(ns.from_json).read_text())
+        result["summary"] = summarise(result["in_process"], result["checkpoint_restart"],
+                                      list(dict.fromkeys(r["transition"]
+                                                         for r in result["in_process"])),
+                                      result["nproc"])
+        report(result, Path(ns.out))
+        return
     transitions = ns.transitions.split(",")
     for tr in transitions:
         for layout in tr.split(">"):
@@ -258,7 +272,7 @@ def main() -> None:
                    for rep in range(ns.repeats) for tr in transitions]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    summary = summarise(inproc, restart, transitions)
+    summary = summarise(inproc, restart, transitions, ns.nproc)
     result = {"bench": "reconfigure", "model": ns.model, "nproc": ns.nproc, "batch": ns.batch,
               "repeats": ns.repeats, "backend": "gloo", "device": "cpu",
               "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -266,20 +280,27 @@ def main() -> None:
               "target": {"ratio_min": 10.0, "switch_in_steps_max": 3.0},
               "bench_s": time.perf_counter() - t0, "summary": summary,
               "in_process": inproc, "checkpoint_restart": restart}
-    out = Path(ns.out)
+    report(result, Path(ns.out))
+
+
+def report(result: dict, out: Path) -> None:
+    """Write the JSON and print the table."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{ns.model}, {ns.nproc} gloo ranks, B={ns.batch}, median of {ns.repeats} "
-          f"(load avg {load_before:.1f} on {os.cpu_count()} CPUs)")
+    host = result["host"]
+    print(f"{result['model']}, {result['nproc']} gloo ranks, B={result['batch']}, median of "
+          f"{result['repeats']} (load avg {host['loadavg_before']:.1f} on {host['cpus']} CPUs)")
     head = ("transition", "in-proc s", "stage", "teardn", "build", "load", "restart s", "ratio",
-            "+1st step", "step s", "switch/step")
+            "+1st step", "step s", "switch/step", "peak ΔMB", "state MB")
     print(" ".join(f"{h:>13}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
-    for r in summary:
+    for r in result["summary"]:
         vals = (r["in_process_s"], r["stage_s"], r["teardown_s"], r["build_s"], r["load_s"],
                 r["restart_s"], r["ratio"], r["ratio_to_first_step"], r["step_s"],
-                r["switch_in_steps"])
+                r["switch_in_steps"], r["rss_peak_delta_mb"], r["state_mb_per_rank"])
         print(f"{r['transition']:>13} " + " ".join(f"{v:9.3f}" for v in vals))
-    print(f"wrote {out}")
+    print(f"ratio = restart / in-process to ready; '+1st step' = the same ratio including the first "
+          f"step; peak ΔMB = per-rank RSS peak during the switch − before; state MB = staged "
+          f"model+AdamW state per rank\nwrote {out}")
 
 
 if __name__ == "__main__":

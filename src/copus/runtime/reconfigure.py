@@ -281,7 +281,7 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[[ParallelPlan], An
     meter.lap("build_s")
     model_sd, optim_sd = new.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(stage))
+    dcp.load(state, checkpoint_id=str(stage), no_dist=True)   # every rank plans its own reads
     new.load_state(state["model"], state["optim"])
     del state, model_sd, optim_sd
     _restore_rng(rng, device)

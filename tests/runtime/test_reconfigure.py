@@ -306,3 +306,20 @@ def test_same_layout_is_refused_before_any_work():
     engine = SimpleNamespace(plan=DP4, device="cpu")
     with pytest.raises(ValueError, match=r"layout \(4, 1, 1\) is unchanged"):
         switch_engine(engine, DP4.with_batch(16), lambda plan: None)
+
+
+def test_stage_dir_needs_room_and_falls_back_to_the_shared_folder(tmp_path, monkeypatch):
+    import torch
+
+    from copus.runtime import reconfigure as rc
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(rc, "SHM_ROOT", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    path, kind = rc.make_stage_dir(tmp_path / "shared", cpu, local_bytes=1000)
+    assert kind == "shm" and path.parent == tmp_path / "shm" and path.is_dir()
+    path, kind = rc.make_stage_dir(tmp_path / "shared", cpu, prefer_shm=False)
+    assert kind == "disk" and path.parent == tmp_path / "shared"
+    with pytest.raises(ValueError, match="no staging folder with"):
+        rc.make_stage_dir(tmp_path / "shared", cpu, local_bytes=1 << 60)   # no disk that big
+    assert rc.state_bytes({"w": torch.zeros(3, 4), "step": 7}, {"m": torch.zeros(2)}) == 56

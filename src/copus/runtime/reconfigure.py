@@ -6,7 +6,7 @@ boundary, called by every rank with the same plan (the trainer broadcasts rank 0
 
 1. stage   — `get_state_dict` of the old model and AdamW (flattened optimizer state, needed
              when PP is involved: cpu-notes e) and `dcp.save` into a staging folder, in
-             /dev/shm when every rank sees it (RAM, no disk), else under `fallback_root`
+             /dev/shm when every rank sees it and it has room (RAM, no disk), else under `fallback_root`
              (a shared folder, e.g. the run folder, for multi-node jobs);
 2. teardown — the old layout's tensors (weights, gradients, AdamW state, buffers) are freed at
              once by shrinking their storages to zero (`release_tensors`), then
@@ -133,37 +133,56 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _try_mkdtemp(root: Path | None) -> str:
-    """Rank 0: a fresh folder under `root` ("" when `root` is None or not writable)."""
+def _try_mkdtemp(root: Path | None, need_bytes: int) -> str:
+    """Rank 0: a fresh folder under `root`; "" when `root` is None, not writable, or has less
+    than `need_bytes` free (a container's /dev/shm is often only 64 MiB)."""
     if root is None:
         return ""
     try:
         root.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(root).free < need_bytes:
+            return ""
         return tempfile.mkdtemp(prefix="copus-switch-", dir=root)
     except OSError:
         return ""
 
 
+def state_bytes(*state_dicts: dict) -> int:
+    """Bytes of this rank's tensors (DTensor: local shard) in flat state dicts."""
+    total = 0
+    for sd in state_dicts:
+        for v in sd.values():
+            if isinstance(v, DTensor):
+                v = v.to_local()
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
 def make_stage_dir(fallback_root: str | Path | None, device: torch.device,
-                   prefer_shm: bool = True) -> tuple[Path, str]:
-    """A staging folder that EVERY rank sees: (path, "shm" | "disk"). Collective.
+                   prefer_shm: bool = True, local_bytes: int = 0) -> tuple[Path, str]:
+    """A staging folder that EVERY rank sees, with room for every rank's `local_bytes`
+    (+10 % + 16 MiB): (path, "shm" | "disk"). Collective.
 
     Tried in order: /dev/shm (RAM; on one host), `fallback_root` (must be shared by all nodes,
     like a checkpoint folder), the system temp folder. Rank 0 creates it, broadcasts the path,
     and every rank checks that it sees it (one all-reduce); ValueError when none works.
     """
+    total = _allreduce([float(local_bytes)], dist.ReduceOp.SUM, device)[0]
+    need = int(total * 1.1) + (16 << 20)
     roots = ([(SHM_ROOT, "shm")] if prefer_shm and SHM_ROOT.is_dir() else []) + [
         (Path(fallback_root), "disk") if fallback_root is not None else (None, "disk"),
         (Path(tempfile.gettempdir()), "disk")]
     for root, kind in roots:
-        path = _broadcast(_try_mkdtemp(root) if _rank() == 0 else None)
+        path = _broadcast(_try_mkdtemp(root, need) if _rank() == 0 else None)
         seen = bool(path) and os.path.isdir(path)
         if _allreduce([1.0 if seen else 0.0], dist.ReduceOp.MIN, device)[0] == 1.0:
             return Path(path), kind
         if _rank() == 0 and path:
             shutil.rmtree(path, ignore_errors=True)
-    raise ValueError(f"fallback_root={fallback_root!r}: no staging folder is visible to every "
-                     "rank; allowed: a folder on a file system shared by all nodes")
+    raise ValueError(f"fallback_root={fallback_root!r}: no staging folder with {need} bytes "
+                     "free is visible to every rank; allowed: a folder on a file system shared "
+                     "by all nodes")
 
 
 def _folder_bytes(path: Path) -> int:
@@ -262,8 +281,9 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[[ParallelPlan], An
                          "(dp, tp, pp) (same layout: Engine.set_plan)")
     meter = _Meter(device)
     rng = _capture_rng(device)
-    stage, staging = make_stage_dir(fallback_root, device, prefer_shm)
     model_sd, optim_sd = engine.state_dicts()
+    stage, staging = make_stage_dir(fallback_root, device, prefer_shm,
+                                    state_bytes(model_sd, optim_sd))
     dcp.save({"model": model_sd, "optim": optim_sd},
              storage_writer=dcp.FileSystemWriter(stage, sync_files=False))   # scratch: no fsync
     staged = _folder_bytes(stage) if _rank() == 0 else 0   # rank 0 sees every rank's files

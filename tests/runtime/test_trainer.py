@@ -223,7 +223,10 @@ def test_every_sample_consumed_once_across_batch_and_dp_changes(tmp_path):
     assert consumed == GlobalSampler(len(train), cfg.train.seed).ids(0, len(consumed)).tolist()
     assert len(set(consumed)) == len(consumed)
     decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()]
-    assert [d["global_batch_size"] for d in decisions] == [16, 24]
+    assert [d["global_batch_size"] for d in decisions] == [16, 24, 24]   # the last: resume
+    assert decisions[-1]["reason"].startswith("world size changed from 2 to 1: global batch "
+                                              "24 kept; ")
+    assert (decisions[-1]["dp"], decisions[-1]["micro_batch_size"]) == (1, 4)   # mb <= 4
     assert np.isfinite(list(_losses(run).values())).all()
 
 
@@ -260,3 +263,129 @@ def test_eval_rows(dp, pp, mbs, nmb, rows):
                                              num_microbatches=nmb),
                            cfg=load_config(None, ["eval.num_samples=64"]), val_set=range(1000))
     assert Trainer.eval_rows(fake) == rows
+
+
+# ------------------------------------------------------------------------------ elastic world size
+
+
+def resume_report_worker(cfg, run_dir, resume):
+    """Entry: the trainer as `worker` runs it, plus what it holds right after resuming (GNS
+    state, progress, plan) and every step's sample ids."""
+    import os
+
+    from copus.runtime.dist import init_distributed, shutdown
+    from copus.runtime.trainer import Trainer
+
+    rank = os.environ["RANK"]
+    ids = Path(run_dir) / f"ids-rank{rank}-resume{int(resume)}.jsonl"
+
+    def on_batch(step, global_ids, local_ids):
+        with open(ids, "a") as f:
+            f.write(json.dumps({"step": step, "global": global_ids.tolist()}) + "\n")
+
+    device = init_distributed(backend="gloo")
+    trainer = Trainer(cfg, run_dir, device, resume=resume, on_batch=on_batch)
+    try:
+        report = {"gns": trainer.gns.state_dict(), "samples": trainer.progress.samples,
+                  "step": trainer.progress.step, "plan": trainer.plan.layout,
+                  "micro_batch_size": trainer.plan.micro_batch_size}
+        result = trainer.run()
+    finally:
+        trainer.close()
+    shutdown()
+    return {**result, "after_resume": report}
+
+
+@pytest.mark.slow
+def test_resume_at_a_smaller_world_replans_and_keeps_samples_and_gns(tmp_path):
+    """goodput policy, micro-batch fixed at 2: 4 steps at world 2 (dp2 mb2x2), checkpoint;
+    resume at world 1: the controller's replan (B=8 kept, mb2x4) is logged as a reconfigure
+    decision with its reason and candidates; GNS state and the sample offset are the
+    checkpoint's; the ids of all 7 steps are the sampler stream, none repeated."""
+    run = tmp_path / "run"
+    fixed = ["parallel.micro_batch_size=2", "batch.policy='goodput'",
+             "checkpoint.interval_steps=0"]
+    first = _launch(_cfg("parallel.nproc=2", "train.max_steps=4", *fixed), run,
+                    entry=resume_report_worker)
+    assert first["final_plan"]["dp"] == 2 and first["final_plan"]["micro_batch_size"] == 2
+    second = _launch(_cfg("parallel.nproc=1", "train.max_steps=7", *fixed), run, resume=True,
+                     entry=resume_report_worker)
+    saved = json.loads((run / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    after = second["after_resume"]
+    assert after["gns"] == json.loads(json.dumps(saved["gns"]))           # GNS state equal
+    assert saved["gns"]["num_updates"] == 4
+    assert (after["step"], after["samples"]) == (4, 32) == (saved["progress"]["step"],
+                                                            saved["sampler"]["offset"])
+    assert after["plan"] == (1, 1, 1) and after["micro_batch_size"] == 2   # configured mb kept
+    decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()]
+    replans = [d for d in decisions if d.get("resumed_from")]
+    assert len(replans) == 1, decisions
+    d = replans[0]
+    assert d["kind"] == "reconfigure" and d["step"] == 4 and d["resumed_from"] == "step-4"
+    assert d["reason"].startswith("world size changed from 2 to 1: global batch 8 kept; ")
+    assert "goodput controller's" in d["reason"] and d["world_size"] == 1
+    assert (d["dp"], d["micro_batch_size"], d["num_microbatches"]) == (1, 2, 4)
+    assert d["candidates"] and all(c["dp"] * c["tp"] * c["pp"] == 1 and c["micro_batch_size"] == 2
+                                   and c["global_batch_size"] == 8 for c in d["candidates"])
+    by_step: dict[int, list[int]] = {}
+    for f in sorted(run.glob("ids-rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            assert by_step.setdefault(r["step"], r["global"]) == r["global"]
+    assert sorted(by_step) == list(range(1, 8))
+    consumed = [i for s in range(1, 8) for i in by_step[s]]
+    from copus.runtime.data import GlobalSampler, build_datasets
+
+    train, _, _ = build_datasets(_cfg().data, 128, 256)
+    assert consumed == GlobalSampler(len(train), 0).ids(0, 7 * 8).tolist()
+    assert len(set(consumed)) == len(consumed) and second["samples"] == 7 * 8
+
+
+def test_auto_resume_only_continues_the_same_run():
+    """Under an elastic launcher a checkpoint is continued when it carries this run id (host
+    died or joined); one of another run only after a failure restart and without an id."""
+    from types import SimpleNamespace
+
+    from copus.runtime.trainer import Trainer
+
+    def same(run_id, restarted, saved):
+        return Trainer.same_run(SimpleNamespace(run_id=run_id, restarted=restarted),
+                                {"run_id": saved} if saved != "-" else {})
+
+    assert same("job-1", False, "job-1")          # membership change: restart count stays 0
+    assert not same("job-1", True, "job-2")       # another job's checkpoint in this folder
+    assert same("job-1", True, "-") and not same("job-1", False, "-")   # pre-run-id checkpoints
+    assert same(None, True, None) and not same(None, False, None)
+
+
+def test_elastic_env_helpers():
+    from copus.runtime.launch import elastic_run_id, restart_count
+
+    assert elastic_run_id({"TORCHELASTIC_RUN_ID": "my-run"}) == "my-run"
+    assert elastic_run_id({"TORCHELASTIC_RUN_ID": "none"}) is None    # torchrun's default id
+    assert elastic_run_id({}) is None
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2 and restart_count({}) == 0
+
+
+def test_run_hardware_prices_groups_across_launched_nodes():
+    """CPU: no profile (the calibrated cpu prior). GPUs: the matching profile with the
+    launcher's node shape: on 2 nodes x 8, tp=16 crosses nodes and is priced much slower than
+    on one 16-GPU node; dp2·tp8 keeps tp inside nodes and slows down far less."""
+    from copus.core.fit import prior_model
+    from copus.runtime.launch import run_hardware
+
+    env = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}
+    assert run_hardware("cpu", "", env) is None
+    hw = run_hardware("cuda", "NVIDIA H200", env)
+    assert hw.name == "h100-sxm" and hw.gpus_per_node == 8
+    assert run_hardware("cuda", "NVIDIA A100-SXM4-80GB", env).name == "a100-80gb"
+    one_node = run_hardware("cuda", "NVIDIA H100 80GB HBM3",
+                            {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "16"})
+    assert one_node.gpus_per_node == 16
+    shape = get_model_shape("tinyllama-1.1b")                     # 32 heads
+    two, one = prior_model(shape, hw, 16), prior_model(shape, one_node, 16)
+    tp16 = [np.array([v]) for v in (1, 16, 1, 1, 8)]
+    tp8 = [np.array([v]) for v in (2, 8, 1, 1, 8)]
+    slowdown16 = two.predict(*tp16)[0] / one.predict(*tp16)[0]
+    slowdown8 = two.predict(*tp8)[0] / one.predict(*tp8)[0]   # only its dp pairs cross nodes
+    assert slowdown16 > 1.5 > slowdown8 > 1.0

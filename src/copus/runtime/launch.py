@@ -5,7 +5,7 @@
 - Otherwise `copus train --nproc N` starts N workers with torch's elastic launch API
   (`torch.distributed.launcher.api`): c10d rendezvous on localhost at a free port, spawned
   workers, up to `max_restarts` restarts; a restarted worker resumes from the latest good
-  checkpoint (TORCHELASTIC_RESTART_COUNT > 0).
+  checkpoint of the same run (`elastic_run_id`, see `trainer.worker`).
 - N = 1 without an outer launcher runs in-process with a one-rank process group.
 
 The plan and policy are resolved and validated here, without torch, before anything starts.
@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
 from copus.core.models import ModelShape, get_model_shape
 from copus.core.plan import ParallelPlan, plan_problems
+
+if TYPE_CHECKING:
+    from copus.core.hardware import HardwareProfile
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -77,8 +80,10 @@ def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPla
     return plan
 
 
-def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape):
-    """The configured batch policy (core.policies), starting from `plan`."""
+def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape,
+                    hardware: HardwareProfile | None = None):
+    """The configured batch policy (core.policies), starting from `plan`. `hardware` is the
+    goodput controller's step-time prior (`run_hardware`; None: the "cpu" coefficients)."""
     from copus.core.policies import PolicySettings, make_policy
 
     settings = PolicySettings.from_config(cfg)
@@ -87,10 +92,46 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         c = cfg.controller
         kw = dict(margin=c.margin, lr_aware=c.lr_aware, reconfig_cost_s=c.reconfig_cost_s,
                   allow_reconfigure=c.allow_reconfigure,
-                  refit_interval_steps=c.refit_interval_steps)
+                  refit_interval_steps=c.refit_interval_steps, hardware=hardware)
         if cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
     return make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
+
+
+# Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.
+DEVICE_PROFILES = (("H100", "h100-sxm"), ("H200", "h100-sxm"), ("H800", "h100-sxm"),
+                   ("A100", "a100-80gb"), ("A800", "a100-80gb"), ("MI2", "mi210"))
+
+
+def run_hardware(device_type: str, device_name: str = "",
+                 env: Mapping[str, str] | None = None) -> HardwareProfile | None:
+    """The goodput controller's hardware prior for this run's devices, or None on CPU.
+
+    CPU: None, i.e. the calibrated "cpu" coefficients on one tier (gloo between hosts is priced
+    like gloo inside one). Accelerators: the profile in DEVICE_PROFILES whose key is in
+    `device_name` (default "h100-sxm"; the online fit replaces its coefficients) with the
+    launcher's node shape (`core.topology.launched_hardware`), so a tp/dp/pp group that would
+    span nodes is priced at the inter-node bandwidth.
+    """
+    from copus.core.hardware import get_hardware
+    from copus.core.topology import launched_hardware
+
+    if device_type == "cpu":
+        return None
+    name = next((p for key, p in DEVICE_PROFILES if key in device_name.upper()), "h100-sxm")
+    return launched_hardware(get_hardware(name), env)
+
+
+def elastic_run_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The elastic launcher's run id (torchrun --rdzv-id, or copus's own launcher's), None
+    outside a launcher or for torchrun's default "none" (every job would share it)."""
+    run_id = (os.environ if env is None else env).get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and run_id != "none" else None
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """TORCHELASTIC_RESTART_COUNT: failure restarts so far (a membership change keeps it)."""
+    return int((os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:

@@ -12,8 +12,8 @@ Eval every `eval.interval_steps` on a fixed validation subset, checkpoints every
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,8 +32,11 @@ from copus.core.records import Decision, StepRecord
 from copus.runtime import checkpoint as ckpt
 from copus.runtime.launch import (
     default_micro_batch_size,
+    elastic_run_id,
     initial_plan,
     make_run_policy,
+    restart_count,
+    run_hardware,
     validate_before_launch,
 )
 from copus.runtime.optim import LearningRate, build_learning_rate
@@ -81,9 +84,11 @@ class Trainer:
     """One rank's training run. Build, then `run()`; every rank executes the same calls."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, device: torch.device, *,
-                 resume: bool = False, on_batch: Hook | None = None,
+                 resume: bool = False, auto_resume: bool = False, on_batch: Hook | None = None,
                  policy_factory: PolicyFactory | None = None) -> None:
-        """`on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
+        """`resume`: continue from the latest good checkpoint (TrainingError if none);
+        `auto_resume`: continue from it only if it belongs to this run (`resume`), else start
+        fresh. `on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
         `policy_factory` replaces the configured policy (tests, library use)."""
         from copus.runtime import data as data_mod
         from copus.runtime.dist import MeshCache
@@ -95,8 +100,12 @@ class Trainer:
         self.train_set, self.val_set, _ = data_mod.build_datasets(
             cfg.data, self.shape.seq_len, self.shape.vocab_size)
         self.sampler = data_mod.GlobalSampler(len(self.train_set), cfg.train.seed)
+        self.run_id, self.restarted = elastic_run_id(), restart_count() > 0
         self.plan = initial_plan(cfg, self.world, self.shape)
-        self.policy = (policy_factory or make_run_policy)(cfg, self.plan, self.world, self.shape)
+        self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
+                                     if device.type == "cuda" else "")
+        self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
+                       else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware))
         self.gns = GnsEstimator(DecaySchedule(decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
                                               switch_tokens=cfg.gns.decay_switch_tokens))
         self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
@@ -105,9 +114,9 @@ class Trainer:
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
-        self.engine = self._make_engine(self.plan)
-        if resume:
-            self.resume()
+        self.engine: Any = None          # built by resume() under the plan it chooses
+        if not ((resume or auto_resume) and self.resume(required=resume)):
+            self.engine = self._make_engine(self.plan)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -334,6 +343,7 @@ class Trainer:
             "lr": self.lr.state_dict(),
             "rng": ckpt.rng_state(),
             "model": self.cfg.model.name,
+            "run_id": self.run_id,
         }
 
     def save_checkpoint(self) -> Path:
@@ -343,47 +353,73 @@ class Trainer:
         self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
         return path
 
-    def resume(self) -> None:
-        """Load the latest good checkpoint (any plan/world size); keep the configured plan when
-        the checkpoint's plan does not fit this world."""
+    def resume(self, *, required: bool = True) -> bool:
+        """Load the latest good checkpoint under any plan and world size; return whether one
+        was loaded. `required`: none is a TrainingError (--resume). Otherwise only a checkpoint
+        of this run is loaded (`same_run`), e.g. after torchrun restarted the workers because a
+        host died or joined. The plan is `resume_plan`'s; the tensors are loaded resharded into
+        an engine built for it (DCP); progress (the global sample offset), GNS, policy and LR
+        state come back as saved, the RNG state only at the same world size.
+        """
         path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
         if path is None:
-            raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
-        tensors = self._dcp_state()
-        state = ckpt.load(path, tensors)
-        self.engine.load_state(tensors["model"], tensors["optim"])
-        saved_plan = plan_from_dict(state["plan"])
+            if required:
+                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
+            return False
+        state = json.loads((path / ckpt.TRAINER_STATE).read_text())
+        if not required and not self.same_run(state):
+            self.log(f"not resuming {path.name}: written by run {state.get('run_id')!r}, this "
+                     f"is {self.run_id!r} (pass --resume to continue it); starting at step 0")
+            return False
+        saved = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])
         self.lr.load_state_dict(state["lr"])
+        decision = self.resume_plan(saved, int(state.get("world_size") or 0))
+        self._engine_for(decision.plan if decision is not None else saved)
+        tensors = self._dcp_state()
+        ckpt.load(path, tensors, check=False)      # agree_on_latest verified it
+        self.engine.load_state(tensors["model"], tensors["optim"])
         if state.get("world_size") == self.world:
             ckpt.set_rng_state(state["rng"])
-        if saved_plan.layout == self.plan.layout and not plan_problems(saved_plan, self.world,
-                                                                        self.shape):
-            self.engine.set_plan(saved_plan)
-            self.plan = saved_plan
-        else:
-            self.log(f"resume: checkpoint plan {saved_plan.describe()} does not fit this world "
-                     f"({self.world} ranks, layout {self.plan.layout}); keeping its global batch")
-            self._adopt_batch(saved_plan.global_batch_size)
-        if self.plan.global_batch_size != saved_plan.global_batch_size:
+        if self.plan.global_batch_size != saved.global_batch_size:
             self.lr.on_batch_change(self.plan.global_batch_size, step=self.progress.step,
                                     grad_sqnorm=self.gns.grad_sqnorm,
                                     grad_trace_cov=self.gns.grad_trace_cov)
+        if decision is not None:
+            self.writer.log_decision(decision, applied=True, resumed_from=path.name,
+                                     world_size=self.world, lr_factor=self.lr.factor)
+            self.log(f"resume: {saved.describe()} -> {self.plan.describe()} ({decision.reason})")
         self.log(f"resumed from {path.name}: step {self.progress.step}, "
                  f"{self.progress.tokens} tokens, plan {self.plan.describe()}")
+        return True
 
-    def _adopt_batch(self, global_batch_size: int) -> None:
-        """Same global batch as the checkpoint under this rank's layout (if it divides)."""
-        per = self.plan.dp
-        if global_batch_size % per:
-            return
-        mbs = default_micro_batch_size(global_batch_size // per, self.plan.pp)
-        plan = self.plan.with_batch(global_batch_size, mbs)
-        if not plan_problems(plan, self.world, self.shape):
+    def same_run(self, state: dict) -> bool:
+        """Whether a checkpoint's trainer state belongs to this run: the same elastic run id
+        (torchrun --rdzv-id), or, for a checkpoint without one, a restarted worker."""
+        saved_id = state.get("run_id")
+        if saved_id is not None and self.run_id is not None:
+            return saved_id == self.run_id
+        return self.restarted
+
+    def _engine_for(self, plan: ParallelPlan) -> None:
+        """An engine for `plan`: the current one if its layout matches, else a new one."""
+        if self.engine is not None and self.engine.plan.layout == plan.layout:
             self.engine.set_plan(plan)
-            self.plan = plan
+        else:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = self._make_engine(plan)
+        self.plan = plan
+
+    def resume_plan(self, saved: ParallelPlan, saved_world: int) -> Decision | None:
+        """`runtime.elastic.resume_plan` for this run: None keeps the checkpoint's plan."""
+        from copus.runtime.elastic import resume_plan
+
+        return resume_plan(self.cfg, saved=saved, saved_world=saved_world, world=self.world,
+                           shape=self.shape, policy=self.policy, b_noise=self.gns.b_noise,
+                           initial=self.plan, hardware=self.hardware, step=self.progress.step)
 
     # -- end ----------------------------------------------------------------------------------
 
@@ -423,17 +459,19 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
 
     Deliberate stops (ValueError for a bad setting, TrainingError) come back as
     {"error": message, "kind": "value" | "training"} so the elastic agent does not restart them.
-    A restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest checkpoint.
+    Under an elastic launcher the worker resumes from the latest checkpoint of the same run
+    (`Trainer.same_run`: same TORCHELASTIC_RUN_ID, i.e. torchrun --rdzv-id) whether it was
+    restarted after a failure or because a host joined (a membership change, which keeps
+    TORCHELASTIC_RESTART_COUNT at 0); a checkpoint of another run starts a fresh run.
     """
     from copus.runtime.dist import init_distributed, shutdown
 
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    elastic = elastic_run_id() is not None or restart_count() > 0
     device = init_distributed(backend=cfg.parallel.backend)
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, device, resume=resume or (
-            restarted and bool(ckpt.step_dirs(Path(run_dir) / "checkpoints"))),
-            on_batch=on_batch, policy_factory=policy_factory)
+        trainer = Trainer(cfg, run_dir, device, resume=resume, auto_resume=elastic,
+                          on_batch=on_batch, policy_factory=policy_factory)
         result = trainer.run()
     except ValueError as exc:
         result = {"error": str(exc), "kind": "value"}

@@ -7,14 +7,17 @@ fails in a gloo collective, its agent opens a new rendezvous round, which closes
 and the restarted worker (TORCHELASTIC_RESTART_COUNT=1) resumes from the latest checkpoint under
 a plan for world 1.
 
-Grow (opt-in, see SCALE_UP_GAP): host 1 trains alone, host 2 joins; both agents restart their
-workers into a world of 2, which should resume from the latest checkpoint at dp=2.
+Grow: host 1 trains alone, host 2 joins; both agents restart their workers into a world of 2
+(a membership change: TORCHELASTIC_RESTART_COUNT stays 0), which resume from the latest
+checkpoint of the same run (same --rdzv-id) under a plan replanned for world 2.
 
 Checked: the launcher exits 0; the steps before the checkpoint ran at the old world, the final
-lineage after it at the new one; the steps run twice (before and after the change) have the same
-loss to rel. 1e-5 (same parameters, optimizer state and samples; only the reduction order
-differs); sample accounting: every step of the final lineage advanced the global sample offset by
-its global batch, and the summary's samples/tokens are their sums.
+lineage after it at the new one, under the layout of the one "world size changed from X to Y"
+decision in decisions.jsonl (the replan: global batch kept, the fastest plan of the new world by
+the step-time model, micro-batch as configured); the steps run twice (before and after the change)
+have the same loss to rel. 1e-5 (same parameters, optimizer state and samples; only the reduction
+order differs); sample accounting: every step of the final lineage advanced the global sample
+offset by its global batch, and the summary's samples/tokens are their sums.
 
 The c10d store is served by host 1's agent (the rendezvous endpoint), so host 1 must survive:
 that is c10d's limit, not copus's (etcd-v2 serves the store from outside the job).
@@ -53,10 +56,6 @@ RDZV = dict(last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=3
 # writes again); pytorch/pytorch#135712 documents this switch for elastic restarts.
 ENV = dict(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
-SCALE_UP_GAP = (
-    "copus resumes only when TORCHELASTIC_RESTART_COUNT > 0 (runtime/trainer.py worker); a "
-    "membership-change restart (a host joins) keeps it at 0, so the workers start over from "
-    "step 0 instead of the latest checkpoint")
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -83,7 +82,21 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> No
         time.sleep(0.2)
 
 
-def _check_lineage(run_dir: Path, log: str, dp_before: int, dp_after: int) -> None:
+def _resume_decision(run_dir: Path, world_before: int, world_after: int) -> dict:
+    """The one replan decision the resume logged, with its reason and candidates."""
+    rows = [json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    replans = [d for d in rows if d.get("resumed_from")]
+    assert len(replans) == 1, rows
+    d = replans[0]
+    assert d["reason"].startswith(f"world size changed from {world_before} to {world_after}: "
+                                  f"global batch {BATCH} kept; "), d["reason"]
+    assert d["kind"] == "reconfigure" and d["global_batch_size"] == BATCH
+    assert d["dp"] * d["tp"] * d["pp"] == world_after and d["micro_batch_size"] == 2
+    assert d["candidates"][0]["dp"] == d["dp"] and len(d["candidates"]) >= 1
+    return d
+
+
+def _check_lineage(run_dir: Path, log: str, world_before: int, world_after: int) -> None:
     """One membership change: rows of the first attempt, then the resumed attempt."""
     found = re.search(r"resumed from step-(\d+)", log)
     assert found, log[-4000:]
@@ -95,9 +108,12 @@ def _check_lineage(run_dir: Path, log: str, dp_before: int, dp_after: int) -> No
     first, resumed = rows[:cut], rows[cut:]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))
     assert len(first) >= CHANGE_AFTER
-    assert all(r["dp"] == dp_before for r in first), [r["dp"] for r in first]
+    assert all(r["dp"] == world_before for r in first), [r["dp"] for r in first]  # no fixed dp
     assert [r["step"] for r in resumed] == list(range(ckpt_step + 1, STEPS + 1))
-    assert all((r["dp"], r["tp"], r["pp"]) == (dp_after, 1, 1) for r in resumed)  # replanned
+    replan = _resume_decision(run_dir, world_before, world_after)
+    print(f"replan: {replan['reason']}")
+    layout = (replan["dp"], replan["tp"], replan["pp"])
+    assert all((r["dp"], r["tp"], r["pp"]) == layout for r in resumed)  # replanned
     for before, after in zip(first[ckpt_step:], resumed):  # steps run twice
         assert after["loss"] == pytest.approx(before["loss"], rel=REL_TOL), after["step"]
     offset = 0
@@ -108,7 +124,7 @@ def _check_lineage(run_dir: Path, log: str, dp_before: int, dp_after: int) -> No
     assert summary["steps"] == STEPS
     assert summary["samples"] == STEPS * BATCH == offset
     assert summary["tokens"] == STEPS * BATCH * SEQ_LEN
-    assert summary["final_plan"]["dp"] == dp_after
+    assert tuple(summary["final_plan"][k] for k in ("dp", "tp", "pp")) == layout
 
 
 def test_host_dies_survivor_resumes_at_smaller_world(tmp_path):
@@ -125,12 +141,9 @@ def test_host_dies_survivor_resumes_at_smaller_world(tmp_path):
     print(f"elastic shrink: host 2 killed at {kill_s:.1f} s, finished at {total_s:.1f} s")
     assert results[0][0] == 0, log[-4000:]
     assert results[1][0] != 0  # killed
-    _check_lineage(run_dir, log, dp_before=2, dp_after=1)
+    _check_lineage(run_dir, log, world_before=2, world_after=1)
 
 
-@pytest.mark.skipif(not os.environ.get("COPUS_TEST_SCALE_UP"),
-                    reason=f"known gap, opt-in with COPUS_TEST_SCALE_UP=1: {SCALE_UP_GAP}")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SCALE_UP_GAP)
 def test_host_joins_running_job_and_it_resumes_at_larger_world(tmp_path):
     run_dir = tmp_path / "run"
     with netns.hosts(2) as hosts:
@@ -141,7 +154,7 @@ def test_host_joins_running_job_and_it_resumes_at_larger_world(tmp_path):
         second = _start(hosts[1], hosts, run_dir, tmp_path / "host2.log")
         results = netns.wait_all([first, second], timeout_s=300)
         total_s = time.perf_counter() - t0
-    log = (tmp_path / "host1.log").read_text()
+    log = "".join((tmp_path / f"host{i}.log").read_text() for i in (1, 2))  # rank 0: either
     print(f"elastic grow: host 2 joined at {join_s:.1f} s, finished at {total_s:.1f} s")
     assert [rc for rc, _ in results] == [0, 0], log[-4000:]
-    _check_lineage(run_dir, log, dp_before=1, dp_after=2)
+    _check_lineage(run_dir, log, world_before=1, world_after=2)

@@ -153,6 +153,10 @@ class Engine:
             total = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
                 self.model.set_requires_gradient_sync(i == k - 1)
+                if not self.settings.reshard_after_forward:
+                    # keep parameters gathered across the accumulation, as a pipeline stage
+                    # does: one all-gather per step instead of one per micro-batch
+                    self.model.set_reshard_after_backward(i == k - 1)
                 with self._autocast():
                     loss = token_loss(self.model(x), y)
                 (loss / k).backward()

@@ -227,3 +227,16 @@ def test_real_processes_exit_2_without_traceback(files, tmp_path):
         assert out.stdout == "", out.stdout
         assert not run_dir.exists(), case          # nothing was started
     assert not _pwned(tmp_path)
+
+
+def test_the_default_run_and_good_inputs_pass_validation(monkeypatch, tmp_path, capsys):
+    """The control group: valid command lines reach the launcher (every default is valid)."""
+    from copus.runtime import launch
+
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "launch", lambda cfg, run_dir, **kw: calls.append(cfg) or {})
+    for argv in (["train"], ["train", "--nproc", "1", "--max-steps", "3", "--policy", "ramp"],
+                 ["train", "--set", "parallel.reshard_after_forward=true", "--seed", "7"]):
+        assert main(argv) == 0, capsys.readouterr().err
+    assert len(calls) == 3 and calls[0].parallel.nproc == 2 and calls[2].train.seed == 7

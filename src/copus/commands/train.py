@@ -67,6 +67,11 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _toml_value(v: object) -> str:
+    """A default as a TOML literal (`False` → `false`; numbers as they are)."""
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -99,8 +104,8 @@ def resolve_config(args: argparse.Namespace):
         config_path = str(run_dir / "config.toml")   # resume the run as it was configured
     user = list(args.overrides) + flag_overrides(args)
     named = _named_keys(config_path, user)
-    defaults = [] if args.resume else [f"{s}.{k}={v}" for (s, k), v in DEFAULT_RUN.items()
-                                       if (s, k) not in named]
+    defaults = [] if args.resume else [f"{s}.{k}={_toml_value(v)}"
+                                       for (s, k), v in DEFAULT_RUN.items() if (s, k) not in named]
     if ("train", "max_steps") in named and ("train", "max_tokens") not in named:
         defaults = [d for d in defaults if not d.startswith("train.max_tokens=")]
     cfg = load_config(config_path, defaults + user)

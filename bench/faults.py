@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,11 @@ def train_command(run_dir: Path, steps: int, seed: int) -> list[str]:
             "--set", "eval.interval_steps=0",
             "--set", f"checkpoint.interval_steps={CHECKPOINT_EVERY}",
             "--set", "checkpoint.keep=2", "--set", "log.progress=false",
-            "--set", "log.tensorboard=false", "--set", "train.warmup_tokens=0"]
+            "--set", "log.tensorboard=false", "--set", "train.warmup_tokens=0",
+            # FSDP2 resharding on: under it the controller prefers dp2 to pp2 at its first
+            # decisions on this model (the command's default keeps parameters gathered, under
+            # which pp2 often stays best and no reconfiguration happens in a short run)
+            "--set", "parallel.reshard_after_forward=true"]
 
 
 # ------------------------------------------------------------------------------- processes
@@ -237,19 +242,23 @@ def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
         else:   # a staging folder appears (or one of our workers has a file open in one)
             pids = workers(proc.pid)
             new = staging_dirs() - shm_before
+            rows = read_rows(run_dir)
             if new or any(STAGE_PREFIX in path for pid in pids for path in open_paths(pid)):
                 time.sleep(rng.uniform(0.0, 0.5))
-                rows = read_rows(run_dir)
                 return {"at_step": rows[-1]["step"] if rows else 0,
                         "confirmed": bool(staging_dirs() - shm_before)}
+            if rows and rows[-1]["step"] >= steps - 2:   # no layout change in this run: kill
+                return {"at_step": rows[-1]["step"], "confirmed": False}   # mid-step instead
         time.sleep(0.003)
     return None
 
 
-def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 480.0) -> dict:
-    """One run with one kill -9; returns the trial's findings (see the module docstring)."""
+def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 480.0,
+              phases: tuple[str, ...] = PHASES) -> dict:
+    """One run with one kill -9; returns the trial's findings (see the module docstring).
+    The first trials take each of `phases` in turn, later ones one at random."""
     rng = random.Random(seed * 1000 + index)
-    phase = PHASES[index % len(PHASES)] if index < len(PHASES) else rng.choice(PHASES)
+    phase = phases[index % len(phases)] if index < len(phases) else rng.choice(phases)
     run_dir = root / f"trial-{index:02d}"
     shutil.rmtree(run_dir, ignore_errors=True)
     shm_before = staging_dirs()
@@ -285,6 +294,16 @@ def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 
     return result | analyse(run_dir, steps, result)
 
 
+def resume_points(run_dir: Path, runs: list[list[dict]]) -> list[int]:
+    """Checkpoint steps the restarts resumed from: the trainer's "resumed from step-N" lines in
+    the trial's log (a resume exactly at the last logged step leaves no trace in the metrics),
+    else the metrics' attempts (a restart from scratch, 0, prints no such line)."""
+    log = run_dir.with_suffix(".log")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = [int(m) for m in re.findall(r"resumed from step-(\d+)", text)]
+    return found or [r[0]["step"] - 1 for r in runs[1:]]
+
+
 def analyse(run_dir: Path, steps: int, result: dict) -> dict:
     """The checks of the module docstring on a finished trial's run folder."""
     rows = read_rows(run_dir)
@@ -293,7 +312,7 @@ def analyse(run_dir: Path, steps: int, result: dict) -> dict:
     lost, repeated = sample_accounting(traj)
     compared, mismatches, worst = loss_continuity(rows)
     good, bad = verify_all(run_dir / "checkpoints")
-    resumed_at = [r[0]["step"] - 1 for r in runs[1:]]
+    resumed_at = resume_points(run_dir, runs)
     if not result["killed"]:
         resume_ok = len(runs) <= 1
     else:   # the restart must begin one past the newest checkpoint valid at the kill (0: none)
@@ -316,16 +335,22 @@ def analyse(run_dir: Path, steps: int, result: dict) -> dict:
 
 # ------------------------------------------------------------------------------- many trials
 
-def run_trials(trials: int, steps: int, seed: int, root: Path, echo: bool = True) -> dict:
+def run_trials(trials: int, steps: int, seed: int, root: Path, echo: bool = True,
+               phases: tuple[str, ...] = PHASES) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     results = []
     for i in range(trials):
-        r = run_trial(i, root, steps, seed)
+        r = run_trial(i, root, steps, seed, phases=phases)
         results.append(r)
         if echo:
             print(_row(r), flush=True)
+    return {"summary": summarise(results, steps, seed), "trials": results}
+
+
+def summarise(results: list[dict], steps: int, seed: int) -> dict:
+    trials = len(results)
     killed = [r for r in results if r["killed"]]
-    summary = {
+    return {
         "trials": trials, "steps": steps, "seed": seed,
         "survived": sum(r["survived"] for r in results),
         "killed": len(killed),
@@ -341,7 +366,6 @@ def run_trials(trials: int, steps: int, seed: int, root: Path, echo: bool = True
         "leaked_staging_dirs": sum(len(r["leaked_staging"]) for r in results),
         "mean_trial_s": round(sum(r["wall_s"] for r in results) / max(trials, 1), 1),
     }
-    return {"summary": summary, "trials": results}
 
 
 def _row(r: dict) -> str:
@@ -366,6 +390,14 @@ def print_summary(s: dict) -> None:
           f"folders {s['leaked_staging_dirs']}; mean trial {s['mean_trial_s']} s")
 
 
+def reanalyse(report: dict, root: Path) -> dict:
+    """Recompute every trial's checks from its kept run folder (after changing a check)."""
+    steps = report["summary"]["steps"]
+    trials = [t | analyse(root / f"trial-{t['trial']:02d}", steps, t) for t in report["trials"]]
+    out = summarise(trials, steps, report["summary"]["seed"])
+    return {"summary": out, "trials": trials}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=20)
@@ -373,11 +405,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="run folders (default: a temp folder)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "faults.json"))
+    p.add_argument("--phases", default=",".join(PHASES), help="kill phases to draw from")
+    p.add_argument("--reanalyse", metavar="JSON", help="recheck a finished run (needs --workdir)")
     args = p.parse_args(argv)
     if args.trials < 1 or args.steps < 8:
         p.error("--trials must be >= 1 and --steps >= 8")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="copus-faults-"))
-    report = run_trials(args.trials, args.steps, args.seed, root)
+    if args.reanalyse:
+        if not args.workdir:
+            p.error("--reanalyse needs --workdir (the kept run folders)")
+        report = reanalyse(json.loads(Path(args.reanalyse).read_text()), root)
+    else:
+        phases = tuple(x for x in args.phases.split(",") if x)
+        if not phases or any(x not in PHASES for x in phases):
+            p.error(f"--phases {args.phases!r}: allowed: a comma-separated subset of "
+                    f"{','.join(PHASES)}")
+        report = run_trials(args.trials, args.steps, args.seed, root, phases=phases)
     print_summary(report["summary"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,10 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     specs["gns-start"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(start)]
     specs["gns-large"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(large)]
     specs["goodput"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
+    # diagnostic variants (not baselines): goodput without the LR-aware sqrt(B) factor, and
+    # with the uncalibrated noise scale (c = 1)
+    specs["goodput-nolra"] = [*specs["goodput"], "controller.lr_aware=false"]
+    specs["goodput-c1"] = [*specs["goodput"], "gns.calibration=1.0"]
     return specs
 
 
@@ -197,7 +201,8 @@ def run_seed(args, specs: dict[str, list[str]], seed: int, order: list[str], roo
     launch(cfg, str(seed_dir), entry=_worker, max_restarts=0)
     info = {"seed": seed, "order": order, "wall_s": time.perf_counter() - t0,
             "load_avg_1min": [load0, os.getloadavg()[0]]}
-    (seed_dir / "seed.json").write_text(json.dumps(info))
+    with open(seed_dir / "launches.jsonl", "a") as f:
+        f.write(json.dumps(info) + "\n")
     print(f"seed {seed}: {', '.join(order)} in {info['wall_s']:.0f} s, load average "
           f"{load0:.1f} -> {info['load_avg_1min'][1]:.1f}", flush=True)
 
@@ -227,6 +232,13 @@ def eval_curve(run_dir: Path) -> tuple[list[float], list[float], float]:
         losses.append(float(e["val_loss"]))
         eval_total += max(float(e["wall_s"]) - w, 0.0)
     return times, losses, eval_total
+
+
+def eval_tokens(run_dir: Path) -> tuple[list[float], list[float]]:
+    """(tokens, val losses): the statistical side alone (no clock)."""
+    rows = [e for e in read_jsonl(run_dir / "eval.jsonl")
+            if e.get("val_loss") is not None and math.isfinite(e["val_loss"])]
+    return [float(e["tokens"]) for e in rows], [float(e["val_loss"]) for e in rows]
 
 
 def time_to_target(times: list[float], losses: list[float], target: float) -> float:
@@ -263,7 +275,8 @@ def _mean(xs: list[float]) -> float:
 
 def speedups(tt: dict[str, dict[int, float]], seeds: list[int], group: str | None) -> dict:
     """goodput vs the baseline (in `group`, None = any) with the lowest mean time at a target."""
-    base = {p: s for p, s in tt.items() if p != "goodput" and (group is None or group_of(p) == group)}
+    base = {p: s for p, s in tt.items()
+            if not p.startswith("goodput") and (group is None or group_of(p) == group)}
     reached = {p: _mean([s[k] for k in seeds]) for p, s in base.items()
                if all(not math.isnan(s[k]) for k in seeds)}
     if not reached or "goodput" not in tt:
@@ -279,7 +292,7 @@ def speedups(tt: dict[str, dict[int, float]], seeds: list[int], group: str | Non
 
 def analyse(root: Path, targets: list[float] | None, times_at: list[float] | None) -> dict:
     """Time to each target and loss at fixed times for every run under root/seed*/policy/."""
-    curves, meta = {}, {}
+    curves, tok_curves, meta = {}, {}, {}
     for seed_dir in sorted(root.glob("seed*")):
         seed = int(seed_dir.name[4:])
         for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
@@ -287,6 +300,7 @@ def analyse(root: Path, targets: list[float] | None, times_at: list[float] | Non
             if len(t) < 2:
                 continue
             curves[(run.name, seed)] = (t, v)
+            tok_curves[(run.name, seed)] = eval_tokens(run)
             steps = read_jsonl(run / "metrics.jsonl")
             meta[(run.name, seed)] = {"eval_s": ev, "train_wall_s": steps[-1]["wall_s"] - ev,
                                       "tokens": steps[-1]["tokens"], "steps": steps[-1]["step"],
@@ -305,9 +319,13 @@ def analyse(root: Path, targets: list[float] | None, times_at: list[float] | Non
                      for p in policies} for x in targets}
     la = {f"{w:g}": {p: {s: loss_at(*curves.get((p, s), empty), w) for s in seeds}
                      for p in policies} for w in times_at}
+    most = max(m["tokens"] for m in meta.values())
+    tokens_at = [round(most * f, -3) for f in (0.25, 0.5, 0.95)]
+    lt = {f"{x:g}": {p: {s: loss_at(*tok_curves.get((p, s), empty), x) for s in seeds}
+                     for p in policies} for x in tokens_at}
     return {
         "targets": targets, "times_s": times_at, "seeds": seeds, "policies": policies,
-        "time_to_target_s": tt, "loss_at_time": la,
+        "time_to_target_s": tt, "loss_at_time": la, "loss_at_tokens": lt,
         "speedup": {x: {"static": speedups(tt[x], seeds, STATIC_GROUP),
                         "cbs": speedups(tt[x], seeds, CBS_GROUP),
                         "any": speedups(tt[x], seeds, None)} for x in tt},
@@ -418,6 +436,16 @@ def markdown(res: dict) -> str:
         cells += [_cell([res["loss_at_time"][w][p][s] for s in seeds], ".3f")
                   for w in res["loss_at_time"]]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lt = res.get("loss_at_tokens", {})
+    if lt:
+        lines += ["", "Same tokens, no clock (statistical efficiency) and throughput:", "",
+                  "| policy | " + " | ".join(f"loss@{float(x) / 1000:.0f}k tokens" for x in lt)
+                  + " | tokens/s (train) |", "|" + "---|" * (2 + len(lt))]
+        for p in pols:
+            tps = [res["runs"][f"{p}/seed{s}"]["tokens"] / res["runs"][f"{p}/seed{s}"]["train_wall_s"]
+                   for s in seeds if f"{p}/seed{s}" in res["runs"]]
+            cells = [_cell([lt[x][p][s] for s in seeds], ".3f") for x in lt]
+            lines.append(f"| {p} | " + " | ".join(cells) + f" | {_cell(tps)} |")
     lines += ["", "Speed-up of goodput = (T_base − T_goodput)/T_base, T_base = the baseline with "
               "the lowest mean time at that target; mean [min, max] of the per-seed speed-ups.", "",
               "| target | best static | vs static | best CBS | vs CBS | best of all | vs all |",
@@ -541,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [p for p in policies if p not in specs]
         if unknown:
             raise ValueError(f"--policies: {unknown} unknown; allowed: {', '.join(specs)}")
-        (root / "specs.json").write_text(json.dumps({p: specs[p] for p in policies}, indent=1))
+        old = json.loads((root / "specs.json").read_text()) if (root / "specs.json").exists() else {}
+        (root / "specs.json").write_text(json.dumps({**old, **{p: specs[p] for p in policies}},
+                                                    indent=1))
         for i, seed in enumerate(seeds):      # each policy at a different place per seed
             k = i * len(policies) // len(seeds)
             order = policies[k:] + policies[:k]
@@ -550,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     if (root / "specs.json").exists():
         res["specs"] = json.loads((root / "specs.json").read_text())
     res["seed_runs"] = [json.loads(p.read_text()) for p in sorted(root.glob("seed*/seed.json"))]
+    res["seed_runs"] += [r for p in sorted(root.glob("seed*/launches.jsonl")) for r in read_jsonl(p)]
     res["noise_floor"] = noise_floor(root)
     res["costs"] = {f"{r.name}/{r.parent.name}": run_costs(r)
                     for r in sorted(root.glob("seed*/*")) if r.is_dir() and r.name != "_warmup"}

@@ -20,6 +20,8 @@ Policies (COPUS §3.1 baselines):
   gns-large    CBS with the layout tuned for the largest static batch ("optimistic"); the
                micro-batch is the largest that divides B0/dp (batch policies keep it fixed).
   goodput      COPUS: batch, micro-batch and (dp, tp, pp) chosen by goodput; starts on the B0 plan.
+  goodput-nolra, goodput-c1   diagnostics, not baselines: goodput without the LR-aware sqrt(B)
+               factor (controller.lr_aware=false), and with c = 1 (gns.calibration=1.0).
 
 Evaluation: the same fixed validation windows (eval.num_samples) after the step that crosses
 each multiple of max_tokens/num_evals tokens: one token grid for every policy (eval.interval_steps
@@ -51,7 +53,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUEST = "ttt_request.json"
 ALL_POLICIES = ("static-8", "static-32", "static-128", "ramp", "norm-test", "gns-start",
-                "gns-large", "goodput")
+                "gns-large", "goodput", "goodput-nolra", "goodput-c1")
 STATIC_GROUP, CBS_GROUP = "static", "cbs"
 
 

@@ -90,8 +90,10 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
     kw: dict[str, Any] = {}
     if cfg.batch.policy == "goodput":
         c = cfg.controller
+        # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/elastic.py)
+        fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
         kw = dict(margin=c.margin, lr_aware=c.lr_aware, reconfig_cost_s=c.reconfig_cost_s,
-                  allow_reconfigure=c.allow_reconfigure,
+                  allow_reconfigure=c.allow_reconfigure and not fixed,
                   refit_interval_steps=c.refit_interval_steps, hardware=hardware)
         if cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9

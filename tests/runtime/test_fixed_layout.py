@@ -1,0 +1,20 @@
+"""A degree fixed in [parallel] fixes the layout for the goodput controller (as resume does)."""
+
+from copus.config import load_config
+from copus.core.models import get_model_shape
+from copus.core.plan import ParallelPlan
+from copus.runtime.launch import make_run_policy
+
+PLAN = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
+
+
+def _controller(overrides):
+    cfg = load_config(None, ["train.max_steps=5", "parallel.nproc=2", *overrides])
+    return make_run_policy(cfg, PLAN, 2, get_model_shape("tiny"))
+
+
+def test_fixed_degree_disables_layout_switches():
+    assert _controller([]).search_options["allow_reconfigure"] is True
+    assert _controller(["parallel.dp=2"]).search_options["allow_reconfigure"] is False
+    assert _controller(["parallel.pp=1"]).search_options["allow_reconfigure"] is False
+    assert _controller(["controller.allow_reconfigure=false"]).search_options["allow_reconfigure"] is False

@@ -1,6 +1,6 @@
 """Head-to-head: wall time to target validation losses, every policy on the same data (issue 7).
 
-    python bench/time_to_target.py                       # full comparison (3 seeds, ~1 h on 2 cores)
+    python bench/time_to_target.py --set parallel.reshard_after_forward=false   # full: ~1 h
     python bench/time_to_target.py --quick               # a smoke run (1 seed, 4 policies, tiny)
     python bench/time_to_target.py --from runs/time_to_target   # re-analyse, no training
 
@@ -531,10 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(ALL_POLICIES))
     ap.add_argument("--static", default="8,32,128", help="static global batch sizes")
     ap.add_argument("--initial-batch", type=int, default=8, help="B0: start of adaptive policies")
-    ap.add_argument("--max-tokens", type=int, default=400_000)
+    ap.add_argument("--max-tokens", type=int, default=250_000)
     ap.add_argument("--warmup-tokens", type=int, default=25_000)
     ap.add_argument("--lr", type=float, default=3e-3, help="LR at B0 (sqrt rule above it)")
-    ap.add_argument("--num-evals", type=int, default=50,
+    ap.add_argument("--num-evals", type=int, default=40,
                     help="evaluate every max_tokens/num_evals tokens (same grid for every run)")
     ap.add_argument("--eval-samples", type=int, default=32, help="fixed validation windows")
     ap.add_argument("--targets", default="auto", help="val-loss targets, or auto")

@@ -77,6 +77,18 @@ def _token_eval_trainer():
     return TokenEvalTrainer
 
 
+def _free_layout_policy(cfg, plan, world_size: int, shape):
+    """The configured policy, but goodput may leave the start layout: copus pins the layout when
+    a degree is set in [parallel] (launch.make_run_policy), and the bench sets them only to give
+    every policy the same start plan."""
+    from dataclasses import replace
+
+    from copus.runtime.launch import make_run_policy
+
+    free = replace(cfg, parallel=replace(cfg.parallel, dp=0, tp=0, pp=0))
+    return make_run_policy(free, plan, world_size, shape)
+
+
 def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
     """Run every training in the request back to back in these processes (Trainer.run each)."""
     from copus.config import load_config
@@ -89,7 +101,8 @@ def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
     try:
         for item in req["runs"]:
             run_cfg = load_config(None, item["overrides"])
-            trainer = trainer_cls(run_cfg, item["run_dir"], device)
+            trainer = trainer_cls(run_cfg, item["run_dir"], device,
+                                  policy_factory=_free_layout_policy)
             trainer.eval_every_tokens = trainer.next_eval = int(item["eval_every_tokens"])
             try:
                 trainer.run()
@@ -472,7 +485,7 @@ def diagnostics_lines(res: dict) -> list[str]:
         out.append(f"- timing noise (runs with identical steps so far; (max-min)/min of training "
                    f"wall time): {spreads}")
     for name, c in sorted(res.get("costs", {}).items()):
-        if name.startswith("goodput/"):
+        if name.startswith("goodput"):
             b = " → ".join(f"{bs}@{t // 1000}k" for t, bs in c["batch_at_tokens"])
             lay = " → ".join(f"{x}@{t // 1000}k" for t, x in c["layout_at_tokens"])
             out.append(f"- {name}: {c['num_decisions']} decisions, {c['num_layout_switches']} "
@@ -494,6 +507,8 @@ def plot(res: dict, seed: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for p in res["policies"]:
         c = res["curves"].get(f"{p}/seed{seed}")
+        if p.startswith("goodput-"):      # diagnostic variants (maybe run at another time)
+            continue
         if c:
             ax.plot(c["train_s"], c["val_loss"], label=p, lw=2.2 if p == "goodput" else 1.2,
                     color="black" if p == "goodput" else None)
@@ -571,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [p for p in policies if p not in specs]
         if unknown:
             raise ValueError(f"--policies: {unknown} unknown; allowed: {', '.join(specs)}")
+        root.mkdir(parents=True, exist_ok=True)
         old = json.loads((root / "specs.json").read_text()) if (root / "specs.json").exists() else {}
         (root / "specs.json").write_text(json.dumps({**old, **{p: specs[p] for p in policies}},
                                                     indent=1))

@@ -68,12 +68,12 @@ def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
     from copus.core.plan import ParallelPlan
     from copus.runtime.dist import MeshCache, init_distributed, shutdown
     from copus.runtime.engine import Engine
-    from copus.runtime.profile import engine_settings
+    from copus.runtime.engine import settings_from_config
 
     req = json.loads((Path(run_dir) / REQUEST).read_text())
     device = init_distributed(backend=cfg.parallel.backend)
     shape = get_model_shape(cfg.model.name)
-    settings = engine_settings(cfg)
+    settings = settings_from_config(cfg)
     meshes = MeshCache(device.type)
     plans = [ParallelPlan(**p) for p in req["plans"]]
     keeps = req["keep"]

@@ -67,6 +67,17 @@ class EngineSettings:
             raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
 
 
+def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
+    """The engine's settings from a `copus.config.Config` (trainer, profiler, benchmarks)."""
+    t, par = cfg.train, cfg.parallel
+    return EngineSettings(
+        weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+        grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
+        activation_checkpointing=par.activation_checkpointing,
+        reshard_after_forward=par.reshard_after_forward, gns_small=cfg.gns.small,
+        ip_extras=ip_extras, dtype=t.dtype)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutput:
     """One optimizer step, identical on every rank (statistics before clipping)."""

@@ -26,19 +26,6 @@ from copus.core.plan import ParallelPlan
 REQUEST = "profile_request.json"
 
 
-def engine_settings(cfg: Config, ip_extras: bool = False):
-    """The engine's settings from a configuration (shared by the trainer and the profiler)."""
-    from copus.runtime.engine import EngineSettings
-
-    t, par = cfg.train, cfg.parallel
-    return EngineSettings(
-        weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-        grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
-        activation_checkpointing=par.activation_checkpointing,
-        reshard_after_forward=par.reshard_after_forward, gns_small=cfg.gns.small,
-        ip_extras=ip_extras, dtype=t.dtype)
-
-
 def write_request(run_dir: Path, plans: list[ParallelPlan], steps: int, warmup: int) -> None:
     rows = [{"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
              "num_microbatches": p.num_microbatches} for p in plans]
@@ -101,12 +88,12 @@ def time_plan(engine, plan: ParallelPlan, steps: int, warmup: int, device: torch
 def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
     """Entry point on every rank (see `copus.runtime.launch.launch`); rank 0 returns the rows."""
     from copus.runtime.dist import MeshCache, init_distributed, shutdown
-    from copus.runtime.engine import Engine
+    from copus.runtime.engine import Engine, settings_from_config
 
     request = json.loads((Path(run_dir) / REQUEST).read_text())
     device = init_distributed(backend=cfg.parallel.backend)
     shape = get_model_shape(cfg.model.name)
-    settings = engine_settings(cfg)
+    settings = settings_from_config(cfg)
     meshes = MeshCache(device.type)
     plans = [ParallelPlan(**p) for p in request["plans"]]
     rows = []

@@ -121,15 +121,9 @@ class Trainer:
     # -- construction -------------------------------------------------------------------------
 
     def _make_engine(self, plan: ParallelPlan):
-        from copus.runtime.engine import Engine, EngineSettings
+        from copus.runtime.engine import Engine, settings_from_config
 
-        t, par = self.cfg.train, self.cfg.parallel
-        settings = EngineSettings(
-            weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-            grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
-            activation_checkpointing=par.activation_checkpointing,
-            reshard_after_forward=par.reshard_after_forward, gns_small=self.cfg.gns.small,
-            ip_extras=self.cfg.batch.policy == "inner-product-test", dtype=t.dtype)
+        settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
                       seed=self.cfg.train.seed)
 

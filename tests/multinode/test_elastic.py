@@ -9,7 +9,11 @@ a plan for world 1.
 
 Grow: host 1 trains alone, host 2 joins; both agents restart their workers into a world of 2
 (a membership change: TORCHELASTIC_RESTART_COUNT stays 0), which resume from the latest
-checkpoint of the same run (same --rdzv-id) under a plan replanned for world 2.
+checkpoint of the same run (same --rdzv-id) under a plan replanned for world 2. On a fast machine
+host 1 would finish its 10 steps before host 2's agent has even imported torch, so once step 6 is
+logged host 1's worker is paused (SIGSTOP) until its agent, seeing the waiting node, signals it
+to stop (the signal shows as pending in /proc); then it is continued and ends -- so the join
+always lands mid-run whatever the machine's speed.
 
 Checked: the launcher exits 0; the steps before the checkpoint ran at the old world, the final
 lineage after it at the new one, under the layout of the one "world size changed from X to Y"
@@ -26,6 +30,7 @@ that is c10d's limit, not copus's (etcd-v2 serves the store from outside the job
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -80,6 +85,48 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> No
         assert proc.poll() is None and time.perf_counter() < deadline, \
             "run ended or stalled before the membership change"
         time.sleep(0.2)
+
+
+def _pause_workers(host, agent) -> list[int]:
+    """SIGSTOP every process in `host`'s namespace except its elastic agent (its workers)."""
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", host.name], text=True,
+                                           capture_output=True).stdout.split()]
+    workers = [pid for pid in pids if pid != agent.pid]
+    assert workers, "no worker to pause"
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    return workers
+
+
+def _resume_when_replaced(pids: list[int], timeout_s: float) -> None:
+    """SIGCONT each paused worker once its agent has signalled it to stop (the membership change
+    was noticed: the signal is pending on the stopped process), or at the deadline."""
+    deadline = time.perf_counter() + timeout_s
+    waiting = list(pids)
+    while waiting:
+        for pid in list(waiting):
+            if time.perf_counter() > deadline or _signal_pending(pid):
+                _cont(pid)
+                waiting.remove(pid)
+        time.sleep(0.1)
+
+
+def _signal_pending(pid: int) -> bool:
+    """Whether a terminating signal (SIGTERM/SIGINT/SIGKILL) waits on `pid` (or it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    return any(pending >> (sig - 1) & 1 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL))
+
+
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _resume_decision(run_dir: Path, world_before: int, world_after: int) -> dict:
@@ -150,8 +197,11 @@ def test_host_joins_running_job_and_it_resumes_at_larger_world(tmp_path):
         t0 = time.perf_counter()
         first = _start(hosts[0], hosts, run_dir, tmp_path / "host1.log")
         _wait_for_step(run_dir, CHANGE_AFTER, first)
+        paused = _pause_workers(hosts[0], first)
         join_s = time.perf_counter() - t0
         second = _start(hosts[1], hosts, run_dir, tmp_path / "host2.log")
+        _resume_when_replaced(paused, timeout_s=120)
+        print(f"paused worker signalled by its agent {time.perf_counter() - t0 - join_s:.1f} s after the pause")
         results = netns.wait_all([first, second], timeout_s=300)
         total_s = time.perf_counter() - t0
     log = "".join((tmp_path / f"host{i}.log").read_text() for i in (1, 2))  # rank 0: either

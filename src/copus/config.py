@@ -17,6 +17,7 @@ from typing import Any
 
 import tomli_w
 
+from copus.core.layout_map import SYNTAX, parse_layout_map
 from copus.core.models import MODELS
 
 POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput")
@@ -68,6 +69,21 @@ def _bool() -> Check:
 
 def _nonempty_str() -> Check:
     return lambda v: None if isinstance(v, str) and v.strip() else "a non-empty string"
+
+
+def _layout_map() -> Check:
+    """`parallel.layouts` (core.layout_map syntax); "" = no map."""
+    def check(v: Any) -> str | None:
+        if not isinstance(v, str):
+            return f"a string: {SYNTAX}"
+        try:
+            parse_layout_map(v)
+        except ValueError as err:  # "parallel.layouts=...: PROBLEM; allowed: WHAT"
+            problem, _, allowed = str(err).split(": ", 1)[1].partition("; allowed: ")
+            return f"{allowed} ({problem})"
+        return None
+
+    return check
 
 
 def _opt(default: Any, check: Check) -> Any:
@@ -122,6 +138,7 @@ class ParallelConfig:
     activation_checkpointing: bool = _opt(False, _bool())
     reshard_after_forward: bool = _opt(True, _bool())
     memory_budget_gb: float = _opt(0.0, _real(0.0))
+    layouts: str = _opt("", _layout_map())
     backend: str = _opt("auto", _choice("auto", "gloo", "nccl"))
 
 
@@ -258,6 +275,16 @@ def check_consistency(cfg: Config) -> None:
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
                    f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
+    p = cfg.parallel
+    if p.layouts.strip():
+        fixed = [f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp") if getattr(p, k)]
+        if fixed:
+            raise _bad("parallel", "layouts", p.layouts,
+                       f"allowed: a layout map only with parallel.dp/tp/pp unset (got {fixed[0]})")
+        if b.policy == "goodput":
+            raise _bad("parallel", "layouts", p.layouts,
+                       "allowed: a layout map only with a batch-only policy (batch.policy="
+                       "'goodput' chooses layouts itself)")
     if cfg.eval.interval_steps > 0 and cfg.data.val_fraction == 0:
         raise _bad("data", "val_fraction", 0.0,
                    "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "

@@ -323,3 +323,31 @@ def test_stage_dir_needs_room_and_falls_back_to_the_shared_folder(tmp_path, monk
     with pytest.raises(ValueError, match="no staging folder with"):
         rc.make_stage_dir(tmp_path / "shared", cpu, local_bytes=1 << 60)   # no disk that big
     assert rc.state_bytes({"w": torch.zeros(3, 4), "step": 7}, {"m": torch.zeros(2)}) == 56
+
+
+def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch(tmp_path,
+                                                                                 monkeypatch):
+    import subprocess
+    import sys
+
+    import torch
+
+    from copus.runtime import reconfigure as rc
+
+    monkeypatch.setattr(rc, "SHM_ROOT", tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)                       # exited: its pid names no live process
+    own = rc._stage_prefix()
+    host_part = own[len(rc.STAGE_PREFIX):].rsplit("-", 2)[0]
+    stale = tmp_path / f"{rc.STAGE_PREFIX}{host_part}-{dead_pid}-abc"
+    live = tmp_path / f"{own}xyz"                     # this process: still in use
+    other_host = tmp_path / f"{rc.STAGE_PREFIX}otherhost-{dead_pid}-abc"
+    unrelated = tmp_path / "notes"
+    for folder in (stale, live, other_host, unrelated):
+        folder.mkdir()
+        (folder / "shard.distcp").write_bytes(b"x" * 100)
+    path, kind = rc.make_stage_dir(None, torch.device("cpu"), local_bytes=10)
+    assert kind == "shm" and path.name.startswith(own)
+    assert not stale.exists()
+    assert live.exists() and other_host.exists() and unrelated.exists()

@@ -54,6 +54,12 @@ def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     (["--nproc", "2", "--set", "batch.initial=9", "--set", "batch.min=1"], "batch.initial=9"),
     (["--policy", "fastest"], "batch.policy='fastest'"),
     (["--config", "missing.toml"], "missing.toml"),
+    (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp4@8"],
+     "layout dp4: dp*tp*pp=4*1*1=4 must equal the world size 2"),
+    (["--nproc", "2", "--set", "parallel.layouts=dp2@8"], "batch-only policy"),
+    (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp2@16"],
+     "no layout for batch.initial=8"),
+    (["--policy", "ramp", "--set", "parallel.layouts=dp2"], "entry 'dp2' is invalid"),
 ])
 def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, needle):
     run_dir = tmp_path / "run"
@@ -87,3 +93,36 @@ def test_two_process_smoke_run_writes_the_run_folder(tmp_path):
     assert "[model]" in (run_dir / "config.toml").read_text()
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-4", "step-6"]
+
+
+@pytest.mark.slow
+def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path):
+    """`parallel.layouts` with the ramp: pp2 for B < 16, dp2 from 16; the ramp doubles the batch
+    after 32 samples, and the trainer switches layout in the same processes (no restart)."""
+    run_dir = tmp_path / "run"
+    out = _copus_train("--nproc", "2", "--max-steps", "8", "--run-dir", str(run_dir),
+                       "--policy", "ramp", "--set", "parallel.layouts=pp2@8,dp2@16",
+                       "--set", "batch.ramp_to=16", "--set", "batch.ramp_kind=stepwise",
+                       "--set", "batch.ramp_steps=1", "--set", "batch.ramp_samples=32",
+                       "--set", "batch.warmup_steps=0", "--set", "batch.interval_steps=1",
+                       "--set", "data.max_chars=200000", "--set", "eval.interval_steps=0",
+                       "--set", "checkpoint.interval_steps=0", "--set", "log.progress=false",
+                       "--set", "log.tensorboard=false", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))          # one lineage: no restart
+    layouts = [(r["dp"], r["tp"], r["pp"], r["global_batch_size"]) for r in rows]
+    switch_at = next(i for i, r in enumerate(rows) if r["dp"] == 2)
+    assert layouts[:switch_at] == [(1, 1, 2, 8)] * switch_at and switch_at >= 4
+    assert layouts[switch_at:] == [(2, 1, 1, 16)] * (8 - switch_at)
+    samples = 0
+    for r in rows:                                                  # every sample once
+        samples += r["global_batch_size"]
+        assert r["samples"] == samples
+    decisions = [json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    applied = [d for d in decisions if d.get("applied")]
+    assert len(applied) == 1 and applied[0]["kind"] == "reconfigure"
+    assert "from parallel.layouts (pp2@8, dp2@16)" in applied[0]["reason"]
+    assert applied[0]["switch"]["method"] == "in-process" and applied[0]["switch_s"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_plan"]["dp"] == 2 and summary["steps"] == 8

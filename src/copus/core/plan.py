@@ -64,6 +64,15 @@ class ParallelPlan:
             raise ValueError(f"invalid plan {self.describe()}: {problems[0]}")
 
 
+def default_micro_batch_size(per_dp: int, pp: int, cap: int = 4) -> int:
+    """Largest divisor of the per-dp-rank batch that is ≤ `cap` and leaves ≥ pp micro-batches."""
+    best = 1
+    for m in range(1, min(cap, per_dp) + 1):
+        if per_dp % m == 0 and per_dp // m >= pp:
+            best = m
+    return best
+
+
 def plan_problems(plan: ParallelPlan, world_size: int | None = None,
                   shape: ModelShape | None = None) -> list[str]:
     """Every reason `plan` cannot run on `world_size` ranks with model `shape` (empty if valid).

@@ -24,10 +24,9 @@ from copus.core.fit import prior_model
 from copus.core.goodput import CandidateSet, StepTimePredictor, build_candidates
 from copus.core.hardware import HardwareProfile
 from copus.core.models import ModelShape
-from copus.core.plan import ParallelPlan, plan_problems
+from copus.core.plan import ParallelPlan, default_micro_batch_size, plan_problems
 from copus.core.records import Decision, decision_kind
 from copus.core.replan import FixedDegrees, replan
-from copus.runtime.launch import default_micro_batch_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

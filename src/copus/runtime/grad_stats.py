@@ -9,10 +9,11 @@ Small gradients, chosen by `mode`:
 - "microbatch" (COPUS): one per micro-batch per dp rank, J = dp·num_microbatches,
   small_batch = micro_batch_size. Method: a tensor hook on every parameter the forward uses
   (FSDP2's *unsharded* parameter, registered lazily by a forward pre-hook on each module that
-  owns parameters) sees that micro-batch's local gradient before it is accumulated, and adds its
-  squared norm to a running scalar. FSDP2 keeps its unsharded gradients unreduced until the last
-  micro-batch (`set_requires_gradient_sync`), so nothing is synchronised per micro-batch and no
-  gradient copy is kept; cost ≈ one fused square-sum per parameter per micro-batch. Under
+  owns parameters) sees that micro-batch's local gradient before it is accumulated and takes its
+  norm (one fused reduction, kept on the device; squared, weighted and summed once per step).
+  FSDP2 keeps its unsharded gradients unreduced until the last micro-batch
+  (`set_requires_gradient_sync`), so nothing is synchronised per micro-batch and no gradient
+  copy is kept; cost ≈ one fused norm per parameter per micro-batch. Under
   pipeline parallelism the same hooks fire inside each micro-batch's stage backward
   (Schedule1F1B / ScheduleGPipe run one full backward per micro-batch), so the method is the same.
 - "rank": one per dp rank, J = dp, small_batch = micro_batch_size·num_microbatches. Method: a
@@ -89,6 +90,8 @@ class GradStats:
         self._handles = []
         self._param_handles = []
         self._small = torch.zeros(())
+        self._norms: list[torch.Tensor] = []
+        self._weights: list[float] = []
         self._partial: list[torch.Tensor] = []
         self._partial_group = None
         self._k, self._scale = 1, 1.0
@@ -122,8 +125,10 @@ class GradStats:
         # weight from the gradient, not the parameter: DTensor may return a gradient with other
         # placements (a vocab-sharded embedding gets a Replicate gradient)
         local = (g.to_local() if isinstance(g, DTensor) else g).detach()
-        sq = local.float().pow(2).sum() * (replication_weight(g, self.tp) * self._scale**2)
-        self._small = self._small.to(sq.device) + sq  # stays on the device: no sync per hook
+        # one fused reduction per hook (fp32 accumulation, no squared copy); the weighting and
+        # the sum over parameters happen once per step in `small_sqnorm_sum` (no sync per hook)
+        self._norms.append(torch.linalg.vector_norm(local, dtype=torch.float32))
+        self._weights.append(replication_weight(g, self.tp))
         if self.keep_grads:
             self.kept.setdefault(self._fqn[pid], []).append(g.detach().float() * self._scale)
 
@@ -142,6 +147,8 @@ class GradStats:
     def begin(self, num_microbatches: int, grad_scale: float) -> None:
         self._k, self._scale = num_microbatches, grad_scale
         self._small = torch.zeros(())
+        self._norms.clear()
+        self._weights.clear()
         self._partial.clear()
         self._calls.clear()
         self.kept.clear()
@@ -151,6 +158,13 @@ class GradStats:
 
         Collective over tp when sequence parallel produced partial gradients (all tp ranks of a
         stage call it at the same point of the step)."""
+        if self._norms:
+            norms = torch.stack(self._norms)
+            weights = torch.tensor(self._weights, dtype=torch.float32, device=norms.device)
+            self._small = self._small.to(norms.device) + \
+                (norms.square() * weights).sum() * self._scale**2
+            self._norms.clear()
+            self._weights.clear()
         if not self._partial:
             return self._small
         vec = torch.cat(self._partial)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
 from copus.core.models import ModelShape, get_model_shape
-from copus.core.plan import ParallelPlan, plan_problems
+from copus.core.layout_map import LayoutMappedPolicy, check_layout_map, parse_layout_map
+from copus.core.plan import ParallelPlan, default_micro_batch_size, plan_problems
 
 if TYPE_CHECKING:
     from copus.core.hardware import HardwareProfile
@@ -41,24 +42,20 @@ def check_run_length(cfg: Config) -> None:
                          "(set one of them)")
 
 
-def default_micro_batch_size(per_dp: int, pp: int, cap: int = 4) -> int:
-    """Largest divisor of the per-dp-rank batch that is ≤ `cap` and leaves ≥ pp micro-batches."""
-    best = 1
-    for m in range(1, min(cap, per_dp) + 1):
-        if per_dp % m == 0 and per_dp // m >= pp:
-            best = m
-    return best
-
-
 def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPlan:
-    """Fixed degrees from [parallel]; unset ones: tp = pp = 1 and dp = the rest (pure FSDP).
+    """Fixed degrees from [parallel]; unset ones: tp = pp = 1 and dp = the rest (pure FSDP);
+    with `parallel.layouts`, the map's layout for batch.initial.
 
     Global batch = batch.initial; micro_batch_size = parallel.micro_batch_size, else
     `default_micro_batch_size(initial / dp, pp)`. ValueError names the first problem.
     """
     p = cfg.parallel
     tp, pp = p.tp or 1, p.pp or 1
-    if p.dp:
+    layouts = parse_layout_map(p.layouts)
+    if layouts is not None:
+        check_layout_map(layouts, world_size, cfg.batch.initial, shape)
+        dp, tp, pp = layouts.layout_for(cfg.batch.initial)
+    elif p.dp:
         dp = p.dp
     elif world_size % (tp * pp):
         raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the world size "
@@ -97,7 +94,9 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
                   refit_interval_steps=c.refit_interval_steps, hardware=hardware)
         if cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
-    return make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
+    policy = make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
+    layouts = parse_layout_map(cfg.parallel.layouts)
+    return policy if layouts is None else LayoutMappedPolicy(policy, layouts)
 
 
 # Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.

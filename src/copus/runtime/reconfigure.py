@@ -40,6 +40,7 @@ import gc
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -133,16 +134,57 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+STAGE_PREFIX = "copus-switch-"
+
+
+def _stage_prefix() -> str:
+    """`copus-switch-<host>-<pid>-`: whose staging folder it is, so a later switch can tell a
+    folder left by a killed process from one in use."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    return f"{STAGE_PREFIX}{host}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_stages(root: Path) -> list[Path]:
+    """Delete staging folders under `root` that this host's dead processes left behind (a worker
+    killed mid-switch cannot clean up; in /dev/shm the leftover would hold RAM until reboot).
+    Folders of other hosts (a shared fallback root) and of live processes are kept."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    pattern = re.compile(re.escape(f"{STAGE_PREFIX}{host}-") + r"(\d+)-")
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        found = pattern.match(path.name)
+        if found and path.is_dir() and not _pid_alive(int(found.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _try_mkdtemp(root: Path | None, need_bytes: int) -> str:
-    """Rank 0: a fresh folder under `root`; "" when `root` is None, not writable, or has less
-    than `need_bytes` free (a container's /dev/shm is often only 64 MiB)."""
+    """Rank 0: a fresh folder under `root` (after removing stale ones there); "" when `root` is
+    None, not writable, or has less than `need_bytes` free (a container's /dev/shm is often
+    only 64 MiB)."""
     if root is None:
         return ""
     try:
         root.mkdir(parents=True, exist_ok=True)
+        remove_stale_stages(root)
         if shutil.disk_usage(root).free < need_bytes:
             return ""
-        return tempfile.mkdtemp(prefix="copus-switch-", dir=root)
+        return tempfile.mkdtemp(prefix=_stage_prefix(), dir=root)
     except OSError:
         return ""
 

@@ -10,7 +10,7 @@ Small gradients, chosen by `mode`:
   small_batch = micro_batch_size. Method: a tensor hook on every parameter the forward uses
   (FSDP2's *unsharded* parameter, registered lazily by a forward pre-hook on each module that
   owns parameters) sees that micro-batch's local gradient before it is accumulated and takes its
-  norm (one fused reduction, kept on the device; squared, weighted and summed once per step).
+  squared norm (one fused reduction, kept on the device; weighted and summed once per step).
   FSDP2 keeps its unsharded gradients unreduced until the last micro-batch
   (`set_requires_gradient_sync`), so nothing is synchronised per micro-batch and no gradient
   copy is kept; cost ≈ one fused norm per parameter per micro-batch. Under
@@ -63,6 +63,15 @@ def local_sqnorm(t: torch.Tensor) -> torch.Tensor:
     return x.detach().float().pow(2).sum()
 
 
+def _sqnorm(x: torch.Tensor) -> torch.Tensor:
+    """Σ x² of a plain tensor in one fused reduction: a BLAS dot for fp32 (no squared copy;
+    2× faster than a norm kernel on CPU), else a norm accumulated in fp32, squared."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        flat = x.view(-1)
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(x, dtype=torch.float32).square()
+
+
 def weighted_sqnorm(tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
     """This rank's share of ‖·‖² over `tensors`: summed over all ranks it gives the full norm²."""
     out = torch.zeros((), dtype=torch.float32)
@@ -90,7 +99,7 @@ class GradStats:
         self._handles = []
         self._param_handles = []
         self._small = torch.zeros(())
-        self._norms: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []  # per-hook Σ x²
         self._weights: list[float] = []
         self._partial: list[torch.Tensor] = []
         self._partial_group = None
@@ -127,7 +136,7 @@ class GradStats:
         local = (g.to_local() if isinstance(g, DTensor) else g).detach()
         # one fused reduction per hook (fp32 accumulation, no squared copy); the weighting and
         # the sum over parameters happen once per step in `small_sqnorm_sum` (no sync per hook)
-        self._norms.append(torch.linalg.vector_norm(local, dtype=torch.float32))
+        self._norms.append(_sqnorm(local))
         self._weights.append(replication_weight(g, self.tp))
         if self.keep_grads:
             self.kept.setdefault(self._fqn[pid], []).append(g.detach().float() * self._scale)
@@ -161,8 +170,7 @@ class GradStats:
         if self._norms:
             norms = torch.stack(self._norms)
             weights = torch.tensor(self._weights, dtype=torch.float32, device=norms.device)
-            self._small = self._small.to(norms.device) + \
-                (norms.square() * weights).sum() * self._scale**2
+            self._small = self._small.to(norms.device) + (norms * weights).sum() * self._scale**2
             self._norms.clear()
             self._weights.clear()
         if not self._partial:

@@ -1,14 +1,17 @@
 """Fault injection for `copus train`: kill -9 a worker at a random moment, check nothing is lost.
 
 Each trial launches a short 2-process `copus train` (elastic restarts on, the CLI's default
-`--max-restarts`), which starts under the pipeline layout pp2 and is moved by the goodput
-controller to dp2 at its first decision (controller.margin=0): every run reconfigures in place
-once, checkpoints every few steps and may grow its batch. The harness then SIGKILLs one random
-worker (a child of the launcher) in one of three phases, chosen at random:
+`--max-restarts`) that starts under the pipeline layout pp2 and checkpoints every few steps.
+"step" and "checkpoint" trials run the goodput controller (controller.margin=0: it moves to dp2
+when it predicts any gain, and may grow the batch); "reconfigure" trials run the ramp with the
+layout map `pp2@8,dp2@16`, which doubles the batch and switches to dp2 in-process at a random
+step known in advance, so that the kill can land inside the switch. The harness SIGKILLs one
+random worker (a child of the launcher) in one of three phases:
 
 - step:        after a random step's metrics line appears, plus a random fraction of a step;
 - checkpoint:  while a `checkpoints/tmp-step-N` folder exists (a save in progress);
-- reconfigure: while a worker holds a file open in a `/dev/shm/copus-switch-*` staging folder.
+- reconfigure: once the trial's own staging folder `/dev/shm/copus-switch-<host>-<pid>-*` exists
+               (pid = one of its workers) or a worker holds a file open in one.
 
 The elastic agent restarts the workers, which resume from the latest good checkpoint. Checked
 per trial (from metrics.jsonl, the checkpoints and the exit status):
@@ -22,7 +25,8 @@ per trial (from metrics.jsonl, the checkpoints and the exit status):
 - loss continuity: steps redone after the restart, under the same plan history, must repeat the
   killed attempt's losses bit for bit;
 - corrupt checkpoints: every `step-N` folder, right after the kill and at the end, verifies;
-- leaked staging folders in /dev/shm (RAM) left behind by a kill mid-reconfiguration.
+- leaked staging folders in /dev/shm (RAM) left behind by a kill mid-reconfiguration (the
+  restarted trainer removes those of dead processes).
 
 Usage: python bench/faults.py [--trials 20] [--steps 14] [--seed 0] [--out FILE]
 Prints survived/total, samples lost/repeated, corrupt checkpoints; JSON to
@@ -50,12 +54,23 @@ PHASES = ("step", "checkpoint", "reconfigure")
 CHECKPOINT_EVERY = 3
 
 
-def train_command(run_dir: Path, steps: int, seed: int) -> list[str]:
+def train_command(run_dir: Path, steps: int, seed: int, switch_step: int = 0) -> list[str]:
+    """The trial's `copus train`. `switch_step` = 0: the goodput controller (pp2 → dp2 when it
+    predicts a gain, so a run may or may not switch); > 0: the ramp doubles the batch after
+    `switch_step` steps and the layout map `pp2@8,dp2@16` moves the run to dp2 in-process at
+    that point — a switch at a known step, so that kills can be aimed inside it."""
+    if switch_step:
+        policy = ["--policy", "ramp", "--set", "parallel.layouts=pp2@8,dp2@16",
+                  "--set", "batch.ramp_to=16", "--set", "batch.ramp_kind=stepwise",
+                  "--set", "batch.ramp_steps=1", "--set", f"batch.ramp_samples={8 * switch_step}",
+                  "--set", "batch.warmup_steps=0", "--set", "batch.interval_steps=1"]
+    else:
+        policy = ["--policy", "goodput", "--set", "parallel.pp=2",
+                  "--set", "batch.warmup_steps=3", "--set", "batch.interval_steps=3",
+                  "--set", "gns.max_rel_err=100.0", "--set", "controller.margin=0.0"]
     return [sys.executable, "-m", "copus", "train", "--nproc", "2", "--max-steps", str(steps),
-            "--run-dir", str(run_dir), "--seed", str(seed), "--policy", "goodput",
-            "--set", "parallel.pp=2", "--set", "batch.warmup_steps=3",
-            "--set", "batch.interval_steps=3", "--set", "gns.max_rel_err=100.0",
-            "--set", "controller.margin=0.0", "--set", "data.max_chars=100000",
+            "--run-dir", str(run_dir), "--seed", str(seed), *policy,
+            "--set", "data.max_chars=100000",
             "--set", "eval.interval_steps=0",
             "--set", f"checkpoint.interval_steps={CHECKPOINT_EVERY}",
             "--set", "checkpoint.keep=2", "--set", "log.progress=false",
@@ -111,11 +126,17 @@ def open_paths(pid: int) -> list[str]:
     return paths
 
 
-def staging_dirs() -> set[str]:
+def staging_dirs(pids: list[int] | None = None) -> set[str]:
+    """Switch staging folders in /dev/shm (`copus-switch-<host>-<pid>-*`); with `pids`, only
+    those created by one of these processes (a trial's own workers, not another job's)."""
     try:
-        return {p.name for p in SHM.iterdir() if p.name.startswith(STAGE_PREFIX)}
+        names = {p.name for p in SHM.iterdir() if p.name.startswith(STAGE_PREFIX)}
     except OSError:
         return set()
+    if pids is None:
+        return names
+    owners = {f"-{pid}-" for pid in pids}
+    return {n for n in names if any(o in n for o in owners)}
 
 
 # ------------------------------------------------------------------------------- reading a run
@@ -222,8 +243,8 @@ def offsets_match(ckpt_root: Path, traj: dict[int, dict]) -> bool:
 # ------------------------------------------------------------------------------- one trial
 
 def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
-                          rng: random.Random, steps: int, shm_before: set[str],
-                          deadline: float) -> dict | None:
+                          rng: random.Random, steps: int, deadline: float,
+                          switch_delay_s: float = 0.3) -> dict | None:
     """Poll until the chosen moment; return a description of it, or None if the run ended."""
     ckpts = run_dir / "checkpoints"
     target_step = rng.randint(2, steps - 3)
@@ -239,14 +260,14 @@ def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
             if tmp.exists():
                 time.sleep(rng.uniform(0.0, 0.25))
                 return {"at_step": target_save, "confirmed": tmp.exists()}
-        else:   # a staging folder appears (or one of our workers has a file open in one)
+        else:   # one of our workers' staging folders appears (or it has a file open in one)
             pids = workers(proc.pid)
-            new = staging_dirs() - shm_before
+            own = staging_dirs(pids)
             rows = read_rows(run_dir)
-            if new or any(STAGE_PREFIX in path for pid in pids for path in open_paths(pid)):
-                time.sleep(rng.uniform(0.0, 0.5))
+            if own or any(STAGE_PREFIX in path for pid in pids for path in open_paths(pid)):
+                time.sleep(rng.uniform(0.0, switch_delay_s))
                 return {"at_step": rows[-1]["step"] if rows else 0,
-                        "confirmed": bool(staging_dirs() - shm_before)}
+                        "confirmed": bool(staging_dirs(pids))}
             if rows and rows[-1]["step"] >= steps - 2:   # no layout change in this run: kill
                 return {"at_step": rows[-1]["step"], "confirmed": False}   # mid-step instead
         time.sleep(0.003)
@@ -254,9 +275,10 @@ def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
 
 
 def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 480.0,
-              phases: tuple[str, ...] = PHASES) -> dict:
+              phases: tuple[str, ...] = PHASES, switch_delay_s: float = 0.3) -> dict:
     """One run with one kill -9; returns the trial's findings (see the module docstring).
-    The first trials take each of `phases` in turn, later ones one at random."""
+    The first trials take each of `phases` in turn, later ones one at random. A "reconfigure"
+    kill lands a random 0..`switch_delay_s` after the switch's staging folder appears."""
     rng = random.Random(seed * 1000 + index)
     phase = phases[index % len(phases)] if index < len(phases) else rng.choice(phases)
     run_dir = root / f"trial-{index:02d}"
@@ -264,12 +286,14 @@ def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 
     shm_before = staging_dirs()
     t0 = time.monotonic()
     with open(root / f"trial-{index:02d}.log", "w") as log:
-        proc = subprocess.Popen(train_command(run_dir, steps, seed=index % 3), stdout=log,
+        switch_step = rng.randint(3, steps - 4) if phase == "reconfigure" else 0
+        proc = subprocess.Popen(train_command(run_dir, steps, index % 3, switch_step), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        result: dict = {"trial": index, "phase": phase, "killed": False}
+        result: dict = {"trial": index, "phase": phase, "killed": False,
+                        "switch_step": switch_step or None}
         try:
-            moment = _wait_for_kill_moment(proc, run_dir, phase, rng, steps, shm_before,
-                                           t0 + timeout_s / 2)
+            moment = _wait_for_kill_moment(proc, run_dir, phase, rng, steps, t0 + timeout_s / 2,
+                                           switch_delay_s)
             pids = workers(proc.pid)
             if moment is not None and pids:
                 victim = rng.choice(pids)
@@ -336,11 +360,11 @@ def analyse(run_dir: Path, steps: int, result: dict) -> dict:
 # ------------------------------------------------------------------------------- many trials
 
 def run_trials(trials: int, steps: int, seed: int, root: Path, echo: bool = True,
-               phases: tuple[str, ...] = PHASES) -> dict:
+               phases: tuple[str, ...] = PHASES, switch_delay_s: float = 0.3) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     results = []
     for i in range(trials):
-        r = run_trial(i, root, steps, seed, phases=phases)
+        r = run_trial(i, root, steps, seed, phases=phases, switch_delay_s=switch_delay_s)
         results.append(r)
         if echo:
             print(_row(r), flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -115,10 +116,22 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
         self.engine: Any = None          # built by resume() under the plan it chooses
+        self._remove_stale_stages()
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
 
     # -- construction -------------------------------------------------------------------------
+
+    def _remove_stale_stages(self) -> None:
+        """Each host's first local rank deletes the switch staging folders that killed workers
+        of this host left (in /dev/shm they would hold RAM until reboot)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        from copus.runtime import reconfigure as rc
+
+        for root in (rc.SHM_ROOT, self.run_dir):
+            for path in rc.remove_stale_stages(root):
+                self.log(f"removed staging folder {path} left by a killed worker")
 
     def _make_engine(self, plan: ParallelPlan):
         from copus.runtime.engine import Engine, settings_from_config

@@ -186,6 +186,7 @@ class ControllerConfig:
 class CheckpointConfig:
     interval_steps: int = _opt(100, _int(0))
     keep: int = _opt(2, _int(1))
+    max_failed_saves: int = _opt(3, _int(1))
 
 
 @dataclass(**_FROZEN)

@@ -251,3 +251,33 @@ def test_killed_during_retention_never_leaves_a_half_deleted_checkpoint(tmp_path
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-3"
     _save(tmp_path, 4, keep=1)                        # the next save clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+def _rank0_finalize_fails(root: str) -> str:
+    """On 2 gloo ranks: save step 1, then a save of step 2 whose rank-0 finishing phase hits
+    ENOSPC (the manifest write). Returns this rank's error text (every rank must get one)."""
+    import torch.distributed as dist
+
+    from copus.runtime import checkpoint as ck
+
+    model, opt = _model_opt(dist.get_rank())
+    ck.save(root, 1, _state(model, opt), {"step": 1})
+    if dist.get_rank() == 0:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        ck._write_manifest = full
+    try:
+        ck.save(root, 2, _state(model, opt), {"step": 2})
+    except ck.CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_a_save_failing_on_rank_0_fails_on_every_rank_and_frees_its_space(tmp_path):
+    from tests.runtime._workers import run_ranks
+
+    errors = run_ranks(_rank0_finalize_fails, 2, str(tmp_path), timeout=120)
+    assert all("checkpoint" in e and "step-2 not saved" in e for e in errors), errors
+    assert "No space left on device" in errors[0]
+    assert ckpt.find_latest(tmp_path, log=lambda _: None) == tmp_path / "step-1"
+    assert not list(tmp_path.glob("tmp-step-*"))          # the partial save was removed

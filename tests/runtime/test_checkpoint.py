@@ -59,11 +59,12 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("simulated crash while writing the manifest")
 
     monkeypatch.setattr(ckpt, "_write_manifest", boom)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(ckpt.CheckpointError, match="step-2 not saved .OSError: simulated crash"):
         _save(tmp_path, 2)
-    assert (tmp_path / "tmp-step-2").is_dir()          # the half-written one stays a tmp folder
+    assert not (tmp_path / "tmp-step-2").exists()      # the half-written one was removed
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-1"
     monkeypatch.undo()
+    (tmp_path / "tmp-step-2").mkdir()                  # as a kill mid-save would leave it
     _save(tmp_path, 3)                                   # the next save removes the stale tmp
     assert not (tmp_path / "tmp-step-2").exists()
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-3"

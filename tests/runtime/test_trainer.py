@@ -389,3 +389,45 @@ def test_run_hardware_prices_groups_across_launched_nodes():
     slowdown16 = two.predict(*tp16)[0] / one.predict(*tp16)[0]
     slowdown8 = two.predict(*tp8)[0] / one.predict(*tp8)[0]   # only its dp pairs cross nodes
     assert slowdown16 > 1.5 > slowdown8 > 1.0
+
+
+def _failing_saves(monkeypatch, fail_steps):
+    """Make `checkpoint.save` fail (as on a full disk) at the given steps."""
+    from copus.runtime import checkpoint as ck
+
+    real = ck.save
+
+    def save(root, step, *args, **kwargs):
+        if step in fail_steps:
+            raise ck.CheckpointError(f"checkpoint {root}/step-{step} not saved (OSError: "
+                                     "[Errno 28] No space left on device); earlier checkpoints "
+                                     "are intact")
+        return real(root, step, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "save", save)
+
+
+def test_a_failed_interval_save_is_skipped_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    from copus.runtime.launch import launch
+
+    _failing_saves(monkeypatch, {2})
+    cfg = _cfg("parallel.nproc=1", "train.max_steps=6", "checkpoint.interval_steps=2",
+               "batch.policy='constant'")
+    result = launch(cfg, str(tmp_path / "run"), max_restarts=0)
+    assert not result.get("error"), result
+    assert result["steps"] == 6 and result["failed_saves"] == 1
+    assert "step 2: checkpoint" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == \
+        ["step-4", "step-6"]
+
+
+def test_failed_saves_in_a_row_stop_the_run_with_a_clear_error(tmp_path, monkeypatch):
+    from copus.runtime.launch import launch
+
+    _failing_saves(monkeypatch, {2, 4, 6, 8})
+    cfg = _cfg("parallel.nproc=1", "train.max_steps=10", "checkpoint.interval_steps=2",
+               "checkpoint.max_failed_saves=2", "batch.policy='constant'")
+    result = launch(cfg, str(tmp_path / "run"), max_restarts=0)
+    assert "2 checkpoint saves failed in a row (checkpoint.max_failed_saves=2)" in result["error"]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 4                                   # stopped at the second failure

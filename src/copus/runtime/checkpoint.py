@@ -256,22 +256,50 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
         dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
     except CheckpointException as exc:  # a BaseException holding each rank's traceback
         causes = sorted({str(failure) for failure, _ in exc.failures.values()})
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)   # free the space a full disk needs back
         raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
                               "checkpoints are intact") from None
     _barrier()
+    problem = ""
     if _rank() == 0:
-        json.dumps(trainer_state)  # fail before touching the folder if not serialisable
-        _write_json(tmp / TRAINER_STATE, trainer_state)
-        for f in _files(tmp):
-            _fsync_path(f)
-        _write_manifest(tmp, step)
-        if final.exists():
-            _remove(final)
-        os.rename(tmp, final)
-        _fsync_path(root)
-        _apply_retention(root, keep)
-    _barrier()
+        try:
+            _finalize(root, tmp, final, step, trainer_state, keep)
+        except (OSError, TypeError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ok(not problem):        # every rank learns rank 0's outcome (no one hangs)
+        state = "written but not finished" if final.exists() else "not saved"
+        raise CheckpointError(f"checkpoint {final} {state} ({problem or 'failed on rank 0'}); "
+                              "earlier checkpoints are intact")
     return final
+
+
+def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict,
+              keep: int) -> None:
+    """Rank 0, after every rank's DCP files are written: trainer state, fsync, manifest, rename,
+    fsync of the parent, retention."""
+    json.dumps(trainer_state)  # fail before touching the folder if not serialisable
+    _write_json(tmp / TRAINER_STATE, trainer_state)
+    for f in _files(tmp):
+        _fsync_path(f)
+    _write_manifest(tmp, step)
+    if final.exists():
+        _remove(final)
+    os.rename(tmp, final)
+    _fsync_path(root)
+    _apply_retention(root, keep)
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (one all-reduce of a flag; no-op without a group)."""
+    if not _distributed():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _apply_retention(root: Path, keep: int) -> None:

@@ -116,6 +116,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
         self.engine: Any = None          # built by resume() under the plan it chooses
+        self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
         self._remove_stale_stages()
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
@@ -179,7 +180,7 @@ class Trainer:
             if decision is not None:       # before the checkpoint: it holds the new plan
                 self.apply_decision(decision)
             if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
-                self.save_checkpoint()
+                self.periodic_checkpoint()
         if cfg.eval.interval_steps and self.progress.step % cfg.eval.interval_steps:
             self.evaluate()
         if not (cfg.checkpoint.interval_steps
@@ -353,6 +354,24 @@ class Trainer:
             "run_id": self.run_id,
         }
 
+    def periodic_checkpoint(self) -> None:
+        """An interval save that may fail (disk full, quota, I/O error) without ending the run:
+        the failure is logged, the previous checkpoints stay intact (`checkpoint.save`), and
+        training goes on; `checkpoint.max_failed_saves` failures in a row stop the run."""
+        try:
+            self.save_checkpoint()
+        except ckpt.CheckpointError as err:
+            self.failed_saves += 1
+            self.total_failed_saves += 1
+            limit = self.cfg.checkpoint.max_failed_saves
+            if self.failed_saves >= limit:
+                raise TrainingError(f"{self.failed_saves} checkpoint saves failed in a row "
+                                    f"(checkpoint.max_failed_saves={limit}); last: {err}") from None
+            self.log(f"step {self.progress.step}: {err}; training continues "
+                     f"({self.failed_saves}/{limit} failed saves in a row)")
+            return
+        self.failed_saves = 0
+
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
         path = ckpt.save(self.ckpt_dir, self.progress.step, self._dcp_state(),
@@ -434,6 +453,7 @@ class Trainer:
         p = self.progress
         summary = {"steps": p.step, "samples": p.samples, "tokens": p.tokens,
                    "num_skipped": p.num_skipped, "train_s": p.train_s,
+                   "failed_saves": self.total_failed_saves,
                    "final_plan": plan_to_dict(self.plan),
                    "b_noise": _json_float(self.gns.b_noise)}
         self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,

@@ -339,8 +339,7 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
                           capture_output=True, text=True, check=True)
     dead_pid = int(dead.stdout)                       # exited: its pid names no live process
     own = rc._stage_prefix()
-    host_part = own[len(rc.STAGE_PREFIX):].rsplit("-", 2)[0]
-    stale = tmp_path / f"{rc.STAGE_PREFIX}{host_part}-{dead_pid}-abc"
+    stale = tmp_path / f"{rc._host_prefix()}{dead_pid}-abc"
     live = tmp_path / f"{own}xyz"                     # this process: still in use
     other_host = tmp_path / f"{rc.STAGE_PREFIX}otherhost-{dead_pid}-abc"
     unrelated = tmp_path / "notes"

@@ -137,11 +137,15 @@ def _broadcast(obj: Any) -> Any:
 STAGE_PREFIX = "copus-switch-"
 
 
+def _host_prefix() -> str:
+    """`copus-switch-<host>-`: this host's staging folders (host name made file-name safe)."""
+    return f"{STAGE_PREFIX}{re.sub(r'[^A-Za-z0-9.]', '_', socket.gethostname())}-"
+
+
 def _stage_prefix() -> str:
     """`copus-switch-<host>-<pid>-`: whose staging folder it is, so a later switch can tell a
     folder left by a killed process from one in use."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    return f"{STAGE_PREFIX}{host}-{os.getpid()}-"
+    return f"{_host_prefix()}{os.getpid()}-"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -158,8 +162,7 @@ def remove_stale_stages(root: Path) -> list[Path]:
     """Delete staging folders under `root` that this host's dead processes left behind (a worker
     killed mid-switch cannot clean up; in /dev/shm the leftover would hold RAM until reboot).
     Folders of other hosts (a shared fallback root) and of live processes are kept."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    pattern = re.compile(re.escape(f"{STAGE_PREFIX}{host}-") + r"(\d+)-")
+    pattern = re.compile(re.escape(_host_prefix()) + r"(\d+)-")
     removed = []
     try:
         entries = list(root.iterdir())

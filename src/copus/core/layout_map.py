@@ -150,4 +150,7 @@ class LayoutMappedPolicy:
 
     def __getattr__(self, item: str) -> Any:
         """Everything else (statistics, names) is the inner policy's."""
-        return getattr(self.__dict__["inner"], item)
+        inner = self.__dict__.get("inner")
+        if inner is None:                   # not built yet (e.g. while unpickling)
+            raise AttributeError(item)
+        return getattr(inner, item)

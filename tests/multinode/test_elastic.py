@@ -84,7 +84,7 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> No
     while not any(r["step"] >= step for r in _rows(run_dir)):
         assert proc.poll() is None and time.perf_counter() < deadline, \
             "run ended or stalled before the membership change"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def _pause_workers(host, agent) -> list[int]:

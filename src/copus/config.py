@@ -17,7 +17,7 @@ from typing import Any
 
 import tomli_w
 
-from copus.core.layout_map import SYNTAX, parse_layout_map
+from copus.core.layout_map import SYNTAX, LayoutMapError, parse_layout_map
 from copus.core.models import MODELS
 
 POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput")
@@ -78,9 +78,8 @@ def _layout_map() -> Check:
             return f"a string: {SYNTAX}"
         try:
             parse_layout_map(v)
-        except ValueError as err:  # "parallel.layouts=...: PROBLEM; allowed: WHAT"
-            problem, _, allowed = str(err).split(": ", 1)[1].partition("; allowed: ")
-            return f"{allowed} ({problem})"
+        except LayoutMapError as err:
+            return f"{err.allowed} ({err.problem})"
         return None
 
     return check

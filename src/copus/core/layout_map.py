@@ -47,8 +47,16 @@ def _name(layout: Layout) -> str:
     return ".".join(parts) or "dp1"
 
 
-def _bad(text: str, why: str) -> ValueError:
-    return ValueError(f"parallel.layouts={text!r}: {why}")
+class LayoutMapError(ValueError):
+    """A bad `parallel.layouts`: `problem` (what is wrong) and `allowed` (what would do)."""
+
+    def __init__(self, text: str, problem: str, allowed: str) -> None:
+        super().__init__(f"parallel.layouts={text!r}: {problem}; allowed: {allowed}")
+        self.problem, self.allowed = problem, allowed
+
+
+def _bad(text: str, problem: str, allowed: str) -> LayoutMapError:
+    return LayoutMapError(text, problem, allowed)
 
 
 def parse_layout_map(text: str) -> LayoutMap | None:
@@ -59,22 +67,21 @@ def parse_layout_map(text: str) -> LayoutMap | None:
     for raw in text.split(","):
         entry = raw.strip().lower()
         if not _ENTRY.match(entry):
-            raise _bad(text, f"entry {raw.strip()!r} is invalid; allowed: {SYNTAX}")
+            raise _bad(text, f"entry {raw.strip()!r} is invalid", SYNTAX)
         spec, min_batch = entry.split("@")
         degrees = {"dp": 1, "tp": 1, "pp": 1}
         seen: set[str] = set()
         for part in spec.split("."):
             key, value = part[:2], int(part[2:])
             if key in seen or value < 1:
-                raise _bad(text, f"entry {raw.strip()!r} is invalid; allowed: each of dp, tp, "
-                                 "pp at most once, each >= 1")
+                raise _bad(text, f"entry {raw.strip()!r} is invalid",
+                           "each of dp, tp, pp at most once, each >= 1")
             seen.add(key)
             degrees[key] = value
         entries.append((int(min_batch), (degrees["dp"], degrees["tp"], degrees["pp"])))
     batches = [b for b, _ in entries]
     if batches != sorted(set(batches)) or batches[0] < 1:
-        raise _bad(text, f"minimum batches {batches} are invalid; allowed: strictly increasing, "
-                         ">= 1")
+        raise _bad(text, f"minimum batches {batches} are invalid", "strictly increasing, >= 1")
     return LayoutMap(tuple(entries))
 
 
@@ -84,14 +91,15 @@ def check_layout_map(layouts: LayoutMap, world_size: int, initial_batch: int,
     covers the initial batch."""
     text = layouts.describe()
     if layouts.entries[0][0] > initial_batch:
-        raise _bad(text, f"no layout for batch.initial={initial_batch}; allowed: a first entry "
-                         f"with MIN_BATCH <= {initial_batch}")
+        raise _bad(text, f"no layout for batch.initial={initial_batch}",
+                   f"a first entry with MIN_BATCH <= {initial_batch}")
     for _, layout in layouts.entries:
         dp, tp, pp = layout
         probe = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=1, num_microbatches=pp)
         problems = plan_problems(probe, world_size, shape)
         if problems:
-            raise _bad(text, f"layout {_name(layout)}: {problems[0]}")
+            raise _bad(text, f"layout {_name(layout)}: {problems[0]}",
+                       f"layouts with dp*tp*pp = {world_size} that fit the model")
 
 
 def plan_in_layout(plan: ParallelPlan, layout: Layout) -> ParallelPlan:

@@ -81,7 +81,7 @@ def plan_rows(args: argparse.Namespace) -> list[RankedPlan]:
     shape = get_model_shape(args.model)
     hw = get_hardware(args.hardware)
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
-    memory = MemoryModel(shape=shape, mixed_precision=hw.dtype_bytes == 2)
+    memory = memory_model(shape, hw)
     max_batch = args.global_batch if args.max_batch is None else args.max_batch
     cands = build_candidates(args.gpus, shape, min_batch=args.global_batch, max_batch=max_batch,
                              micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
@@ -93,6 +93,12 @@ def plan_rows(args: argparse.Namespace) -> list[RankedPlan]:
     b_noise = float("inf") if args.b_noise is None else args.b_noise
     return ranked(cands, model, b_noise, lr_aware=not args.no_lr_aware, ref_batch=1.0,
                   lr_ref_batch=float(args.global_batch), top=args.top)
+
+
+def memory_model(shape, hw) -> MemoryModel:
+    """The memory model of the stack `hw` describes (FSDP2 runtime or Megatron, core/memory.py)."""
+    return MemoryModel(shape=shape, mixed_precision=hw.dtype_bytes == 2, stack=hw.stack,
+                       distributed_optimizer=hw.distributed_optimizer)
 
 
 def row_dict(row: RankedPlan) -> dict:

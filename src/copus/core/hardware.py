@@ -28,6 +28,7 @@ import numpy as np
 
 GB = 1e9
 GiB = 2**30
+STACKS = ("fsdp2", "megatron")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +61,20 @@ class HardwareProfile:
     step_overhead_s: float = 5e-3
     overlap_gamma: float = 2.0
     dtype_bytes: int = 2
+    # Software stack the profile describes (`copus.core.throughput`): "fsdp2" (copus's runtime:
+    # FSDP2 all-gathers per micro-batch, fp32 reduce-scatter) or "megatron" (Megatron-LM DDP as
+    # COPUS ran it: replicated optimizer, one fp32 gradient all-reduce per step).
+    stack: str = "fsdp2"
+    # Megatron's distributed optimizer (ZeRO-1): fp32 grads reduce-scattered, bf16 params
+    # all-gathered, optimizer state sharded over dp. COPUS ran without it (§4.4).
+    distributed_optimizer: bool = False
+    # One NIC shared by the whole node (SR-IOV / one Ethernet port): `inter_node_bw` is then the
+    # node's bandwidth / gpus_per_node and a group with k members on a node gets k shares.
+    shared_nic: bool = False
+    # Per-GPU compute efficiency kept per doubling of the tensor-parallel degree (Megatron stack):
+    # a TP rank computes at tp_efficiency^log2(tp) of its tp = 1 speed (narrower GEMMs, NCCL
+    # kernels sharing SMs, launch gaps). 1.0 = ideal 1/tp scaling. docs/cost-model.md.
+    tp_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw"):
@@ -67,6 +82,10 @@ class HardwareProfile:
                 raise ValueError(f"{f}={getattr(self, f)!r} is invalid; allowed: a number > 0")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu={self.mfu!r} is invalid; allowed: 0 < mfu <= 1")
+        if not 0 < self.tp_efficiency <= 1:
+            raise ValueError(f"tp_efficiency={self.tp_efficiency!r} is invalid; allowed: 0 < x <= 1")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
         if self.gpus_per_node < 1 or self.nvlink_group < 1 or self.gpus_per_node % self.nvlink_group:
             raise ValueError(f"nvlink_group={self.nvlink_group} must be >= 1 and divide "
                              f"gpus_per_node={self.gpus_per_node}")
@@ -99,13 +118,20 @@ HARDWARE: dict[str, HardwareProfile] = {
                         memory_bw=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                         gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
         # COPUS's NVIDIA cluster (§5.1): H100 in NVLink pairs, PCIe between pairs, SR-IOV at
-        # 350 Gb/s between nodes. (inferred) PCIe cards with an NVLink bridge: H100 PCIe datasheet
-        # 756 TFLOPS dense BF16, 2.0 TB/s HBM2e, NVLink bridge 600 GB/s bidirectional (300 per
-        # direction), PCIe Gen5 x16 64 GB/s per direction; 350 Gb/s / 8 GPUs = 5.5 GB/s per GPU.
+        # 350 Gb/s between nodes, Megatron-LM with a replicated optimizer (§4.4). (inferred)
+        # PCIe cards with an NVLink bridge: H100 PCIe datasheet 756 TFLOPS dense BF16, 2.0 TB/s
+        # HBM2e, NVLink bridge 600 GB/s bidirectional (300 per direction), PCIe Gen5 x16
+        # 64 GB/s per direction; 350 Gb/s = 43.75 GB/s per node, one SR-IOV NIC shared by the
+        # node's 8 GPUs (5.47 GB/s per GPU share). Link efficiencies (achieved NCCL bus
+        # bandwidth / datasheet; docs/cost-model.md): NVLink 0.8, PCIe between pairs 0.5 (a
+        # virtualised host: peer traffic through the root complex), network 0.8. 0.4 ms of fixed
+        # cost per block per micro-batch (~80 kernels fwd+bwd, launch gaps and GEMM tails);
+        # TP keeps 0.9 of per-GPU efficiency per doubling (fitted; docs/cost-model.md).
         HardwareProfile(name="h100-nvlink-pairs", peak_flops=756e12, mfu=0.40,
-                        memory_bytes=80 * GB, memory_bw=2.0e12, intra_node_bw=300 * GB,
-                        cross_group_bw=64 * GB, inter_node_bw=350e9 / 8 / 8, gpus_per_node=8,
-                        nvlink_group=2, latency_s=1e-5),
+                        memory_bytes=80 * GB, memory_bw=2.0e12, intra_node_bw=300 * GB * 0.8,
+                        cross_group_bw=64 * GB * 0.5, inter_node_bw=350e9 / 8 / 8 * 0.8,
+                        gpus_per_node=8, nvlink_group=2, latency_s=1e-5, overlap_gamma=1.0, layer_overhead_s=4e-4,
+                        stack="megatron", shared_nic=True, tp_efficiency=0.9),
         # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS dense BF16, 2.039 TB/s HBM2e, NVLink 3
         # 600 GB/s bidirectional (300 per direction) via NVSwitch (DGX A100), 8 x HDR 200 Gb/s
         # NICs = 25 GB/s per GPU. MFU 0.50 (Megatron-LM, Narayanan et al. SC'21: 44-52 %).
@@ -113,13 +139,17 @@ HARDWARE: dict[str, HardwareProfile] = {
                         memory_bw=2.039e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
                         gpus_per_node=8, nvlink_group=8, latency_s=1e-5),
         # AMD Instinct MI210 datasheet: 181 TFLOPS BF16, 64 GB HBM2e at 1.6 TB/s. COPUS §5.1:
-        # Infinity Fabric 200 GB/s inside a 4-GPU NUMA domain, PCIe4 64 GB/s across domains,
-        # Ethernet 25 GB/s between nodes; taken as bidirectional, halved per direction, and the
-        # node's Ethernet shared by 8 GPUs. MFU 0.30 (ROCm stacks of that generation, inferred).
+        # Infinity Fabric 200 GB/s inside a 4-GPU NUMA domain, PCIe4 64 GB/s across domains
+        # (both taken as bidirectional: 100 and 32 GB/s per direction), Ethernet 25 GB/s
+        # between nodes (200 GbE line rate, per direction, one port shared by the node's 8
+        # GPUs). Megatron-LM (ROCm fork) with a replicated optimizer (§4.4). MFU 0.30 (ROCm
+        # stacks of that generation, inferred). Link efficiencies 0.8 / 0.4 / 0.8: the PCIe4 hop
+        # between NUMA domains crosses the CPU sockets (docs/cost-model.md). TP as on H100.
         HardwareProfile(name="mi210", peak_flops=181e12, mfu=0.30, memory_bytes=64 * GB,
-                        memory_bw=1.6e12, intra_node_bw=100 * GB, cross_group_bw=32 * GB,
-                        inter_node_bw=25 * GB / 2 / 8, gpus_per_node=8, nvlink_group=4,
-                        latency_s=1.5e-5, layer_overhead_s=3e-4),
+                        memory_bw=1.6e12, intra_node_bw=100 * GB * 0.8, cross_group_bw=32 * GB * 0.4,
+                        inter_node_bw=25 * GB / 8 * 0.8, gpus_per_node=8, nvlink_group=4,
+                        latency_s=1.5e-5, layer_overhead_s=3e-4, overlap_gamma=1.0,
+                        stack="megatron", shared_nic=True, tp_efficiency=0.9),
         # This 2-core machine, one rank per process, gloo over shared memory, fp32, 4 ranks on
         # 2 cores as the tests run. Calibrated to cpu-notes.md §g/g2 (36 measured steps of two
         # 4-block models, one set of coefficients fitted to both, then rounded): ~55 GFLOP/s

@@ -68,6 +68,12 @@ class MemoryModel:
     pp_schedule: str = "1f1b"
     flash_attention: bool = True
     activation_factor: float | None = None   # None: RUNTIME_ACTIVATION_FACTOR; 1.0: the paper
+    # "fsdp2" (copus's runtime, the regimes above) or "megatron" (Megatron-LM as COPUS ran it:
+    # bf16 params, fp32 main grads, fp32 master + moments, nothing sharded over dp: 18 bytes per
+    # parameter; with `distributed_optimizer` 6 + 12/dp; Megatron-LM README, "Distributed
+    # Optimizer"); Korthikanti's activation count as published (factor 1.0), no FSDP buffers.
+    stack: str = "fsdp2"
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_BYTES:
@@ -76,6 +82,8 @@ class MemoryModel:
             raise ValueError(f"pp_schedule={self.pp_schedule!r} is invalid; allowed: {', '.join(PP_SCHEDULES)}")
         if self.activation_factor is not None and not self.activation_factor > 0:
             raise ValueError(f"activation_factor={self.activation_factor!r} is invalid; allowed: a number > 0")
+        if self.stack not in ("fsdp2", "megatron"):
+            raise ValueError(f"stack={self.stack!r} is invalid; allowed: fsdp2, megatron")
         if self.bytes_per_param is not None and self.bytes_per_param not in (1, 2, 4, 8):
             raise ValueError(f"bytes_per_param={self.bytes_per_param!r} is invalid; allowed: 1, 2, 4, 8")
 
@@ -86,7 +94,7 @@ class MemoryModel:
         """"fp32", "autocast" or "bf16" (module docstring)."""
         if not self.mixed_precision:
             return "fp32"
-        return "autocast" if self.autocast else "bf16"
+        return "autocast" if self.autocast and self.stack == "fsdp2" else "bf16"
 
     @property
     def param_bytes(self) -> int:
@@ -111,6 +119,13 @@ class MemoryModel:
         master = 4 if self.param_bytes < 4 else 0
         return 2 * self.param_bytes + master + OPTIMIZER_BYTES[self.optimizer]
 
+    def megatron_bytes_per_param(self, dp) -> np.ndarray:
+        """Megatron-LM, bf16 params + fp32 grads: 18 replicated, 6 + 12/dp distributed (README)."""
+        moments = 4.0 + OPTIMIZER_BYTES[self.optimizer]          # fp32 master + Adam moments
+        if self.distributed_optimizer:
+            return 6.0 + moments / _f(dp)
+        return 6.0 + moments + 0.0 * _f(dp)
+
     # ---- stage contents --------------------------------------------------------------------
 
     def _stage_params(self, pp: np.ndarray, last: bool) -> np.ndarray:
@@ -130,7 +145,7 @@ class MemoryModel:
             out = out + 5.0 * s.n_heads * s.seq_len * s.seq_len * _f(micro_batch_size) / _f(tp)
         factor = self.activation_factor
         if factor is None:
-            factor = RUNTIME_ACTIVATION_FACTOR[self.regime]
+            factor = 1.0 if self.stack == "megatron" else RUNTIME_ACTIVATION_FACTOR[self.regime]
         return out * (self.compute_bytes / 2.0) * factor
 
     def _stored_per_block(self, tp, micro_batch_size) -> np.ndarray:
@@ -161,13 +176,17 @@ class MemoryModel:
         out: dict[str, np.ndarray] = {}
         for last in (False, True):
             params = self._stage_params(pp, last)
-            states = params / (tp * dp) * self.state_bytes_per_param
-            if self.reshard_after_forward:
-                gathered = 2.0 * unit * self.param_bytes
-            else:
-                gathered = params / tp * self.param_bytes
-            buffers = gathered + unit * self.param_bytes
             in_flight = self.in_flight(pp, num_microbatches, last)
+            if self.stack == "megatron":
+                states = params / tp * self.megatron_bytes_per_param(dp)
+                buffers = np.zeros_like(states)
+            else:
+                states = params / (tp * dp) * self.state_bytes_per_param
+                if self.reshard_after_forward:
+                    gathered = 2.0 * unit * self.param_bytes
+                else:
+                    gathered = params / tp * self.param_bytes
+                buffers = gathered + unit * self.param_bytes
             if self.regime == "autocast":
                 buffers = buffers + 2.0 * (unit if self.activation_checkpointing else in_flight * params / tp)
             acts = in_flight * layers * self._stored_per_block(tp, b)

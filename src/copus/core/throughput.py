@@ -22,6 +22,12 @@ The last line is Pollux's `T_iter = s·T_acc + (T_acc^γ + T_net^γ)^(1/γ)` (Qi
 bubble fraction `(pp−1)/(m+pp−1)` (Narayanan et al. SC'21, §2.2; GPipe and 1F1B alike). m =
 num_microbatches, e = activation/parameter bytes, slow(tier) = tier-0 bandwidth / tier bandwidth
 (`copus.core.hardware`). Every α, β, γ is a `StepTimeParams` field, fitted by `copus.core.fit`.
+
+That is copus's own runtime (stack "fsdp2"). With `stack="megatron"` (the profiles of COPUS's
+clusters, `HardwareProfile.stack`) the same coefficients price Megatron-LM's structure instead:
+no per-micro-batch all-gathers, one fp32 gradient all-reduce per step (or the distributed
+optimizer's reduce-scatter + all-gather), the tied-embedding sync between the pipeline's ends
+and a node-shared NIC (`copus.core.megatron_cost`, docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
-from copus.core.hardware import HardwareProfile, get_hardware, link_tier
+from copus.core.hardware import STACKS, HardwareProfile, get_hardware, link_tier
+from copus.core.megatron_cost import megatron_breakdown
 from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan
 
@@ -117,7 +124,8 @@ class StepTimeModel:
 
     def __init__(self, params: StepTimeParams, shape: ModelShape, hardware: HardwareProfile | None = None,
                  *, world_size: int | None = None, dtype_bytes: int | None = None, param_bytes: int = 4,
-                 activation_checkpointing: bool = False, reshard_after_forward: bool = True) -> None:
+                 activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+                 stack: str | None = None, distributed_optimizer: bool | None = None) -> None:
         self.params = params
         self.shape = shape
         self.hardware = hardware
@@ -126,8 +134,14 @@ class StepTimeModel:
         self.param_bytes = int(param_bytes)
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
+        self.stack = stack or (hardware.stack if hardware else "fsdp2")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
+        self.distributed_optimizer = bool(hardware.distributed_optimizer if distributed_optimizer is None
+                                          and hardware else distributed_optimizer)
         self._slow = np.asarray(hardware.tier_slowdown if hardware else (1.0, 1.0, 1.0))
         self._domains = (hardware.nvlink_group, hardware.gpus_per_node) if hardware else (2**62, 2**62)
+        self._shared_nic = bool(hardware and hardware.shared_nic)
 
     @classmethod
     def analytic(cls, shape: ModelShape, hardware: HardwareProfile | str, world_size: int | None = None,
@@ -141,7 +155,8 @@ class StepTimeModel:
         return StepTimeModel(params, self.shape, self.hardware, world_size=self.world_size,
                              dtype_bytes=self.dtype_bytes, param_bytes=self.param_bytes,
                              activation_checkpointing=self.activation_checkpointing,
-                             reshard_after_forward=self.reshard_after_forward)
+                             reshard_after_forward=self.reshard_after_forward, stack=self.stack,
+                             distributed_optimizer=self.distributed_optimizer)
 
     # ---- shape arithmetic -------------------------------------------------------------------
 
@@ -179,6 +194,8 @@ class StepTimeModel:
 
     def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
         """Every term of the equation (seconds), broadcast over the inputs; "step_s" is the total."""
+        if self.stack == "megatron":
+            return megatron_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches)
         p = self.params
         dp_f, tp_f, pp_f, b, m = (_i(x) for x in (dp, tp, pp, micro_batch_size, num_microbatches))
         t_tier, d_tier, p_tier = self.tiers(dp, tp, pp)
@@ -205,6 +222,25 @@ class StepTimeModel:
         return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
                 "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
                 "bubble_s": (pp_f - 1.0) * microbatch, "step_s": step}
+
+    def slowdowns(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Seconds per byte of the tp, dp and pp groups relative to tier 0 (module docstring).
+
+        With a node-shared NIC (`HardwareProfile.shared_nic`) a group crossing nodes gets one
+        per-GPU share of the NIC per member it has on the node: dp (dp at stride tp) has
+        min(dp, max(1, gpus_per_node // tp)) members per node; a pipeline hop between nodes is
+        made by every one of the dp·tp pipelines at once, gpus_per_node / min(dp·tp, gpus_per_node)
+        shares each; tp has min(tp, gpus_per_node).
+        """
+        t_tier, d_tier, p_tier = self.tiers(dp, tp, pp)
+        slow = [self._slow[t_tier], self._slow[d_tier], self._slow[p_tier]]
+        if self._shared_nic:
+            dp_f, tp_f = _i(dp), _i(tp)
+            gpn = float(self._domains[1])
+            shares = (np.minimum(tp_f, gpn), np.minimum(dp_f, np.maximum(1.0, np.floor(gpn / tp_f))),
+                      gpn / np.minimum(dp_f * tp_f, gpn))
+            slow = [np.where(tier == 2, s / k, s) for tier, s, k in zip((t_tier, d_tier, p_tier), slow, shares)]
+        return tuple(slow)
 
     def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
         """Seconds per optimizer step, numpy-broadcast over integer arrays."""

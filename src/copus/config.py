@@ -93,9 +93,25 @@ def _opt(default: Any, check: Check) -> Any:
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
 
+def _model_name() -> Check:
+    """A named shape or a readable Hugging Face config.json (core/hf_config.py)."""
+    def check(v: Any) -> str | None:
+        if not isinstance(v, str) or not (v in MODELS or v.endswith(".json")):
+            return "one of " + ", ".join(repr(n) for n in MODELS) + " or a config.json path"
+        if v.endswith(".json"):
+            from copus.core.hf_config import load_shape
+            try:
+                load_shape(v)
+            except ValueError as err:
+                return str(err)
+        return None
+    return check
+
+
 @dataclass(**_FROZEN)
 class ModelConfig:
-    name: str = _opt("tiny", _choice(*MODELS))
+    name: str = _opt("tiny", _model_name())
+    seq_len: int = _opt(0, _int(0, 1_048_576))   # 0 = the shape's own (2048 for a config.json)
 
 
 @dataclass(**_FROZEN)
@@ -223,6 +239,13 @@ def allowed_keys(section: str) -> list[str]:
     return [f.name for f in dataclasses.fields(SECTIONS[section])]
 
 
+def model_shape(cfg: Any):
+    """The `ModelShape` a config trains: `model.name` (or config.json) at `model.seq_len`."""
+    from copus.core.models import get_model_shape
+
+    return get_model_shape(cfg.model.name, cfg.model.seq_len)
+
+
 def _bad(section: str, key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{section}.{key}={value!r}: {allowed}")
 
@@ -271,7 +294,7 @@ def check_consistency(cfg: Config) -> None:
     if not b.min <= b.ramp_to <= b.max:
         raise _bad("batch", "ramp_to", b.ramp_to,
                    f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
-    vocab = MODELS[cfg.model.name].vocab_size
+    vocab = model_shape(cfg).vocab_size
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
                    f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")

@@ -2,12 +2,15 @@
 
     copus plan --model llama-3.2-3b --gpus 8 --hardware h100-nvlink-pairs --global-batch 16
     copus plan ... --max-batch 512 --b-noise 300 --json
+    copus plan --model path/to/config.json --seq-len 4096 --by-layout
 
 With `--global-batch` alone the batch is fixed and the ranking is by throughput. With
 `--max-batch`, every batch in [global-batch, max-batch] competes, scored by goodput =
 samples_per_s × E(B) × sqrt(B / global-batch) (COPUS Eqs. 6–8; `--no-lr-aware` drops the sqrt;
 `--b-noise` omitted means E = 1). Step times come from the analytic model of `--hardware`
-(core/throughput.py), memory from core/memory.py; plans over `--memory-gb` are pruned.
+(core/throughput.py; the Megatron structure for COPUS's clusters, core/megatron_cost.py), memory
+from core/memory.py; plans over `--memory-gb` are pruned. `--model` takes a named shape or a
+Hugging Face config.json (core/hf_config.py); `--by-layout` keeps each layout's best row.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ JSON_KEYS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.2-3b",
-                        help=f"model shape, one of: {', '.join(MODELS)} (default llama-3.2-3b)")
+                        help=f"model shape, one of: {', '.join(MODELS)}, or a Hugging Face "
+                             "config.json path (default llama-3.2-3b)")
+    parser.add_argument("--seq-len", type=int, default=0,
+                        help="sequence length in tokens (default: the model's; 2048 for a config.json)")
     parser.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
     parser.add_argument("--hardware", default="h100-sxm",
                         help=f"hardware profile, one of: {', '.join(HARDWARE)} (default h100-sxm)")
@@ -46,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="memory per device in GB (default: the hardware profile's)")
     parser.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    parser.add_argument("--by-layout", action="store_true",
+                        help="one row per (dp, tp, pp): its best micro-batch size and batch")
     parser.add_argument("--json", action="store_true", help="print JSON (a list, best first)")
 
 
@@ -62,6 +70,9 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.seq_len < 0:
+        raise ValueError(f"--seq-len={args.seq_len} is invalid; allowed: an integer >= 1 "
+                         "(0 = the model's own)")
     for name in ("gpus", "global_batch", "top"):
         value = getattr(args, name)
         if value < 1:
@@ -78,7 +89,7 @@ def _check(args: argparse.Namespace) -> None:
 def plan_rows(args: argparse.Namespace) -> list[RankedPlan]:
     """The ranked plans `copus plan` prints (best first, at most `--top`)."""
     _check(args)
-    shape = get_model_shape(args.model)
+    shape = get_model_shape(args.model, args.seq_len)
     hw = get_hardware(args.hardware)
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
     memory = memory_model(shape, hw)
@@ -91,8 +102,20 @@ def plan_rows(args: argparse.Namespace) -> list[RankedPlan]:
                          f"{capacity / GB:.1f} GB per device at global batch {args.global_batch}")
     model = StepTimeModel.analytic(shape, hw, args.gpus)
     b_noise = float("inf") if args.b_noise is None else args.b_noise
-    return ranked(cands, model, b_noise, lr_aware=not args.no_lr_aware, ref_batch=1.0,
-                  lr_ref_batch=float(args.global_batch), top=args.top)
+    rows = ranked(cands, model, b_noise, lr_aware=not args.no_lr_aware, ref_batch=1.0,
+                  lr_ref_batch=float(args.global_batch), top=None if args.by_layout else args.top)
+    return best_per_layout(rows)[:args.top] if args.by_layout else rows
+
+
+def best_per_layout(rows: list[RankedPlan]) -> list[RankedPlan]:
+    """The first (best) row of each (dp, tp, pp), in the order of `rows`."""
+    seen: set[tuple[int, int, int]] = set()
+    out = []
+    for r in rows:
+        if r.plan.layout not in seen:
+            seen.add(r.plan.layout)
+            out.append(r)
+    return out
 
 
 def memory_model(shape, hw) -> MemoryModel:
@@ -110,15 +133,17 @@ def row_dict(row: RankedPlan) -> dict:
 
 
 def format_table(rows: list[RankedPlan]) -> str:
+    """The ranked rows as a table; `vs #1` is each row's goodput deficit to the first."""
     head = (f"{'#':>3}  {'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'n_mb':>5} {'B':>6}  "
-            f"{'step_s':>9} {'samples/s':>10} {'eff':>6} {'goodput':>10} {'mem GB':>7}")
+            f"{'step_s':>9} {'samples/s':>10} {'eff':>6} {'goodput':>10} {'vs #1':>7} {'mem GB':>7}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         p = r.plan
+        gap = 100.0 * (1.0 - r.goodput / rows[0].goodput)
         lines.append(f"{i:>3}  {p.dp:>3} {p.tp:>3} {p.pp:>3} {p.micro_batch_size:>4} "
                      f"{p.num_microbatches:>5} {p.global_batch_size:>6}  {r.step_s:>9.4g} "
                      f"{r.samples_per_s:>10.4g} {r.efficiency:>6.3f} {r.goodput:>10.4g} "
-                     f"{r.memory_bytes / GB:>7.1f}")
+                     f"{-gap + 0.0:>+6.1f}% {r.memory_bytes / GB:>7.1f}")
     return "\n".join(lines)
 
 
@@ -128,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([row_dict(r) for r in rows], indent=1))
     else:
         b = "unknown" if args.b_noise is None else f"{args.b_noise:g}"
-        print(f"{args.model} on {args.gpus} x {args.hardware}, global batch "
+        print(f"{args.model} (seq {get_model_shape(args.model, args.seq_len).seq_len}) on "
+              f"{args.gpus} x {args.hardware} ({get_hardware(args.hardware).stack}), global batch "
               f"{args.global_batch}{'' if args.max_batch is None else f'..{args.max_batch}'}, "
-              f"b_noise {b}; best {len(rows)} plans by predicted goodput")
+              f"b_noise {b}; best {len(rows)} {'layouts' if args.by_layout else 'plans'} by predicted goodput")
         print(format_table(rows))
     return 0

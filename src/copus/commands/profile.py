@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                          "allowed: nproc >= 1, steps >= 1, warmup >= 0")
     cfg = load_config(args.config, [*args.set, f"model.name={args.model!r}",
                                     f"parallel.nproc={args.nproc}", f"train.seed={args.seed}"])
-    shape = get_model_shape(cfg.model.name)
+    shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     plans = select_plans(args, shape)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

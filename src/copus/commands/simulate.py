@@ -18,7 +18,10 @@ from copus.core.simulator import POLICY_FAMILIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.2-3b", help="model shape name (core.models)")
+    p.add_argument("--model", default="llama-3.2-3b",
+                   help="model shape name (core.models) or a Hugging Face config.json path")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="sequence length in tokens (default: the model's; 2048 for a config.json)")
     p.add_argument("--gpus", type=int, default=8, help="world size")
     p.add_argument("--hardware", default="h100-nvlink-pairs", help="hardware profile name")
     p.add_argument("--target-loss", default="4.0,3.5,3.0",
@@ -83,7 +86,7 @@ def _custom(args):
     from copus.core.simulator import Scenario, SimSettings
     from copus.core.trajectory import TrajectoryParams
 
-    shape = get_model_shape(args.model)
+    shape = get_model_shape(args.model, args.seq_len)
     try:
         targets = tuple(float(x) for x in args.target_loss.split(",") if x.strip())
     except ValueError:

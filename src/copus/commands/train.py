@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens)")
     p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
                                     "inner-product-test, gns, goodput")
-    p.add_argument("--model", help="model shape name (model.name)")
+    p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name)")
+    p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; 0 = the model's)")
     p.add_argument("--seed", type=int, help="seed (train.seed)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in --run-dir (any plan)")
@@ -56,12 +57,15 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     """Convenience flags as `section.key=value` overrides (they win over --set)."""
     out = []
     for flag, key in (("nproc", "parallel.nproc"), ("max_steps", "train.max_steps"),
-                      ("max_tokens", "train.max_tokens"), ("seed", "train.seed")):
+                      ("max_tokens", "train.max_tokens"), ("seed", "train.seed"),
+                      ("seq_len", "model.seq_len")):
         value = getattr(args, flag)
         if value is not None:
             out.append(f"{key}={int(value)}")
     for flag, key in (("policy", "batch.policy"), ("model", "model.name")):
         value = getattr(args, flag)
+        if flag == "model" and value is not None and value.endswith(".json"):
+            value = os.path.abspath(value)  # workers and resumed runs find the same file
         if value is not None:
             out.append(f"{key}={_toml_str(value)}")
     return out

@@ -142,7 +142,7 @@ def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
 
     check_run_length(cfg)
     check_source(cfg.data.source)
-    shape = get_model_shape(cfg.model.name)
+    shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     plan = initial_plan(cfg, world_size, shape)
     make_run_policy(cfg, plan, world_size, shape)
     return plan

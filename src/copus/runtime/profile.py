@@ -92,7 +92,7 @@ def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
 
     request = json.loads((Path(run_dir) / REQUEST).read_text())
     device = init_distributed(backend=cfg.parallel.backend)
-    shape = get_model_shape(cfg.model.name)
+    shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     settings = settings_from_config(cfg)
     meshes = MeshCache(device.type)
     plans = [ParallelPlan(**p) for p in request["plans"]]

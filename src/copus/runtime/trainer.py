@@ -96,7 +96,7 @@ class Trainer:
 
         self.cfg, self.run_dir, self.on_batch = cfg, Path(run_dir), on_batch
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.shape = get_model_shape(cfg.model.name)
+        self.shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
         self.device = device
         self.train_set, self.val_set, _ = data_mod.build_datasets(
             cfg.data, self.shape.seq_len, self.shape.vocab_size)

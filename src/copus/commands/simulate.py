@@ -3,13 +3,15 @@
 Runs every chosen policy on a simulated cluster (`copus.core.simulator`) and prints the time to
 each target loss, the speed-up of goodput over the fastest baseline at each target (COPUS
 Table 1 metric), and the plan timeline. `--preset NAME|all` runs COPUS's own configurations and
-prints the published numbers next to the simulated ones.
+prints the published numbers next to the simulated ones: Table 1's minutes (published |
+simulated) for every static, CBS and COPUS row, the COPUS-faithful goodput ("goodput-copus",
+`core.simulator.COPUS_FAITHFUL`) and copus's default goodput (the config defaults) side by
+side, and each switch beside Table 2's.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -74,11 +76,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preset(preset, args):
-    from copus.core.simulator import preset_scenario
+def default_variant(no_lr_aware: bool = False):
+    """copus's own goodput controller: the defaults of the [batch], [gns] and [controller]
+    keys (copus.config), as `copus train --policy goodput` runs it."""
+    from copus.config import load_config
+    from copus.core.policies import PolicySettings
+    from copus.core.simulator import GoodputVariant
 
-    sc = preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig)
-    return dataclasses.replace(sc, lr_aware=not args.no_lr_aware)
+    cfg = load_config()
+    s, c = PolicySettings.from_config(cfg), cfg.controller
+    return GoodputVariant(
+        name="goodput", settings=tuple((k, getattr(s, k)) for k in (
+            "max_growth", "interval_steps", "warmup_steps", "calibration", "max_rel_err")),
+        controller=(("margin", c.margin), ("lr_aware", c.lr_aware and not no_lr_aware)))
+
+
+def _preset(preset, args):
+    from copus.core.simulator import COPUS_FAITHFUL, preset_scenario
+
+    return preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig,
+                           variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)))
 
 
 def _custom(args):
@@ -112,10 +129,13 @@ def _minutes(s: float | None) -> str:
 
 
 def _print_comparison(preset, cmp_) -> None:
+    if preset is not None:
+        _print_preset(preset, cmp_)
+        return
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
-    title = preset.description if preset else f"{sc.shape.name} on {sc.world_size} x {sc.hardware}"
-    print(f"\n== {title}: minutes to target loss (seed {sc.sim.seed}) ==")
+    print(f"\n== {sc.shape.name} on {sc.world_size} x {sc.hardware}: minutes to target loss "
+          f"(seed {sc.sim.seed}) ==")
     width = max(len(r.name) for r in cmp_.results) + 2
     print("method".ljust(width) + "".join(f"{t:>8g}" for t in targets))
     for r in cmp_.results:
@@ -125,22 +145,59 @@ def _print_comparison(preset, cmp_) -> None:
     print("speed-up".ljust(width) + "".join(
         f"{'–' if r['speedup_pct'] is None else format(r['speedup_pct'], '+.1f') + '%':>8}"
         for r in rows) + f"   avg {_pct(cmp_.average_speedup_pct())}")
-    if preset is not None:
-        print("published".ljust(width) + "".join(f"{v:>+7.1f}%" for v in
-                                                  preset.published_speedup_pct)
-              + f"   avg {preset.published_avg_speedup_pct:+.1f}%")
-    for r in cmp_.results:
-        if cmp_.families[r.name] == "goodput":
-            print("goodput plan timeline:")
-            last = None
-            for s in r.timeline:
-                if s.plan.layout != last:
-                    print(f"  {s.start_s / 60:7.1f} min  step {s.start_step:6d}  "
-                          f"{s.plan.describe()}  loss {s.loss:.2f}  b_noise est "
-                          f"{s.b_noise:.0f} (true {s.true_b_noise:.0f})")
-                    last = s.plan.layout
-            print(f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
-                  f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}")
+    for name in cmp_.goodput_runs():
+        r = cmp_.run(name)
+        print(f"{name} plan timeline:")
+        last = None
+        for s in r.timeline:
+            if s.plan.layout != last:
+                print(f"  {s.start_s / 60:7.1f} min  step {s.start_step:6d}  "
+                      f"{s.plan.describe()}  loss {s.loss:.2f}  b_noise est "
+                      f"{s.b_noise:.0f} (true {s.true_b_noise:.0f})")
+                last = s.plan.layout
+        print(f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
+              f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}")
+
+
+def _cell(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
+def _print_preset(preset, cmp_) -> None:
+    """Table 1 (published | simulated minutes per target), speed-ups, Table 2 timeline."""
+    from copus.core.table1 import table1_rows, timeline_rows
+
+    sc = cmp_.scenario
+    targets = sorted(sc.sim.target_losses, reverse=True)
+    print(f"\n== {preset.description}: minutes to target loss, published | simulated "
+          f"(seed {sc.sim.seed}) ==")
+    rows = table1_rows(preset, cmp_)
+    width = max(len(r.label) for r in rows) + 2
+    print("method".ljust(width) + "".join(f"{t:>14g}" for t in targets))
+    for r in rows:
+        pub = r.published or (None,) * len(targets)
+        sim = r.simulated or (None,) * len(targets)
+        print(r.label.ljust(width) + "".join(
+            f"{(_cell(p) if r.published else '·'):>7}|{(_cell(q) if r.simulated else '·'):<6}"
+            for p, q in zip(pub, sim)))
+    print("speed-up over the fastest baseline, published | simulated:")
+    print("  COPUS".ljust(width) + "".join(
+        f"{p:>+6.1f}%|{_pct(q['speedup_pct']):<6}" for p, q in
+        zip(preset.published_speedup_pct, cmp_.speedups(run="goodput-copus")))
+        + f"   avg {preset.published_avg_speedup_pct:+.1f}% | "
+          f"{_pct(cmp_.average_speedup_pct('goodput-copus'))}")
+    for name in cmp_.goodput_runs():
+        if name != "goodput-copus":
+            print(f"  {name}".ljust(width) + "".join(
+                f"{'':>7}|{_pct(q['speedup_pct']):<6}" for q in cmp_.speedups(run=name))
+                + f"   avg {_pct(cmp_.average_speedup_pct(name))}")
+    for name in cmp_.goodput_runs():
+        run = cmp_.run(name)
+        label = "COPUS" if name == "goodput-copus" else name
+        print(f"layout timeline, Table 2 (COPUS) | simulated {label} "
+              f"({len(run.switch_costs_s)} switches, {sum(run.switch_costs_s):.0f} s):")
+        for pub, sim in timeline_rows(preset, run):
+            print(f"  {pub:32s}| {sim}")
 
 
 def _pct(x: float | None) -> str:
@@ -149,10 +206,11 @@ def _pct(x: float | None) -> str:
 
 def _print_summary(out) -> None:
     print("\n== COPUS Table 1 summary: average time-to-target speed-up over the fastest baseline ==")
-    print(f"{'config':16s}{'simulated':>11s}{'published':>11s}")
+    names = [n for n in out[0][1].goodput_runs()]
+    print(f"{'config':16s}{'published':>11s}" + "".join(f"{'sim ' + n:>20s}" for n in names))
     for preset, cmp_ in out:
-        print(f"{preset.name:16s}{_pct(cmp_.average_speedup_pct()):>11s}"
-              f"{_pct(preset.published_avg_speedup_pct):>11s}")
+        print(f"{preset.name:16s}{_pct(preset.published_avg_speedup_pct):>11s}"
+              + "".join(f"{_pct(cmp_.average_speedup_pct(n)):>20s}" for n in names))
 
 
 def _json(preset, cmp_) -> dict:

@@ -10,10 +10,11 @@ Trajectory parameters: `initial_loss` = ln(vocab_size), `final_loss` = 1.0 (fixe
 (Kaplan et al. 2020); `progress_scale_samples`, `loss_exponent` and `bcrit_star_tokens` are a
 least-squares fit (log time) of the *static* rows of Table 1 only, each static batch run on its
 fastest memory-feasible plan under the analytic step-time model (`copus.core.throughput`);
-refit with `python bench/simulate_scale.py --calibrate` when that model changes. The fitted B*
-lands within 0.27–7.7× of Kaplan's 2e8 tokens. COPUS and CBS rows are not used, so the
-simulated speed-ups are a prediction, not a fit. RMS log-time error: 3B 0.15, 13B 0.055, 32B
-0.004 (one static row: under-determined), 7B 0.10.
+refit with `python bench/simulate_scale.py --calibrate` when that model changes (last refit:
+the Megatron cost model of core/megatron_cost.py). The fitted B* lands within 0.14–2.0× of
+Kaplan's 2e8 tokens. COPUS and CBS rows are not used, so the simulated speed-ups are a
+prediction, not a fit. RMS log-time error: 3B 0.088, 13B 0.054, 32B 0.005 (one static row:
+under-determined), 7B 0.093.
 """
 
 from __future__ import annotations
@@ -51,10 +52,20 @@ class Preset:
     published_speedup_pct: tuple[float, ...] = ()
     published_avg_speedup_pct: float = 0.0
     published_reconfig_s: tuple[float, ...] = ()
+    published_switch_min: tuple[float, ...] = ()   # Table 2 "triggered at" of each switch
+
+
+# Ground-truth B_crit / b_noise (the simple noise scale the estimator measures). The static rows
+# cannot identify it (they never read the GNS); of 1, 2, 4, 8, 16 it is the value whose CBS rows
+# (fixed layout, GNS-driven batch) land closest to Table 1's (RMS log-time error 0.12 / 0.11 /
+# 0.13 / 0.09 for 3B / 13B / 32B / 7B at 4, against 0.15 / 0.12 / 0.15 / 0.08 at COPUS's c = 2;
+# docs/cost-model.md). COPUS rows are not used: its speed-ups stay a prediction.
+GNS_TO_BCRIT = 4.0
 
 
 def _traj(vocab: int, **kw) -> TrajectoryParams:
-    return TrajectoryParams(initial_loss=math.log(vocab), final_loss=1.0, **kw)
+    return TrajectoryParams(initial_loss=math.log(vocab), final_loss=1.0,
+                            gns_calibration=GNS_TO_BCRIT, **kw)
 
 
 PRESETS: dict[str, Preset] = {
@@ -64,8 +75,8 @@ PRESETS: dict[str, Preset] = {
             name="3b-8xh100", description="LLaMA-3.2-3B on 1x8 H100 (NVLink pairs)",
             model="llama-3.2-3b", hardware="h100-nvlink-pairs", world_size=8,
             token_budget=328_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.75),
-            trajectory=_traj(128256, progress_scale_samples=265.0, loss_exponent=0.272,
-                             bcrit_star_tokens=1.535e9),
+            trajectory=_traj(128256, progress_scale_samples=70.08, loss_exponent=0.2406,
+                             bcrit_star_tokens=4.039e8),
             static_batches=(16, 32, 64, 128, 1024),
             cbs_layouts=((2, 1, 4), (8, 1, 1)),
             published_layouts=((2, 1, 4), (4, 1, 2), (8, 1, 1)),
@@ -80,14 +91,14 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=1024": (None, None, None, None, None),
             },
             published_speedup_pct=(4.3, 10.1, 8.6, 9.4, 7.0), published_avg_speedup_pct=7.9,
-            published_reconfig_s=(30.0, 56.0),
+            published_reconfig_s=(30.0, 56.0), published_switch_min=(3.0, 22.0),
         ),
         Preset(
             name="13b-16xh100", description="LLaMA-2-13B on 2x8 H100",
             model="llama-2-13b", hardware="h100-nvlink-pairs", world_size=16,
             token_budget=328_000_000, target_losses=(4.0, 3.5, 3.0, 2.75, 2.5),
-            trajectory=_traj(32000, progress_scale_samples=47.04, loss_exponent=0.2485,
-                             bcrit_star_tokens=1.084e8),
+            trajectory=_traj(32000, progress_scale_samples=30.77, loss_exponent=0.2363,
+                             bcrit_star_tokens=7.471e7),
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((1, 2, 8), (4, 1, 4)),
             published_layouts=((1, 2, 8), (4, 1, 4)),
@@ -101,14 +112,14 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=1024": (None, None, None, None, None),
             },
             published_speedup_pct=(3.4, 4.4, 0.7, 5.1, 6.1), published_avg_speedup_pct=3.9,
-            published_reconfig_s=(42.0,),
+            published_reconfig_s=(42.0,), published_switch_min=(20.0,),
         ),
         Preset(
             name="32b-32xh100", description="Qwen-2.5-32B on 4x8 H100",
             model="qwen-2.5-32b", hardware="h100-nvlink-pairs", world_size=32,
             token_budget=123_000_000, target_losses=(4.5, 4.0, 3.8, 3.5, 3.2),
-            trajectory=_traj(152064, progress_scale_samples=222.5, loss_exponent=0.2985,
-                             bcrit_star_tokens=5.465e8),
+            trajectory=_traj(152064, progress_scale_samples=83.29, loss_exponent=0.2556,
+                             bcrit_star_tokens=2.508e8),
             static_batches=(64, 128, 512),
             cbs_layouts=((1, 2, 16), (2, 2, 8)),
             published_layouts=((1, 2, 16), (2, 2, 8)),
@@ -121,14 +132,14 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=512": (None, None, None, None, None),
             },
             published_speedup_pct=(3.7, 6.8, 11.1, 7.8, 10.7), published_avg_speedup_pct=8.0,
-            published_reconfig_s=(52.0,),
+            published_reconfig_s=(52.0,), published_switch_min=(37.0,),
         ),
         Preset(
             name="7b-32xmi210", description="LLaMA-2-7B on 4x8 MI210",
             model="llama-2-7b", hardware="mi210", world_size=32,
             token_budget=215_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
-            trajectory=_traj(32000, progress_scale_samples=7.008, loss_exponent=0.1947,
-                             bcrit_star_tokens=5.483e7),
+            trajectory=_traj(32000, progress_scale_samples=3.019, loss_exponent=0.183,
+                             bcrit_star_tokens=2.878e7),
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((2, 4, 4), (8, 1, 4)),
             published_layouts=((2, 4, 4), (4, 1, 8)),
@@ -142,7 +153,7 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=1024": (None, None, None, None, None),
             },
             published_speedup_pct=(-0.5, 1.9, 3.5, 8.9, 11.0), published_avg_speedup_pct=5.0,
-            published_reconfig_s=(49.0,),
+            published_reconfig_s=(49.0,), published_switch_min=(15.0,),
         ),
     )
 }

@@ -254,6 +254,27 @@ BASELINE_FAMILIES = ("static", "cbs")  # COPUS Table 1 compares against these
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GoodputVariant:
+    """One goodput controller to simulate, given by the controller's own settings objects.
+
+    `settings`: `core.policies.PolicySettings` fields (the [batch]/[gns] keys) over the
+    scenario's; `controller`: keyword arguments of `core.controller.make_controller` (margin,
+    lr_aware, allow_shrink, reconfig_cost_s, ...). The run is labelled `name`.
+    """
+
+    name: str = "goodput"
+    settings: tuple[tuple[str, object], ...] = ()
+    controller: tuple[tuple[str, object], ...] = ()
+
+
+# COPUS as published (§4.5, Alg. 2; copus-notes §1.6-1.9): LR-aware goodput (Eq. 8), c = 2,
+# 10 % switching margin, growth ≤ 2x per decision, the batch never shrinks.
+COPUS_FAITHFUL = GoodputVariant(
+    name="goodput-copus", settings=(("max_growth", 2.0), ("calibration", 2.0), ("gns_c", 2.0)),
+    controller=(("margin", 0.10), ("lr_aware", True), ("allow_shrink", False)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     """A model on a cluster, the run to simulate and the planner's search space."""
 
@@ -273,6 +294,15 @@ class Scenario:
     online_fit: bool = False
     lr_aware: bool = True                  # COPUS Eq. 8 sqrt(B) factor in the controller
     policy_overrides: tuple[tuple[str, object], ...] = ()  # PolicySettings fields to change
+    # goodput controllers to run side by side (() = one "goodput" from lr_aware/policy_overrides)
+    goodput_variants: tuple[GoodputVariant, ...] = ()
+    # (dp, tp, pp) of the CBS baselines (() = tuned by the planner for the initial and final batch)
+    cbs_layouts: tuple[tuple[int, int, int], ...] = ()
+    # (dp, tp, pp) the goodput runs start from (None: the planner's fastest at initial_batch)
+    start_layout: tuple[int, int, int] | None = None
+
+    def variants(self) -> tuple[GoodputVariant, ...]:
+        return self.goodput_variants or (GoodputVariant(name="goodput"),)
 
     def batches_for_static(self) -> tuple[int, ...]:
         if self.static_batches:
@@ -296,7 +326,8 @@ class Planner:
         self.hardware = get_hardware(scenario.hardware)
         self.step_time_model = StepTimeModel.analytic(scenario.shape, self.hardware,
                                                       scenario.world_size)
-        self.memory_model = MemoryModel(shape=scenario.shape)
+        self.memory_model = MemoryModel(shape=scenario.shape, stack=self.hardware.stack,
+                                        distributed_optimizer=self.hardware.distributed_optimizer)
         self.memory_capacity_bytes = self.hardware.memory_bytes * scenario.memory_headroom
         sim = scenario.sim
         self.switch_cost_s = (sim.reconfig_cost_s if sim.reconfig_cost_s is not None else
@@ -358,11 +389,12 @@ class CachedPredictor:
         return hit[1]
 
 
-PolicyFactory = Callable[[str, ParallelPlan, "Planner"], Policy]
+PolicyFactory = Callable[..., Policy]
 
 
 def default_policy_factory(scenario: Scenario) -> PolicyFactory:
-    """`core.policies.make_policy` with COPUS's settings (design §10) for every policy."""
+    """`core.policies.make_policy` with COPUS's settings (design §10) for every policy; a goodput
+    run takes its `GoodputVariant`'s settings and controller options on top."""
     from dataclasses import replace
 
     from copus.core.policies import PolicySettings, make_policy
@@ -370,9 +402,12 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
     settings = replace(PolicySettings(), **dict(_copus_settings(scenario)),
                        **dict(scenario.policy_overrides))
 
-    def factory(name: str, plan: ParallelPlan, planner: Planner) -> Policy:
-        kw = {}
+    def factory(name: str, plan: ParallelPlan, planner: Planner,
+                variant: GoodputVariant | None = None) -> Policy:
+        kw, own = {}, settings
         if name == "goodput":
+            variant = variant or GoodputVariant()
+            own = replace(settings, **dict(variant.settings))
             model = planner.step_time_model
             kw = {"step_time_model": model if scenario.online_fit else CachedPredictor(model),
                   "memory_capacity_bytes": planner.memory_capacity_bytes,
@@ -380,8 +415,8 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                   "micro_batch_sizes": scenario.micro_batch_sizes,
                   "batch_grid": scenario.batch_grid, "online_fit": scenario.online_fit,
                   "lr_aware": scenario.lr_aware,
-                  "reconfig_cost_s": planner.switch_cost_s}
-        return make_policy(name, settings, plan, scenario.world_size, scenario.shape, **kw)
+                  "reconfig_cost_s": planner.switch_cost_s} | dict(variant.controller)
+        return make_policy(name, own, plan, scenario.world_size, scenario.shape, **kw)
 
     return factory
 
@@ -409,20 +444,31 @@ class Comparison:
         t, name = min(hits)
         return name, t
 
-    def speedups(self, baselines: tuple[str, ...] = BASELINE_FAMILIES) -> list[dict]:
-        """Per target: (T_best_baseline − T_goodput)/T_best_baseline (COPUS §6.1 metric)."""
+    def goodput_runs(self) -> list[str]:
+        """Names of the goodput runs (one per `GoodputVariant`), in run order."""
+        return [r.name for r in self.results if self.families[r.name] == "goodput"]
+
+    def run(self, name: str) -> SimResult:
+        return next(r for r in self.results if r.name == name)
+
+    def speedups(self, baselines: tuple[str, ...] = BASELINE_FAMILIES,
+                 run: str | None = None) -> list[dict]:
+        """Per target: (T_best_baseline − T_goodput)/T_best_baseline (COPUS §6.1 metric) of the
+        goodput run `run` (default: the first one)."""
+        names = self.goodput_runs()
+        name = run or (names[0] if names else None)
         rows = []
         for target in sorted(self.scenario.sim.target_losses, reverse=True):
             base_name, base_t = self.best(target, baselines)
-            _, good_t = self.best(target, ("goodput",))
+            good_t = self.run(name).time_to_target_s[target] if name is not None else None
             pct = (100.0 * (base_t - good_t) / base_t
                    if base_t is not None and good_t is not None else None)
             rows.append({"target": target, "baseline": base_name, "baseline_s": base_t,
                          "goodput_s": good_t, "speedup_pct": pct})
         return rows
 
-    def average_speedup_pct(self) -> float | None:
-        vals = [r["speedup_pct"] for r in self.speedups() if r["speedup_pct"] is not None]
+    def average_speedup_pct(self, run: str | None = None) -> float | None:
+        vals = [r["speedup_pct"] for r in self.speedups(run=run) if r["speedup_pct"] is not None]
         return float(np.mean(vals)) if vals else None
 
     def to_dict(self) -> dict:
@@ -431,6 +477,9 @@ class Comparison:
                 "seed": s.sim.seed, "target_losses": list(s.sim.target_losses),
                 "token_budget": s.sim.token_budget, "speedups": self.speedups(),
                 "average_speedup_pct": self.average_speedup_pct(),
+                "variants": {n: {"speedups": self.speedups(run=n),
+                                 "average_speedup_pct": self.average_speedup_pct(n)}
+                             for n in self.goodput_runs()},
                 "runs": [r.to_dict() | {"family": self.families[r.name]} for r in self.results]}
 
 
@@ -443,22 +492,26 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
     cbs:       the `gns` policy with the layout tuned for the initial batch and, separately,
                for the batch the first CBS run ended at (COPUS's pessimistic / optimistic CBS);
     norm-test: Lau et al.'s norm test from the fastest plan for the initial batch;
-    goodput:   COPUS's controller from the fastest plan for the initial batch.
+    goodput:   COPUS's controller from the fastest plan for the initial batch, once per
+               `scenario.variants()` (e.g. COPUS_FAITHFUL and copus's defaults).
     """
     bad = [p for p in policies if p not in POLICY_FAMILIES]
     if bad:
         raise ValueError(f"policy {bad[0]!r} is invalid; allowed: {', '.join(POLICY_FAMILIES)}")
     planner = planner or Planner(scenario)
     factory = factory or default_policy_factory(scenario)
-    start = planner.fastest_plan(scenario.initial_batch)
+    start = planner.fastest_plan(scenario.initial_batch, scenario.start_layout)
     if start is None:
         raise ValueError(f"no plan fits initial_batch={scenario.initial_batch} on "
                          f"{scenario.world_size} x {scenario.hardware} for {scenario.shape.name}")
     results: list[SimResult] = []
     families: dict[str, str] = {}
 
-    def run(family: str, name: str, policy_name: str, plan: ParallelPlan) -> SimResult:
-        res = simulate(factory(policy_name, plan, planner), plan, scenario.shape,
+    def run(family: str, name: str, policy_name: str, plan: ParallelPlan,
+            variant: GoodputVariant | None = None) -> SimResult:
+        policy = (factory(policy_name, plan, planner, variant) if variant is not None
+                  else factory(policy_name, plan, planner))
+        res = simulate(policy, plan, scenario.shape,
                        planner.step_time_model, scenario.sim, name=name,
                        switch_cost_s=planner.switch_cost_s)
         results.append(res)
@@ -471,6 +524,15 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
                 plan = planner.fastest_plan(batch)
                 if plan is not None:
                     run("static", f"static B={batch} {_layout(plan)}", "constant", plan)
+        elif family == "cbs" and scenario.cbs_layouts:
+            for layout in scenario.cbs_layouts:
+                plan = planner.smallest_batch_plan(layout)
+                if plan is not None:
+                    run("cbs", f"cbs {_layout(plan)}", "gns", plan)
+        elif family == "goodput":
+            for variant in scenario.variants():
+                run("goodput", variant.name, "goodput", start,
+                    variant if scenario.goodput_variants else None)
         elif family == "cbs":
             first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})",
                         "gns", start)
@@ -489,8 +551,10 @@ def _layout(plan: ParallelPlan) -> str:
 
 
 def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
+                    variants: tuple[GoodputVariant, ...] = (COPUS_FAITHFUL,),
                     **sim_overrides) -> Scenario:
-    """The `Scenario` of a `core.presets.Preset` (COPUS §6.1 settings)."""
+    """The `Scenario` of a `core.presets.Preset` (COPUS §6.1 settings): its published CBS
+    layouts, and the goodput `variants` (default: COPUS_FAITHFUL alone)."""
     from copus.core.models import get_model_shape
 
     budget = int(preset.token_budget * preset.sim_budget_factor)
@@ -499,4 +563,10 @@ def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
                       **sim_overrides)
     return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
                     world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,
-                    max_batch=preset.max_batch, static_batches=preset.static_batches)
+                    max_batch=preset.max_batch, static_batches=preset.static_batches,
+                    goodput_variants=tuple(variants), cbs_layouts=tuple(preset.cbs_layouts),
+                    # COPUS started from the layout its profiler found fastest at B = 16
+                    start_layout=preset.published_layouts[0] if preset.published_layouts else None,
+                    # every published layout ran on the paper's cluster (13B DP4·PP4: 74 of 80 GB
+                    # by core/memory.py), so the whole device memory is allowed
+                    memory_headroom=1.0)

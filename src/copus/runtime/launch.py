@@ -119,8 +119,11 @@ def run_hardware(device_type: str, device_name: str = "",
 
     if device_type == "cpu":
         return None
+    from copus.core.hardware import with_overrides
+
     name = next((p for key, p in DEVICE_PROFILES if key in device_name.upper()), "h100-sxm")
-    return launched_hardware(get_hardware(name), env)
+    # copus's own runtime is FSDP2 (a profile of COPUS's Megatron clusters keeps its links)
+    return launched_hardware(with_overrides(get_hardware(name), stack="fsdp2"), env)
 
 
 def elastic_run_id(env: Mapping[str, str] | None = None) -> str | None:

@@ -35,6 +35,16 @@ def test_flags_and_set_override_and_win(tmp_path):
     assert cfg.train.max_steps == 7 and cfg.train.max_tokens == 0   # steps named: no token cap
 
 
+def test_model_config_json_and_seq_len_flags(tmp_path, monkeypatch):
+    (tmp_path / "tiny.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}))
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config(_args("--model", "tiny.json", "--seq-len", "64"))
+    assert cfg.model.name == str(tmp_path / "tiny.json")   # absolute: workers find the same file
+    assert cfg.model.seq_len == 64
+
+
 def test_resume_reads_the_run_folder_config(tmp_path):
     (tmp_path / "config.toml").write_text("[train]\nmax_steps = 5\nseed = 11\n")
     cfg = resolve_config(_args("--run-dir", str(tmp_path), "--resume", "--max-steps", "9"))
@@ -60,6 +70,8 @@ def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp2@16"],
      "no layout for batch.initial=8"),
     (["--policy", "ramp", "--set", "parallel.layouts=dp2"], "entry 'dp2' is invalid"),
+    (["--model", "absent.json"], "absent.json' cannot be read"),
+    (["--seq-len", "-4"], "model.seq_len=-4"),
 ])
 def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, needle):
     run_dir = tmp_path / "run"

@@ -22,8 +22,8 @@ import numpy as np
 
 from copus.core.models import get_model_shape
 from copus.core.presets import PRESETS
-from copus.core.simulator import (POLICY_FAMILIES, Scenario, SimSettings, compare_policies,
-                                  preset_scenario)
+from copus.core.simulator import (COPUS_FAITHFUL, POLICY_FAMILIES, Scenario, SimSettings,
+                                  compare_policies, preset_scenario)
 from copus.core.trajectory import TrajectoryParams
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_scale.json"
@@ -61,10 +61,12 @@ def presets(seeds: int) -> dict:
     for name, preset in PRESETS.items():
         row = {"published_avg_speedup_pct": preset.published_avg_speedup_pct,
                "published_speedup_pct": list(preset.published_speedup_pct)}
-        for variant, lr_aware in (("lr_aware", True), ("no_lr_factor", False)):
+        no_lr = dataclasses.replace(COPUS_FAITHFUL, name="goodput-no-lr", controller=tuple(
+            (k, False if k == "lr_aware" else v) for k, v in COPUS_FAITHFUL.controller))
+        for variant, goodput in (("lr_aware", COPUS_FAITHFUL), ("no_lr_factor", no_lr)):
             avgs, per_target, walls, layouts = [], [], [], []
             for seed in range(seeds):
-                sc = dataclasses.replace(preset_scenario(preset, seed=seed), lr_aware=lr_aware)
+                sc = preset_scenario(preset, seed=seed, variants=(goodput,))
                 t = time.perf_counter()
                 cmp_ = compare_policies(sc)
                 walls.append(time.perf_counter() - t)

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,7 +84,9 @@ def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
             sd[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
     if "tok_embeddings.weight" not in sd:
         raise ValueError(f"{path}: holds no model tensors (tok_embeddings.weight missing)")
-    ckpt.load(path, {"model": sd}, check=False)
+    with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        ckpt.load(path, {"model": sd}, check=False)
     return sd
 
 

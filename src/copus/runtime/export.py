@@ -131,7 +131,11 @@ def hf_config(shape: ModelShape, dtype: torch.dtype, eos_id: int | None) -> dict
 
 
 def _write_safetensors(out: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("copus export needs the safetensors package (pip install "
+                         "'copus[export]')") from None
 
     sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
     total = sum(sizes.values())

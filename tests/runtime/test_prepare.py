@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -154,12 +153,16 @@ def test_interrupted_prepare_never_looks_complete_and_reruns_clean(tmp_path, mon
     assert before == {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "copus", *args], capture_output=True, text=True,
-                          timeout=120)
+def _cli(capsys, *args: str) -> SimpleNamespace:
+    """`copus ARGS` in-process (as the console script calls it): exit code and stderr."""
+    from copus.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
-def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path):
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     good = _inputs(tmp_path)[0]
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "notgz.txt.gz").write_bytes(b"this is not gzip data at all")
@@ -173,13 +176,13 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path):
         ([good], ["--tokenizer", "bpe:12"], "bpe:N"),
     ]
     for inputs, extra, needle in cases:
-        r = _cli("prepare", *inputs, "--out", str(tmp_path / "out"), "--no-progress", *extra)
+        r = _cli(capsys, "prepare", *inputs, "--out", str(tmp_path / "out"), "--no-progress", *extra)
         assert r.returncode == 2, (inputs, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("copus prepare: error: "), lines
         assert needle in lines[0], lines
         assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
-    r = _cli("prepare", good, "--out", str(tmp_path / "busy"), "--no-progress")
+    r = _cli(capsys, "prepare", good, "--out", str(tmp_path / "busy"), "--no-progress")
     assert r.returncode == 2 and "holds other files" in r.stderr
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.md"]
 
@@ -227,3 +230,51 @@ def test_validation_is_sized_for_eval_num_samples_and_evaluation_adapts():
         "validation on 16 windows: the held-out split has 20")
     assert eval_rows(32, 1, 2, 4, 1) == 0 and "skipped" in eval_note(0, 2, 1, 64)
     assert eval_note(32, 2, 1000, 64) is None
+
+
+def test_small_own_text_gets_validation_and_bpe_runs_on_tiny(tmp_path, monkeypatch):
+    """412 KB of text with the default data.val_fraction (1% = 32 windows) still validates on
+    eval.num_samples=64 windows; data.tokenizer=bpe on `tiny` grows the model's vocabulary."""
+    from copus.runtime.data import load_text
+    from copus.runtime.run_data import build_run_data
+
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "book.txt").write_text(load_text("embedded", 412_000))
+    cfg = load_config(None, [f"data.source='{tmp_path / 'own'}'"])
+    data = build_run_data(cfg, get_model_shape("tiny"))
+    assert len(data.val) >= cfg.eval.num_samples == 64
+    assert eval_note(eval_rows(32, len(data.val), 2, 4, 1), 2, len(data.val), 64) is None
+    cfg = load_config(None, [f"data.source='{tmp_path / 'own'}'", "data.tokenizer=bpe",
+                             "data.bpe_vocab_size=500", "data.max_chars=100000"])
+    monkeypatch.setenv("COPUS_CACHE_DIR", str(tmp_path / "cache"))
+    data = build_run_data(cfg, get_model_shape("tiny"))
+    assert data.tokenizer.vocab_size == 500 and data.shape.vocab_size == 512
+    assert int(data.train.tokens.max()) < 500
+
+
+def test_resume_with_another_tokenizer_is_refused(bpe_file):
+    from copus.runtime.run_data import check_resumed_tokenizer
+
+    tok = HfTokenizer.from_file(bpe_file)
+    check_resumed_tokenizer({"sha256": tok.sha256}, tok, "ckpt")
+    check_resumed_tokenizer(None, tok, "old-ckpt")            # checkpoints before this key
+    with pytest.raises(ValueError, match=r"^ckpt was trained with tokenizer sha256 byte "
+                                         r"\(vocab 256\), this run's data uses sha256 [0-9a-f]{16} "
+                                         r"\(vocab 300\)"):
+        check_resumed_tokenizer({"sha256": "byte", "vocab_size": 256}, tok, "ckpt")
+
+
+def test_export_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("mine")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for args, needle in [((str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "no such folder"),
+                         ((str(tmp_path / "run"), "--out", str(tmp_path / "o")), "no valid checkpoint"),
+                         ((str(tmp_path / "run"), "--step", "3", "--out", str(tmp_path / "o")),
+                          "no checkpoint step-3"),
+                         ((str(tmp_path / "run"), "--out", str(tmp_path / "busy")), "not an empty")]:
+        r = _cli(capsys, "export", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+        assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["x"]

@@ -47,13 +47,13 @@ def _launch(cfg, run_dir, resume=False, entry=None):
     return result
 
 
-def _check_export(run_dir: Path, step: int, out: Path) -> None:
+def _check_export(run_dir: Path, step: int, out: Path, max_shard_bytes: int = 5 * 2**30) -> None:
     """Export step-N; transformers' logits equal copus's model with the same weights."""
     transformers = pytest.importorskip("transformers")
     from copus.runtime.export import export, find_checkpoint, load_full_model_state
     from copus.runtime.model import build_model, materialize
 
-    export(run_dir, out, step=step)
+    export(run_dir, out, step=step, max_shard_bytes=max_shard_bytes)
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 320 and (out / "tokenizer.json").is_file()
     sd = load_full_model_state(find_checkpoint(run_dir, step))
@@ -105,12 +105,15 @@ def test_prepared_folder_exactly_once_across_batch_and_dp_changes_and_dp2_export
 
 @pytest.mark.slow
 def test_pp2_checkpoint_exports_to_the_same_logits(folder, tmp_path):
+    """pp2 (two stages, each saving its layers) → sharded safetensors → the same logits."""
     run = tmp_path / "run"
     _launch(_cfg(folder, "parallel.nproc=2", "parallel.pp=2", "parallel.dp=1",
                  "batch.policy='constant'", "train.max_steps=2", "checkpoint.interval_steps=0"),
             run)
     state = json.loads((run / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["plan"]["pp"] == 2
-    _check_export(run, 2, tmp_path / "hf-pp2")
+    _check_export(run, 2, tmp_path / "hf-pp2", max_shard_bytes=1_000_000)   # ~8 shards
+    index = json.loads((tmp_path / "hf-pp2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 4
     assert np.isfinite([json.loads(x)["loss"] for x in
                         (run / "metrics.jsonl").read_text().splitlines()]).all()

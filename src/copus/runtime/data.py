@@ -102,6 +102,21 @@ def check_source(source: str, probe_chars: int = 4096) -> None:
     load_text(source)  # only blank starts: read everything (raises if the text is empty)
 
 
+def check_data(data_cfg) -> None:
+    """Everything about [data] checkable before any worker starts: the source (`check_source`),
+    a tokenizer.json path, and a prepared folder's tokenizer against data.tokenizer."""
+    from copus.runtime.shards import is_prepared, read_meta
+
+    check_source(data_cfg.source)
+    if data_cfg.tokenizer not in ("auto", "byte", "bpe"):
+        from copus.runtime.tokenizer import HfTokenizer
+
+        HfTokenizer.from_file(_tokenizer_path(data_cfg.tokenizer))
+    if is_prepared(data_cfg.source):
+        meta = read_meta(Path(data_cfg.source).expanduser())
+        check_tokenizer_agrees(data_cfg.tokenizer, meta["tokenizer"]["sha256"], data_cfg.source)
+
+
 # --------------------------------------------------------------------------------- tokenizers
 
 class Tokenizer(Protocol):

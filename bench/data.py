@@ -11,7 +11,7 @@
 3. loader vs trainer: windows/s of the prepared folder's loader (sampler ids + shard reads,
    batches of 64) against the trainer's samples/s from run (b). Goal: ≥ 20×.
 
-Usage: python bench/data.py [--mb 1024] [--repeats 1] [--steps 30] [--out FILE]
+Usage: python bench/data.py [--mb 1024] [--rss-mb N] [--repeats 1] [--steps 30] [--out FILE]
 Writes bench/results/data.json and prints a table.
 """
 
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rss-mb", type=int, default=0,
+                    help="corpus size for the memory/loader part (byte tokenizer; default --mb)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data.json"))
     args = ap.parse_args()
     from copus.runtime.prepare import prepare
@@ -148,6 +150,13 @@ def main() -> None:
         t0 = time.perf_counter()
         prepare([str(corpus)], byte_dir, tokenizer="byte", progress=False, log=lambda _: None)
         byte_s = time.perf_counter() - t0
+        rss_mb = args.rss_mb or args.mb
+        if rss_mb != args.mb:
+            shutil.rmtree(byte_dir)
+            corpus.unlink()
+            make_corpus(corpus, rss_mb, seed=1)
+            prepare([str(corpus)], byte_dir, tokenizer="byte", progress=False, log=lambda _: None)
+            corpus.unlink()
         embedded = run_child("embedded", work / "run-embedded", args.steps)
         prepared = run_child(str(byte_dir), work / "run-prepared", args.steps)
         loader = loader_rate(byte_dir)
@@ -159,7 +168,8 @@ def main() -> None:
             "prepare": prep,
             "speedup_2_workers": prep[0]["wall_s"] / prep[1]["wall_s"],
             "prepare_byte": {"workers": 1, "wall_s": byte_s, "mb_per_s": size / 1e6 / byte_s},
-            "rss": {"embedded_hwm_mb": embedded["vm_hwm_kb"] / 1024,
+            "rss": {"prepared_corpus_mb": rss_mb,
+                    "embedded_hwm_mb": embedded["vm_hwm_kb"] / 1024,
                     "prepared_hwm_mb": prepared["vm_hwm_kb"] / 1024,
                     "delta_mb": (prepared["vm_hwm_kb"] - embedded["vm_hwm_kb"]) / 1024,
                     "goal_delta_mb": 50},
@@ -179,7 +189,7 @@ def main() -> None:
               f"{p['tokens_per_s'] / 1e6:>8.2f}")
     print(f"{'byte':>8} {byte_s:>8.1f} {size / 1e6 / byte_s:>8.1f}   (byte tokenizer, 1 worker)")
     rss = res["rss"]
-    print(f"train RSS peak: embedded {rss['embedded_hwm_mb']:.0f} MB, prepared "
+    print(f"train RSS peak: embedded {rss['embedded_hwm_mb']:.0f} MB, prepared {rss_mb} MB corpus "
           f"{rss['prepared_hwm_mb']:.0f} MB (delta {rss['delta_mb']:+.0f} MB, goal <= +50)")
     print(f"loader {loader:,.0f} samples/s vs trainer {trainer_rate:,.1f} samples/s: "
           f"{res['loader_over_trainer']:,.0f}x (goal >= 20x)")

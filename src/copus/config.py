@@ -85,6 +85,14 @@ def _layout_map() -> Check:
     return check
 
 
+def _tokenizer_setting() -> Check:
+    """`data.tokenizer`: 'auto' (a prepared folder's own, else bytes), 'byte', 'bpe' (trained at
+    start) or a path ending in .json (a Hugging Face tokenizer.json; checked when loaded)."""
+    text = "'auto', 'byte', 'bpe' or a path to a tokenizer.json file"
+    return lambda v: (None if isinstance(v, str) and (v in ("auto", "byte", "bpe")
+                                                      or v.endswith(".json")) else text)
+
+
 def _opt(default: Any, check: Check) -> Any:
     """A dataclass field with its default and its validity check (kept in the metadata)."""
     return field(default=default, metadata={"check": check})
@@ -117,7 +125,7 @@ class ModelConfig:
 @dataclass(**_FROZEN)
 class DataConfig:
     source: str = _opt("embedded", _nonempty_str())
-    tokenizer: str = _opt("byte", _choice("byte", "bpe"))
+    tokenizer: str = _opt("auto", _tokenizer_setting())
     bpe_vocab_size: int = _opt(4096, _int(260, 1_000_000))
     val_fraction: float = _opt(0.01, _real(0.0, 0.5))
     max_chars: int = _opt(0, _int(0))
@@ -294,8 +302,8 @@ def check_consistency(cfg: Config) -> None:
     if not b.min <= b.ramp_to <= b.max:
         raise _bad("batch", "ramp_to", b.ramp_to,
                    f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
-    vocab = model_shape(cfg).vocab_size
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab:
+    vocab = model_shape(cfg).vocab_size   # 256: a byte-level shape follows the tokenizer
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab != 256:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
                    f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
     p = cfg.parallel

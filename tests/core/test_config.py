@@ -19,7 +19,7 @@ def test_defaults_match_the_documented_contract():
     cfg = load_config(None, [])
     assert cfg == Config()
     assert cfg.model.name == "tiny"
-    assert cfg.data.source == "embedded" and cfg.data.tokenizer == "byte"
+    assert cfg.data.source == "embedded" and cfg.data.tokenizer == "auto"
     assert cfg.train.lr == 3e-3 and cfg.train.lr_rule == "sqrt"
     assert cfg.batch.policy == "goodput" and (cfg.batch.min, cfg.batch.initial,
                                               cfg.batch.max) == (8, 8, 256)
@@ -89,7 +89,6 @@ def test_sections_are_frozen():
     ("batch.ramp_to=1000", "batch.ramp_to"),
     ("batch.norm_test_form=mine", "batch.norm_test_form"),
     ("batch.norm_test_eta=0", "batch.norm_test_eta"),
-    ("data.tokenizer=bpe", "data.bpe_vocab_size"),   # 4096 > vocab 256 of model 'tiny'
     ("gns.small=sample", "gns.small"),
     ("gns.decay=1.0", "gns.decay"),
     ("gns.calibration=-1", "gns.calibration"),
@@ -114,11 +113,14 @@ def test_value_is_shown_with_repr():
         load_config(None, ["train.lr=-1"])
 
 
-def test_bpe_vocab_must_fit_the_model():
-    with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=4096: .*vocab_size=256 of model 'tiny'"):
-        load_config(None, ["data.tokenizer=bpe"])
-    cfg = load_config(None, ["data.tokenizer=bpe", "model.name=tinyllama-1.1b"])
-    assert cfg.data.bpe_vocab_size == 4096
+def test_bpe_vocab_must_fit_a_published_model_and_byte_shapes_follow_it():
+    """A published shape keeps its vocabulary; the byte-level CPU shapes (vocab 256) grow to the
+    tokenizer's (runtime/tokenizer.fit_vocab), so `data.tokenizer=bpe` works with tiny."""
+    with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=40000: .*vocab_size=32000 of "
+                                         r"model 'tinyllama-1.1b'"):
+        load_config(None, ["data.tokenizer=bpe", "data.bpe_vocab_size=40000",
+                           "model.name=tinyllama-1.1b"])
+    assert load_config(None, ["data.tokenizer=bpe"]).data.bpe_vocab_size == 4096
 
 
 def test_val_fraction_zero_needs_eval_off():

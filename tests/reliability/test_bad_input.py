@@ -86,8 +86,11 @@ TRAIN = [
      ["data.tokenizer='sentencepiece'", "'bpe'"]),
     ("bpe-vocab-too-small", ["--set", "data.bpe_vocab_size=100"],
      ["data.bpe_vocab_size=100", "allowed"]),
-    ("bpe-vocab-over-model", ["--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=100000"],
+    ("bpe-vocab-over-model", ["--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=100000",
+                              "--set", "model.name=tinyllama-1.1b"],   # tiny/small follow the BPE
      ["data.bpe_vocab_size=100000", "vocab_size"]),
+    ("tokenizer-file-missing", ["--set", "data.tokenizer='{tmp}/no/tokenizer.json'"],
+     ["data.tokenizer=", "no such tokenizer file"]),
     ("val-fraction-zero-with-eval", ["--set", "data.val_fraction=0"],
      ["data.val_fraction=0", "eval.interval_steps"]),
     ("decay-one", ["--set", "gns.decay=1.0"], ["gns.decay=1.0", "allowed"]),

@@ -170,8 +170,8 @@ def test_build_datasets_from_config():
 def test_build_datasets_rejects_a_vocab_larger_than_the_model(tmp_path):
     cfg = load_config(None, ["data.max_chars=30000", "data.tokenizer=bpe",
                              "data.bpe_vocab_size=300", "model.name=tinyllama-1.1b"])
-    with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=300: .*vocab_size=256"):
-        build_datasets(cfg.data, seq_len=32, vocab_size=256, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=300: .*vocab_size=288"):
+        build_datasets(cfg.data, seq_len=32, vocab_size=288, cache_dir=tmp_path)
     train, val, tok = build_datasets(cfg.data, seq_len=32, vocab_size=512, cache_dir=tmp_path)
     assert tok.vocab_size == 300 and train.tokens.max() < 300
     (cached,) = tmp_path.glob("bpe-*-tokens-*.npy")          # the encoding is cached too

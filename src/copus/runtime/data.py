@@ -90,10 +90,31 @@ def load_text(source: str, max_chars: int = 0) -> str:
 def check_source(source: str, probe_chars: int = 4096) -> None:
     """Fail fast, before any worker starts: every file of `source` exists and its first
     `probe_chars` characters read as UTF-8 text, and the text is not empty. ValueError names the
-    bad path (as `load_text` would, much later, on every rank)."""
+    bad path (as `load_text` would, much later, on every rank). A prepared folder: every shard
+    is present with its size (checksums are verified by the trainer)."""
+    from copus.runtime.shards import is_prepared, verify_folder
+
+    if is_prepared(source):
+        verify_folder(Path(source).expanduser(), checksums=False)
+        return
     if any(_read_one(path, probe_chars).strip() for path in _text_files(source)):
         return
     load_text(source)  # only blank starts: read everything (raises if the text is empty)
+
+
+def check_data(data_cfg) -> None:
+    """Everything about [data] checkable before any worker starts: the source (`check_source`),
+    a tokenizer.json path, and a prepared folder's tokenizer against data.tokenizer."""
+    from copus.runtime.shards import is_prepared, read_meta
+
+    check_source(data_cfg.source)
+    if data_cfg.tokenizer not in ("auto", "byte", "bpe"):
+        from copus.runtime.tokenizer import HfTokenizer
+
+        HfTokenizer.from_file(_tokenizer_path(data_cfg.tokenizer))
+    if is_prepared(data_cfg.source):
+        meta = read_meta(Path(data_cfg.source).expanduser())
+        check_tokenizer_agrees(data_cfg.tokenizer, meta["tokenizer"]["sha256"], data_cfg.source)
 
 
 # --------------------------------------------------------------------------------- tokenizers
@@ -111,6 +132,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     kind = "byte"
+    sha256 = "byte"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -134,6 +156,16 @@ class BpeTokenizer:
         from tokenizers import Tokenizer as HfTokenizer
 
         return cls(HfTokenizer.from_file(str(path)), name=Path(path).stem)
+
+    @property
+    def sha256(self) -> str:
+        """The tokenizer's identity (runtime/tokenizer.identity)."""
+        from copus.runtime.tokenizer import identity
+
+        return identity(self._tok)
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
 
     def encode(self, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
         """Encode in line-aligned chunks (batched, multi-threaded in Rust); chunks decode back
@@ -235,12 +267,24 @@ def encode_cached(tokenizer: ByteTokenizer | BpeTokenizer, text: str,
 
 def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
                     cache_dir: str | Path | None = None) -> ByteTokenizer | BpeTokenizer:
-    """`"byte"` → ByteTokenizer; `"bpe"` → train_bpe(text, vocab_size, cache_dir)."""
-    if kind == "byte":
+    """`"byte"`/`"auto"` → ByteTokenizer; `"bpe"` → train_bpe(text, vocab_size, cache_dir); a path
+    → that tokenizer.json (cached encodings keyed by its identity)."""
+    if kind in ("byte", "auto"):
         return ByteTokenizer()
     if kind == "bpe":
         return train_bpe(text, vocab_size, cache_dir)
-    raise ValueError(f"data.tokenizer={kind!r}: allowed: 'byte', 'bpe'")
+    from copus.runtime.tokenizer import HfTokenizer
+
+    tok = HfTokenizer.from_file(_tokenizer_path(kind))
+    return BpeTokenizer(tok.hf, name=tok.name)
+
+
+def _tokenizer_path(kind: str) -> Path:
+    path = Path(kind).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={kind!r}: no such tokenizer file; allowed: 'auto', "
+                         "'byte', 'bpe' or a path to a tokenizer.json file")
+    return path
 
 
 # ------------------------------------------------------------------------------------ samples
@@ -278,13 +322,18 @@ class TokenDataset:
         return self.tokens[idx]
 
 
-def split_train_val(tokens: np.ndarray, val_fraction: float,
-                    seq_len: int) -> tuple[TokenDataset, TokenDataset]:
+def split_train_val(tokens: np.ndarray, val_fraction: float, seq_len: int,
+                    min_val_windows: int = 0) -> tuple[TokenDataset, TokenDataset]:
     """Train = the first (1 − val_fraction) of the tokens, val = the last val_fraction, contiguous,
-    so no validation token appears in any training window. val_fraction = 0 → empty val set."""
+    so no validation token appears in any training window. val_fraction = 0 → empty val set.
+
+    With val_fraction > 0 the split is grown to hold `min_val_windows` windows (the evaluation's
+    eval.num_samples), as long as that keeps at most half of the tokens for validation."""
     n = len(tokens)
     n_val = int(np.ceil(n * val_fraction)) if val_fraction > 0 else 0
     if val_fraction > 0:
+        wanted = max(min_val_windows, 1) * seq_len + 1
+        n_val = max(n_val, min(wanted, n // 2))
         n_val = max(n_val, seq_len + 1)
     train, val = TokenDataset(tokens[:n - n_val], seq_len), TokenDataset(tokens[n - n_val:],
                                                                          seq_len)
@@ -341,21 +390,69 @@ def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:
 
 
 def build_datasets(data_cfg, seq_len: int, vocab_size: int,
-                   cache_dir: str | Path | None = None
-                   ) -> tuple[TokenDataset, TokenDataset, ByteTokenizer | BpeTokenizer]:
+                   cache_dir: str | Path | None = None, *, min_val_windows: int = 0,
+                   verify: bool = True):
     """config.DataConfig → (train, val, tokenizer). ValueError if the tokenizer's vocabulary does
-    not fit the model's (`vocab_size`). BPE is trained on the training part of the text only."""
+    not fit the model's (`vocab_size`; a byte-level model of 256 follows any tokenizer, see
+    runtime/tokenizer.fit_vocab). BPE is trained on the training part of the text only. A
+    prepared folder (copus prepare) is streamed from its shards (`open_prepared`)."""
+    from copus.runtime.shards import is_prepared
+
+    if is_prepared(data_cfg.source):
+        return open_prepared(data_cfg, seq_len, vocab_size, verify=verify)
     text = load_text(data_cfg.source, data_cfg.max_chars)
     if data_cfg.tokenizer == "bpe":
         cut = len(text) - int(len(text) * data_cfg.val_fraction)
         tokenizer = build_tokenizer("bpe", text[:cut], data_cfg.bpe_vocab_size, cache_dir)
     else:
         tokenizer = build_tokenizer(data_cfg.tokenizer)
-    if tokenizer.vocab_size > vocab_size:
+    if tokenizer.vocab_size > vocab_size and vocab_size != 256:
         key = "data.bpe_vocab_size" if data_cfg.tokenizer == "bpe" else "data.tokenizer"
         val = data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
         raise ValueError(f"{key}={val!r}: the tokenizer has {tokenizer.vocab_size} tokens; "
                          f"allowed: at most the model's vocab_size={vocab_size}")
     tokens = encode_cached(tokenizer, text, cache_dir)
-    train, val = split_train_val(tokens, data_cfg.val_fraction, seq_len)
+    train, val = split_train_val(tokens, data_cfg.val_fraction, seq_len, min_val_windows)
     return train, val, tokenizer
+
+
+def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = True):
+    """A prepared folder → (train windows, val windows, its tokenizer), after checking the shard
+    sizes (and sha256 when `verify`), that data.tokenizer agrees with the folder's tokenizer and
+    that the tokenizer fits the model (one line naming both hashes / sizes)."""
+    from copus.runtime import shards
+    from copus.runtime.tokenizer import ByteCodec, HfTokenizer, check_vocab
+
+    root = Path(data_cfg.source).expanduser()
+    meta = shards.read_meta(root)
+    shards.verify_folder(root, checksums=verify)
+    info = meta["tokenizer"]
+    tok = (HfTokenizer.from_file(root / info["file"]) if info.get("file") else ByteCodec())
+    check_tokenizer_agrees(data_cfg.tokenizer, info["sha256"], str(root))
+    if vocab_size != 256:
+        check_vocab(info["vocab_size"], vocab_size, "this run's", what=f"the tokenizer of {root}")
+    if data_cfg.max_chars:
+        raise ValueError(f"data.max_chars={data_cfg.max_chars!r}: allowed: 0 with a prepared "
+                         f"folder ({root}); prepare a smaller input instead")
+    train = shards.open_split(root, "train", seq_len)
+    val = shards.open_split(root, "val", seq_len)
+    if len(train) < 1:
+        raise ValueError(f"data.source={str(root)!r}: {len(train.tokens)} training tokens: too "
+                         f"few for one sample of seq_len={seq_len}")
+    return train, val, tok
+
+
+def check_tokenizer_agrees(setting: str, folder_sha: str, where: str) -> None:
+    """data.tokenizer ('auto', 'byte', or a tokenizer.json path) against a folder's tokenizer."""
+    if setting == "auto":
+        return
+    if setting == "bpe":
+        raise ValueError(f"data.tokenizer='bpe': a prepared folder ({where}) brings its own "
+                         "tokenizer; allowed: 'auto', or the tokenizer it was prepared with")
+    from copus.runtime.tokenizer import HfTokenizer
+
+    mine = "byte" if setting == "byte" else HfTokenizer.from_file(_tokenizer_path(setting)).sha256
+    if mine != folder_sha:
+        raise ValueError(f"data.tokenizer={setting!r} (sha256 {mine[:16]}) differs from the "
+                         f"tokenizer {where} was prepared with (sha256 {folder_sha[:16]}); "
+                         "allowed: 'auto' or that tokenizer")

@@ -141,10 +141,10 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
 def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
     """Everything checkable without workers: run length, corpus, plan, policy. ValueError on a
     mistake."""
-    from copus.runtime.data import check_source
+    from copus.runtime.data import check_data
 
     check_run_length(cfg)
-    check_source(cfg.data.source)
+    check_data(cfg.data)
     shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     plan = initial_plan(cfg, world_size, shape)
     make_run_policy(cfg, plan, world_size, shape)

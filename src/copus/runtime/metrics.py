@@ -314,7 +314,8 @@ def summary_text(s: dict[str, Any]) -> str:
         f"copus: {s['steps']} steps, {s['tokens']:,} tokens, {_fmt(s['wall_s'], '.1f')} s "
         f"({_fmt(s['tokens'] / s['wall_s'] if s['wall_s'] else None, ',.0f')} tokens/s)",
         f"  final loss {_fmt(s['final_loss'], '.4f')}, val loss {_fmt(s['final_val_loss'], '.4f')}"
-        f", b_noise {_fmt(s['final_b_noise'], '.1f')}",
+        f", b_noise {_fmt(s['final_b_noise'], '.1f')}"
+        + (f" ({s['val_note']})" if s.get("val_note") and s["final_val_loss"] is None else ""),
         "  batch: " + (" → ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})"
                                   f"@{b['step']}" for b in s["batch_timeline"]) or "–"),
         "  plans: " + (" → ".join(f"dp{p['dp']}·tp{p['tp']}·pp{p['pp']}@{p['step']}"

@@ -91,16 +91,15 @@ class Trainer:
         `auto_resume`: continue from it only if it belongs to this run (`resume`), else start
         fresh. `on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
         `policy_factory` replaces the configured policy (tests, library use)."""
-        from copus.runtime import data as data_mod
         from copus.runtime.dist import MeshCache
+        from copus.runtime.run_data import build_run_data
 
         self.cfg, self.run_dir, self.on_batch = cfg, Path(run_dir), on_batch
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
         self.device = device
-        self.train_set, self.val_set, _ = data_mod.build_datasets(
-            cfg.data, self.shape.seq_len, self.shape.vocab_size)
-        self.sampler = data_mod.GlobalSampler(len(self.train_set), cfg.train.seed)
+        run_data = build_run_data(cfg, get_model_shape(cfg.model.name, cfg.model.seq_len))
+        self.train_set, self.val_set, self.tokenizer = run_data.train, run_data.val, run_data.tokenizer
+        self.shape, self.sampler, self.val_note = run_data.shape, run_data.sampler, None
         self.run_id, self.restarted = elastic_run_id(), restart_count() > 0
         self.plan = initial_plan(cfg, self.world, self.shape)
         self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
@@ -151,6 +150,9 @@ class Trainer:
         writer.write_config(cfg)
         if self.rank == 0:   # present even when the policy never decides
             (self.run_dir / "decisions.jsonl").touch()
+            from copus.runtime.run_data import save_tokenizer
+
+            save_tokenizer(self.run_dir, self.tokenizer)   # for copus export
         return writer
 
     def log(self, message: str) -> None:
@@ -237,16 +239,21 @@ class Trainer:
     def eval_rows(self) -> int:
         """Validation rows per dp rank: about eval.num_samples / dp, a multiple of the engine's
         eval micro-batch min(micro_batch_size, rows), and ≥ pp micro-batches under a pipeline."""
+        from copus.runtime.run_data import eval_rows
+
         plan = self.plan
-        rows = max(self.cfg.eval.num_samples // plan.dp, 1)
-        rows -= rows % min(plan.micro_batch_size, rows)
-        if plan.pp > 1:
-            rows = max(rows, plan.pp * plan.micro_batch_size)
-        return rows if rows * plan.dp <= len(self.val_set) else 0
+        return eval_rows(max(self.cfg.eval.num_samples // plan.dp, 1), len(self.val_set),
+                         plan.dp, plan.micro_batch_size, plan.pp)
 
     def evaluate(self) -> float:
         """Mean loss on the fixed validation subset: the first dp·eval_rows() windows."""
+        from copus.runtime.run_data import eval_note
+
         rows, dp = self.eval_rows(), self.plan.dp
+        note = eval_note(rows, dp, len(self.val_set), self.cfg.eval.num_samples)
+        if note != self.val_note and note is not None:
+            self.log(note)          # once (again only if it changes with the plan)
+        self.val_note = note
         if rows <= 0:
             return math.nan
         local = np.arange(rows * dp).reshape(dp, rows)[self.engine.dp_rank]
@@ -340,6 +347,8 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         """Everything but tensors, as JSON data (rank 0's view)."""
+        from copus.runtime.run_data import tokenizer_state
+
         return {
             "progress": asdict(self.progress),
             "plan": plan_to_dict(self.plan),
@@ -351,6 +360,7 @@ class Trainer:
             "lr": self.lr.state_dict(),
             "rng": ckpt.rng_state(),
             "model": self.cfg.model.name,
+            "tokenizer": tokenizer_state(self.tokenizer, self.shape),
             "run_id": self.run_id,
         }
 
@@ -397,6 +407,9 @@ class Trainer:
             self.log(f"not resuming {path.name}: written by run {state.get('run_id')!r}, this "
                      f"is {self.run_id!r} (pass --resume to continue it); starting at step 0")
             return False
+        from copus.runtime.run_data import check_resumed_tokenizer
+
+        check_resumed_tokenizer(state.get("tokenizer"), self.tokenizer, str(path))
         saved = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
         self.gns.load_state_dict(state["gns"])
@@ -457,7 +470,7 @@ class Trainer:
                    "final_plan": plan_to_dict(self.plan),
                    "b_noise": _json_float(self.gns.b_noise)}
         self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,
-                            final_plan=plan_to_dict(self.plan))
+                            final_plan=plan_to_dict(self.plan), val_note=self.val_note)
         return summary
 
     def close(self) -> None:

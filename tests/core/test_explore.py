@@ -149,8 +149,12 @@ def test_probe_verdict_and_state_round_trip():
     assert probe_verdict(1.0, 0.8, 0.10) == (True, pytest.approx(0.25))
     assert probe_verdict(1.0, 0.95, 0.10)[0] is False
     assert probe_verdict(float("nan"), 0.5, 0.10)[0] is False
-    ctrl = _controller(ALL)
-    _drive(ctrl, _layouts_faster((2, 1, 2), 1.05), 12)     # stops in the middle of a probe
+    ctrl, plan = _controller(ALL), DP4
+    for step in range(1, 40):                              # stop in the middle of a probe
+        d = ctrl.observe(_record(step, plan, 1.0))
+        plan = d.plan if d is not None else plan
+        if ctrl.explorer.busy:
+            break
     assert ctrl.explorer.busy
     state = json.loads(json.dumps(ctrl.state_dict()))
     other = _controller(ALL)

@@ -245,6 +245,9 @@ class Controller:
 
     def _maybe_refit(self) -> bool:
         f = self.fitter
+        if f is not None and self.measure_first and f.num_fits == 0 and f.times:
+            f.refit()       # measured medians and the model are compared: same scale first
+            return True
         if f is None or f.since_fit < self.refit_interval_steps:
             return False
         if self.model_error() <= self.refit_tolerance:

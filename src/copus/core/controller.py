@@ -331,7 +331,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
                     batch_grid: str = "multiples", online_fit: bool = True,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
-                    audit_steps: int = 0) -> Controller:
+                    audit_steps: int = 0, cores: int | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -343,7 +343,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     The global batch never shrinks unless `allow_shrink` (Lau et al.'s schedules only grow;
     COPUS leaves it open; with a noisy b_noise, shrinking makes B oscillate) or an audit undoes
     a growth. `explore` bounds the in-run probes (None: none); `audit_steps` measured steps
-    check each decision (0: no audits).
+    check each decision (0: no audits).  `cores`: CPU cores the ranks share (CPU prior only,
+    `core.cpu_model`; None: one core per rank).
     """
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -362,7 +363,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
     else:
-        prior = step_time_model or prior_model(shape, hw, world_size)
+        prior = step_time_model or prior_model(shape, hw, world_size, cores=cores)
         if step_time_model is None and profile_observations is not None:
             prior = fit_model(list(profile_observations), prior)
         if online_fit:

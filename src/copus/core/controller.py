@@ -107,10 +107,12 @@ class Controller:
         on), else the model."""
         return self.fitter.profiled() if self.measure_first else self.model
 
-    def measured_step_s(self, plan: ParallelPlan) -> float:
-        """Median measured step time of `plan` (NaN if never measured)."""
+    def measured_step_s(self, plan: ParallelPlan, last: int | None = None) -> float:
+        """Median measured step time of `plan` over its `last` measured steps (None: all kept);
+        NaN if never measured. Probes and audits compare with the steps just before the switch,
+        so that a slow drift of the machine's load does not decide for them."""
         times = self.fitter.times.get(plan) if self.fitter is not None else None
-        return float(np.median(times)) if times else float("nan")
+        return float(np.median(times[-last:] if last else times)) if times else float("nan")
 
     def drain_events(self) -> list[dict]:
         """Probe results and audits since the last call (rows for decisions.jsonl)."""
@@ -169,7 +171,7 @@ class Controller:
         if result.decision is None:
             return self._maybe_probe(record)
         self.history.append(result.decision.to_dict())
-        before_s = self.measured_step_s(record.plan)
+        before_s = self.measured_step_s(record.plan, last=max(self.auditor.steps, 1))
         measured = math.isfinite(before_s)
         self.auditor.start(result.decision, record.plan,
                            before_s if measured else result.explanation["current"]["step_s"],
@@ -191,8 +193,10 @@ class Controller:
     def _follow_up(self, record: StepRecord) -> Decision | None:
         """Advance the active probe or audit (never both: each waits for the other)."""
         if self.explorer.busy:
-            return self._settle(*self.explorer.follow(record.step, record.plan, record.step_s,
-                                                      self.measured_step_s))
+            last = self.explorer.settings.probe_steps
+            return self._settle(*self.explorer.follow(
+                record.step, record.plan, record.step_s,
+                lambda plan: self.measured_step_s(plan, last=last)))
         if self.auditor.busy:
             return self._settle(*self.auditor.follow(record.step, record.plan, record.step_s,
                                                      self._goodput_of(record.b_noise),

@@ -1,6 +1,6 @@
 """Real multi-process runs of the goodput controller's probes and audits (issue 15):
 a 4-rank run probes another layout in the running processes and keeps every sample exactly
-once; a 2-rank run undoes a layout change whose realised step time misses its prediction."""
+once; a 2-rank run undoes a batch growth whose realised step time misses its prediction."""
 
 from __future__ import annotations
 
@@ -69,18 +69,21 @@ def test_four_rank_run_probes_a_layout_in_process(tmp_path):
 
 
 def wrong_prior_factory(cfg, plan, world, shape):
-    """The goodput controller with a prior that believes tensor parallelism is free and data
-    parallelism expensive (on CPU/gloo the opposite is true: tp2 is 2.6-4x slower than dp2,
-    cpu-notes §g), so it switches dp2 -> tp2 at once and the audit must catch the miss."""
+    """The goodput controller with a prior whose fixed per-step cost (100 s) dwarfs the compute,
+    so it predicts that 8x the batch costs about the same step time, and grows B 4 -> 32 at
+    once. On the real machine compute grows with the samples (8 micro-batches instead of 1 per
+    rank), so B=32 takes several times longer: throughput is no higher while the statistical
+    efficiency E(B) falls ((b+4)/(b+32) < 0.9 for any b_noise below ~250), and the audit must
+    undo the growth. One micro-batch size and no layout changes: the batch is what differs."""
     from copus.core.fit import prior_model
     from copus.core.policies import PolicySettings, make_policy
 
     base = prior_model(shape, None, world)
-    wrong = base.with_params(replace(base.params, tp_latency_s=1e-9, tp_s_per_byte=1e-15,
-                                     dp_latency_s=0.05, dp_s_per_byte=1e-6))
+    wrong = base.with_params(replace(base.params, step_overhead_s=100.0))
     return make_policy("goodput", PolicySettings.from_config(cfg), plan, world, shape,
                        step_time_model=wrong, audit_steps=cfg.controller.audit_steps,
-                       margin=cfg.controller.margin)
+                       margin=cfg.controller.margin, lr_aware=False, micro_batch_sizes=[2],
+                       allow_reconfigure=False)
 
 
 def wrong_prior_worker(cfg, run_dir, resume):
@@ -90,24 +93,25 @@ def wrong_prior_worker(cfg, run_dir, resume):
 
 
 @pytest.mark.slow
-def test_two_rank_run_undoes_a_switch_that_missed_its_prediction(tmp_path):
-    # dp2 runs 3 measured steps before the decision (step 4), tp2 one warm-up + 3 measured
+def test_two_rank_run_undoes_a_decision_that_missed_its_prediction(tmp_path):
+    # B=4 runs 3 measured steps before the decision (step 4); B=32 one warm-up + 3 measured
     cfg = load_config(None, [*BASE, "parallel.nproc=2", "train.max_steps=9",
-                             "parallel.micro_batch_size=2", "batch.warmup_steps=4",
-                             "batch.interval_steps=4", "gns.max_rel_err=1e9",
-                             "controller.audit_steps=3"])
+                             "batch.initial=4", "batch.min=4", "batch.max=32", "batch.ramp_to=32",
+                             "batch.max_growth=8", "parallel.micro_batch_size=2",
+                             "batch.warmup_steps=4", "batch.interval_steps=4",
+                             "gns.max_rel_err=1e9", "controller.audit_steps=3"])
     run = tmp_path / "run"
     _launch(cfg, run, entry=wrong_prior_worker)
     steps, rows = _rows(run, "metrics.jsonl"), _rows(run, "decisions.jsonl")
     _every_sample_once(steps)
-    switch = next(d for d in rows if d.get("purpose") == "decide")
-    assert switch["kind"] == "reconfigure" and switch["tp"] == 2 and switch["applied"]
+    grow = next(d for d in rows if d.get("purpose") == "decide")
+    assert grow["kind"] == "batch" and grow["global_batch_size"] == 32 and grow["applied"]
     audit = next(d for d in rows if d.get("event") == "audit")
-    assert audit["decision_step"] == switch["step"] and audit["verdict"] == "undo"
-    assert audit["realised_step_s"] > 1.5 * audit["predicted_step_s"]
+    assert audit["decision_step"] == grow["step"] == 4 and audit["verdict"] == "undo"
+    assert audit["realised_step_s"] > 2 * audit["predicted_step_s"]      # the miss
     assert audit["realised_goodput"] < (1 - 0.10) * audit["before_goodput"]
     undo = next(d for d in rows if d.get("purpose") == "undo")
-    assert undo["applied"] and (undo["dp"], undo["tp"]) == (2, 1) and undo["step"] == audit["step"]
-    assert switch["step"] == 4 and undo["step"] == 4 + 1 + 3       # warm-up + audit_steps
-    by_step = {r["step"]: (r["dp"], r["tp"]) for r in steps}
-    assert by_step[undo["step"]] == (1, 2) and by_step[undo["step"] + 1] == (2, 1)
+    assert undo["applied"] and undo["global_batch_size"] == 4                # shrinks back
+    assert undo["step"] == audit["step"] == 4 + 1 + 3                        # warm-up + audit_steps
+    batch = {r["step"]: r["global_batch_size"] for r in steps}
+    assert [batch[s] for s in range(1, 10)] == [4] * 4 + [32] * 4 + [4]

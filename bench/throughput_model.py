@@ -1,18 +1,25 @@
-"""How well does the fitted step-time model predict plans it never saw? (issue 5)
+"""How well does the fitted step-time model predict and rank plans it never saw? (issues 5, 15)
 
     python bench/throughput_model.py                     # profile all plans at 4 ranks, then fit
-    python bench/throughput_model.py --profile prof.json # reuse a `copus profile` table
+    python bench/throughput_model.py --profile prof.json --cores 2   # reuse a `copus profile` table
 
 Profiles every valid plan of the tiny model at 4 CPU ranks (`copus profile`), fits
-`copus.core.fit.fit_model` on a random 30% of them, and reports the mean absolute percentage
-error (MAPE) of the predicted step time on the other 70%; repeated over `--splits` random
-splits, median reported. Target: MAPE ≤ 5%. JSON: bench/results/throughput_model.json.
+`copus.core.fit.fit_model` on a random 30% of them and scores the other 70% (held out), over
+`--splits` random splits (medians reported), for two models side by side:
+- "one core per rank": `StepTimeModel` (the "cpu" prior);
+- "shared cores": `SharedCoreStepTimeModel` (core/cpu_model.py), ranks time-sharing `--cores`
+  cores (the profile's machine; default: this machine's).
+Metrics: MAPE of the step time; Spearman's ρ between predicted and measured step times; and,
+per global batch, the measured slowdown of the plan the model predicts fastest against the
+measured fastest (what a controller choosing by the model loses). Targets: MAPE ≤ 5%,
+predicted-best within 5% of measured-best. JSON: bench/results/throughput_model.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -20,7 +27,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import spearmanr
 
+from copus.core.cpu_model import SharedCoreStepTimeModel
 from copus.core.fit import fit_model, prior_model
 from copus.core.models import get_model_shape
 from copus.core.plan import ParallelPlan
@@ -38,17 +47,82 @@ def profile(args) -> Path:
     return out / "profile.json"
 
 
+FIELDS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
+
+
+def columns(rows: list[dict]) -> list[np.ndarray]:
+    return [np.array([r[k] for r in rows]) for k in FIELDS]
+
+
 def mape(model, rows: list[dict]) -> float:
-    cols = [np.array([r[k] for r in rows]) for k in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")]
-    pred = model.predict(*cols)
+    pred = model.predict(*columns(rows))
     meas = np.array([r["step_s"] for r in rows])
     return float(np.mean(np.abs(pred - meas) / meas) * 100.0)
+
+
+def best_plan_slowdowns(pred: np.ndarray, rows: list[dict]) -> list[float]:
+    """Per global batch: measured step of the predicted-fastest plan / measured fastest − 1."""
+    meas = np.array([r["step_s"] for r in rows])
+    out = []
+    for batch in sorted({r["global_batch_size"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["global_batch_size"] == batch]
+        if len(idx) > 1:
+            chosen = idx[int(np.argmin(pred[idx]))]
+            out.append(float(meas[chosen] / meas[idx].min() - 1.0))
+    return out
+
+
+def score(base, rows: list[dict], fit_fraction: float, splits: int) -> dict:
+    """Held-out MAPE, Spearman ρ and best-plan slowdown over random splits (medians)."""
+    n_fit = max(1, int(round(fit_fraction * len(rows))))
+    errors, fit_errors, rhos, slow = [], [], [], []
+    for split in range(splits):
+        shuffled = rows[:]
+        random.Random(split).shuffle(shuffled)
+        fit_rows, test_rows = shuffled[:n_fit], shuffled[n_fit:]
+        obs = [(ParallelPlan(**{k: r[k] for k in FIELDS}), r["step_s"]) for r in fit_rows]
+        model = fit_model(obs, base)
+        pred = model.predict(*columns(test_rows))
+        errors.append(mape(model, test_rows))
+        fit_errors.append(mape(model, fit_rows))
+        rhos.append(float(spearmanr(pred, [r["step_s"] for r in test_rows]).statistic))
+        slow += best_plan_slowdowns(pred, test_rows)
+    full = fit_model([(ParallelPlan(**{k: r[k] for k in FIELDS}), r["step_s"]) for r in rows], base)
+    return {"mape_heldout_median_pct": statistics.median(errors),
+            "mape_heldout_min_pct": min(errors), "mape_heldout_max_pct": max(errors),
+            "mape_fit_median_pct": statistics.median(fit_errors),
+            "mape_fit_all_plans_pct": mape(full, rows),
+            "spearman_heldout_median": statistics.median(rhos),
+            "spearman_heldout_min": min(rhos),
+            "best_plan_slowdown_median_pct": 100 * statistics.median(slow),
+            "best_plan_slowdown_mean_pct": 100 * statistics.fmean(slow),
+            "best_plan_slowdown_max_pct": 100 * max(slow),
+            "best_plan_within_5pct_share": sum(x <= 0.05 for x in slow) / len(slow),
+            "prior_mape_pct": mape(base, rows),
+            "per_layout_error_pct": per_layout_errors(full, rows)}
+
+
+def per_layout_errors(model, rows: list[dict]) -> dict[str, float]:
+    """Mean signed error (predicted/measured − 1, %) per layout, model fitted on every plan."""
+    pred = model.predict(*columns(rows))
+    out: dict[str, list[float]] = {}
+    for r, p in zip(rows, pred):
+        out.setdefault(f"dp{r['dp']}.tp{r['tp']}.pp{r['pp']}", []).append(p / r["step_s"] - 1)
+    return {k: 100 * statistics.fmean(v) for k, v in sorted(out.items())}
+
+
+METRICS = ("mape_heldout_median_pct", "mape_heldout_max_pct", "mape_fit_median_pct",
+           "mape_fit_all_plans_pct", "spearman_heldout_median", "spearman_heldout_min",
+           "best_plan_slowdown_median_pct", "best_plan_slowdown_mean_pct",
+           "best_plan_slowdown_max_pct", "best_plan_within_5pct_share", "prior_mape_pct")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="existing profile.json (skip profiling)")
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--cores", type=int, default=os.cpu_count(),
+                    help="cores of the machine that measured the profile")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--global-batch", default="8,16,32,64")
     ap.add_argument("--micro-batch-sizes", default="1,2,4,8,16")
@@ -62,28 +136,25 @@ def main() -> None:
     shape = get_model_shape(args.model)
     world = rows[0]["dp"] * rows[0]["tp"] * rows[0]["pp"]
     base = prior_model(shape, None, world)
-    errors, train_errors = [], []
-    n_fit = max(1, int(round(args.fit_fraction * len(rows))))
-    for split in range(args.splits):
-        shuffled = rows[:]
-        random.Random(split).shuffle(shuffled)
-        fit_rows, test_rows = shuffled[:n_fit], shuffled[n_fit:]
-        obs = [(ParallelPlan(**{k: r[k] for k in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")}),
-                r["step_s"]) for r in fit_rows]
-        model = fit_model(obs, base)
-        errors.append(mape(model, test_rows))
-        train_errors.append(mape(model, fit_rows))
-    result = {"profile": str(path), "num_plans": len(rows), "num_fit": n_fit, "splits": args.splits,
-              "mape_heldout_median_pct": statistics.median(errors),
-              "mape_heldout_min_pct": min(errors), "mape_heldout_max_pct": max(errors),
-              "mape_fit_median_pct": statistics.median(train_errors),
-              "prior_mape_pct": mape(base, rows), "target_pct": 5.0}
+    shared = SharedCoreStepTimeModel(base.params, shape, None, cores=args.cores, world_size=world,
+                                     dtype_bytes=base.dtype_bytes)
+    models = {"one core per rank": score(base, rows, args.fit_fraction, args.splits),
+              f"shared cores ({world} ranks, {args.cores} cores)":
+                  score(shared, rows, args.fit_fraction, args.splits)}
+    result = {"profile": str(path), "num_plans": len(rows), "world_size": world,
+              "cores": args.cores, "fit_fraction": args.fit_fraction, "splits": args.splits,
+              "targets": {"mape_pct": 5.0, "best_plan_slowdown_pct": 5.0}, "models": models,
+              "load_average": list(os.getloadavg())}
     (RESULTS / "throughput_model.json").write_text(json.dumps(result, indent=1))
-    print(f"\nplans {len(rows)}, fitted on {n_fit} ({args.fit_fraction:.0%}), {args.splits} random splits")
-    print("| metric | value |\n|---|---|")
-    for k in ("mape_heldout_median_pct", "mape_heldout_min_pct", "mape_heldout_max_pct",
-              "mape_fit_median_pct", "prior_mape_pct"):
-        print(f"| {k} | {result[k]:.2f} |")
+    names = list(models)
+    print(f"\nplans {len(rows)}, fitted on {args.fit_fraction:.0%}, {args.splits} random splits; "
+          f"world {world}, cores {args.cores}")
+    print("| metric | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for k in METRICS:
+        print(f"| {k} | " + " | ".join(f"{models[n][k]:.3f}" for n in names) + " |")
+    print("per-layout mean error (fit on all plans), %:")
+    for n in names:
+        print(f"  {n}: " + ", ".join(f"{k} {v:+.1f}" for k, v in models[n]["per_layout_error_pct"].items()))
 
 
 if __name__ == "__main__":

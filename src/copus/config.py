@@ -203,6 +203,11 @@ class ControllerConfig:
     allow_reconfigure: bool = _opt(True, _bool())
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))
+    explore_max_probes: int = _opt(4, _int(0))
+    explore_steps: int = _opt(3, _int(1))
+    explore_interval_steps: int = _opt(10, _int(0))
+    explore_top_k: int = _opt(2, _int(1))
+    audit_steps: int = _opt(3, _int(0))
 
 
 @dataclass(**_FROZEN)

@@ -15,6 +15,13 @@ Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
 3. `record_switch_cost(seconds)` feeds the measured cost of each parallelism change back:
    `c_reconfig` = mean of the measured costs (the prior before the first one), and
    T_useful = T_elapsed − Σ costs.
+4. exploration and audits (`core.explore`, `core.audit`; issue 15): between decisions it may
+   probe the model's best unmeasured layout at the current batch for a few steps and keep it
+   only if measured faster by more than the margin; every decision is checked against its
+   measured outcome and undone when it delivered less than the plan it left by more than the
+   margin. With either on, decisions rank plans by their *measured* median step time where
+   there is one (`OnlineFitter.profiled`), the fitted model elsewhere. Their rows for
+   decisions.jsonl wait in `drain_events()`.
 Every call leaves `last_explanation` (JSON-able dict: action, why, top candidates).
 """
 
@@ -26,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from copus.core.audit import Auditor
+from copus.core.explore import ExploreSettings, Explorer
 from copus.core.fit import OnlineFitter, fit_model, prior_model
-from copus.core.goodput import CandidateSet, StepTimePredictor, build_candidates
+from copus.core.goodput import CandidateSet, StepTimePredictor, build_candidates, goodput
 from copus.core.hardware import HardwareProfile, get_hardware
 from copus.core.memory import MemoryModel
 from copus.core.models import ModelShape
@@ -49,7 +58,9 @@ class Controller:
                  calibration: float = 2.0, margin: float = 0.10, lr_aware: bool = True,
                  lr_ref_batch: float | None = None, reconfig_cost_s: float = 2.0,
                  allow_reconfigure: bool = True, allow_shrink: bool = False,
-                 refit_interval_steps: int = 20, refit_tolerance: float = 0.05) -> None:
+                 refit_interval_steps: int = 20, refit_tolerance: float = 0.05,
+                 explore: ExploreSettings | None = None, audit_steps: int = 0,
+                 memory_capacity_bytes: float | None = None) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -78,6 +89,11 @@ class Controller:
         self.seen_plan: ParallelPlan | None = None
         self.last_explanation: dict = {"action": "wait", "why": "no step observed yet"}
         self._predicted: tuple[object, np.ndarray] | None = None  # (model, step_s of every cand.)
+        explore = explore or ExploreSettings(max_probes=0)
+        self.explorer = Explorer(explore, margin=margin, memory_capacity_bytes=memory_capacity_bytes)
+        self.auditor = Auditor(audit_steps, margin=margin)
+        self.events: list[dict] = []            # decisions.jsonl rows (probe results, audits)
+        self.measure_first = fitter is not None and (explore.max_probes > 0 or audit_steps > 0)
 
     # ---- what the decision uses ----------------------------------------------------------------
 
@@ -86,9 +102,26 @@ class Controller:
         """The step-time model in use: the online fit when there is a fitter, else the fixed one."""
         return self.fitter.model if self.fitter is not None else self._fixed_model
 
+    def decision_model(self) -> StepTimePredictor:
+        """What decisions rank by: measured medians where known (with exploration or audits
+        on), else the model."""
+        return self.fitter.profiled() if self.measure_first else self.model
+
+    def measured_step_s(self, plan: ParallelPlan, last: int | None = None) -> float:
+        """Median measured step time of `plan` over its `last` measured steps (None: all kept);
+        NaN if never measured. Probes and audits compare with the steps just before the switch,
+        so that a slow drift of the machine's load does not decide for them."""
+        times = self.fitter.times.get(plan) if self.fitter is not None else None
+        return float(np.median(times[-last:] if last else times)) if times else float("nan")
+
+    def drain_events(self) -> list[dict]:
+        """Probe results and audits since the last call (rows for decisions.jsonl)."""
+        out, self.events = self.events, []
+        return out
+
     def predicted_step_s(self) -> np.ndarray:
         """The model's step time for every candidate, recomputed only when the model changes."""
-        model = self.model
+        model = self.decision_model()
         if self._predicted is None or self._predicted[0] is not model:
             self._predicted = (model, self.candidates.predict_step_s(model))
         return self._predicted[1]
@@ -118,13 +151,16 @@ class Controller:
             self.elapsed_s += record.step_s
         self._measure(record)
         self.plan = record.plan
+        follow = self._follow_up(record)
+        if follow is not None or self.explorer.busy or self.auditor.busy:
+            return follow
         why = self._gate(record)
         if why is not None:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
-            return None
+            return self._maybe_probe(record)
         self._maybe_refit()
         b_used = self.calibration * record.b_noise
-        result = evaluate(self.candidates, self.model, b_used, record.plan,
+        result = evaluate(self.candidates, self.decision_model(), b_used, record.plan,
                           reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
                           useful_s=self.useful_s, step=record.step,
                           step_s=self.predicted_step_s(), **self.search_options)
@@ -132,9 +168,68 @@ class Controller:
         self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
                                  "b_noise_rel_err": record.b_noise_rel_err,
                                  "calibration": self.calibration}
-        if result.decision is not None:
-            self.history.append(result.decision.to_dict())
+        if result.decision is None:
+            return self._maybe_probe(record)
+        self.history.append(result.decision.to_dict())
+        before_s = self.measured_step_s(record.plan, last=max(self.auditor.steps, 1))
+        measured = math.isfinite(before_s)
+        self.auditor.start(result.decision, record.plan,
+                           before_s if measured else result.explanation["current"]["step_s"],
+                           measured)
         return result.decision
+
+    # ---- exploration and audits (core.explore, core.audit) -------------------------------------
+
+    def _goodput_of(self, b_noise: float):
+        """goodput(step_s, B) at the calibrated noise scale, as the search scores it."""
+        b = self.calibration * b_noise if math.isfinite(b_noise) and b_noise > 0 else math.inf
+        opts = self.search_options
+
+        def of(step_s: float, batch: int) -> float:
+            return float(goodput(np.array([step_s]), np.array([batch]), b,
+                                 lr_aware=opts["lr_aware"], lr_ref_batch=opts["lr_ref_batch"])[0])
+        return of
+
+    def _follow_up(self, record: StepRecord) -> Decision | None:
+        """Advance the active probe or audit (never both: each waits for the other)."""
+        if self.explorer.busy:
+            last = self.explorer.settings.probe_steps
+            return self._settle(*self.explorer.follow(
+                record.step, record.plan, record.step_s,
+                lambda plan: self.measured_step_s(plan, last=last)))
+        if self.auditor.busy:
+            return self._settle(*self.auditor.follow(record.step, record.plan, record.step_s,
+                                                     self._goodput_of(record.b_noise),
+                                                     record.b_noise))
+        return None
+
+    def _settle(self, row: dict | None, decision: Decision | None) -> Decision | None:
+        """A finished probe or audit: refit on what was measured, log its row, maybe switch."""
+        if row is None:
+            return None
+        if self.fitter is not None and row.get("verdict") != "not applied":
+            self.fitter.refit()
+        self.events.append(row)
+        self.last_explanation = {**row, "action": decision.purpose if decision else "none"}
+        if decision is not None:
+            self.history.append(decision.to_dict())
+        return decision
+
+    def _maybe_probe(self, record: StepRecord) -> Decision | None:
+        """A probe of an unmeasured layout at the current batch, within the explore bounds."""
+        allow = self.search_options["allow_reconfigure"]
+        if not allow or self.fitter is None or record.skipped or \
+                record.step < self.warmup_steps or \
+                len(self.fitter.times.get(record.plan, ())) < self.explorer.settings.probe_steps:
+            return None
+        measured = {(p.layout, p.global_batch_size) for p in self.fitter.times}
+        decision = self.explorer.propose(record.step, record.plan, self.candidates,
+                                         self.decision_model(), measured)
+        if decision is not None:
+            self.history.append(decision.to_dict())
+            self.last_explanation = {"step": record.step, "action": "probe",
+                                     "why": decision.reason}
+        return decision
 
     def _measure(self, record: StepRecord) -> None:
         """Feed the step time to the fitter, skipping the first step under each plan."""
@@ -154,6 +249,9 @@ class Controller:
 
     def _maybe_refit(self) -> bool:
         f = self.fitter
+        if f is not None and self.measure_first and f.num_fits == 0 and f.times:
+            f.refit()       # measured medians and the model are compared: same scale first
+            return True
         if f is None or f.since_fit < self.refit_interval_steps:
             return False
         if self.model_error() <= self.refit_tolerance:
@@ -186,7 +284,8 @@ class Controller:
                 "seen_plan": _plan_list(self.seen_plan), "elapsed_s": self.elapsed_s,
                 "switch_costs": list(self.switch_costs), "history": list(self.history),
                 "last_decision_step": self.last_decision_step,
-                "fitter": self.fitter.state_dict() if self.fitter is not None else None}
+                "fitter": self.fitter.state_dict() if self.fitter is not None else None,
+                "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -200,6 +299,10 @@ class Controller:
         self.last_decision_step = state["last_decision_step"]
         if self.fitter is not None and state.get("fitter") is not None:
             self.fitter.load_state_dict(state["fitter"])
+        if state.get("explorer") is not None:
+            self.explorer.load_state_dict(state["explorer"])
+        if state.get("auditor") is not None:
+            self.auditor.load_state_dict(state["auditor"])
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
@@ -231,7 +334,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
                     refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
                     batch_grid: str = "multiples", online_fit: bool = True,
-                    allow_shrink: bool = False) -> Controller:
+                    allow_shrink: bool = False, explore: ExploreSettings | None = None,
+                    audit_steps: int = 0, cores: int | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -241,7 +345,10 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     from `copus profile`), then the analytic model of `hardware` (None: the "cpu" profile).
     Plans over `memory_capacity_bytes` per rank (memory model of `shape`) are never chosen.
     The global batch never shrinks unless `allow_shrink` (Lau et al.'s schedules only grow;
-    COPUS leaves it open; with a noisy b_noise, shrinking makes B oscillate).
+    COPUS leaves it open; with a noisy b_noise, shrinking makes B oscillate) or an audit undoes
+    a growth. `explore` bounds the in-run probes (None: none); `audit_steps` measured steps
+    check each decision (0: no audits).  `cores`: CPU cores the ranks share (CPU prior only,
+    `core.cpu_model`; None: one core per rank).
     """
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -260,7 +367,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
     else:
-        prior = step_time_model or prior_model(shape, hw, world_size)
+        prior = step_time_model or prior_model(shape, hw, world_size, cores=cores)
         if step_time_model is None and profile_observations is not None:
             prior = fit_model(list(profile_observations), prior)
         if online_fit:
@@ -278,4 +385,6 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       calibration=float(settings.calibration), margin=margin, lr_aware=lr_aware,
                       lr_ref_batch=float(settings.initial), reconfig_cost_s=reconfig_cost_s,
                       allow_reconfigure=allow_reconfigure,
-                      refit_interval_steps=refit_interval_steps, allow_shrink=allow_shrink)
+                      refit_interval_steps=refit_interval_steps, allow_shrink=allow_shrink,
+                      explore=explore, audit_steps=audit_steps,
+                      memory_capacity_bytes=memory_capacity_bytes)

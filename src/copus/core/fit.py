@@ -119,12 +119,18 @@ def fit_step_time(observations: Iterable[tuple[ParallelPlan, float]], shape: Mod
 
 
 def prior_model(shape: ModelShape, hardware: HardwareProfile | str | None, world_size: int | None = None,
-                **options) -> StepTimeModel:
-    """The analytic model of `hardware`; with None, the "cpu" coefficients on a one-tier topology."""
+                *, cores: int | None = None, **options) -> StepTimeModel:
+    """The analytic model of `hardware`; with None, the "cpu" coefficients on a one-tier topology,
+    and, when `world_size` ranks share fewer `cores`, `SharedCoreStepTimeModel` (core.cpu_model)."""
     if hardware is None:
         cpu = get_hardware("cpu")
         params = StepTimeParams.analytic(cpu)
         options.setdefault("dtype_bytes", cpu.dtype_bytes)
+        if cores is not None and world_size is not None and world_size > cores:
+            from copus.core.cpu_model import SharedCoreStepTimeModel
+
+            return SharedCoreStepTimeModel(params, shape, None, cores=cores,
+                                           world_size=world_size, **options)
         return StepTimeModel(params, shape, None, world_size=world_size, **options)
     return StepTimeModel.analytic(shape, hardware, world_size, **options)
 

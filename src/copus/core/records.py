@@ -55,12 +55,18 @@ class Candidate:
     efficiency: float = float("nan")
 
 
+PURPOSES = ("decide", "probe", "revert", "undo")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     """Switch to `plan` at the next optimizer-step boundary.
 
     kind "batch": same (dp, tp, pp), new global batch and/or micro-batch (cheap, next step).
     kind "reconfigure": new (dp, tp, pp) (in-process reshard, costs seconds).
+    purpose: "decide" (a ranked choice), "probe" (measure an unmeasured layout, core.explore),
+    "revert" (a probe measured no faster), "undo" (an audit found the change delivered less,
+    core.audit).
     """
 
     kind: str
@@ -69,15 +75,19 @@ class Decision:
     step: int = 0
     b_noise: float = float("nan")
     candidates: tuple[Candidate, ...] = field(default_factory=tuple)
+    purpose: str = "decide"
 
     def __post_init__(self) -> None:
         if self.kind not in ("batch", "reconfigure"):
             raise ValueError(f"kind={self.kind!r} is invalid; allowed: 'batch', 'reconfigure'")
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"purpose={self.purpose!r} is invalid; allowed: {', '.join(PURPOSES)}")
 
     def to_dict(self) -> dict:
         p = self.plan
         return {
-            "step": self.step, "kind": self.kind, "reason": self.reason, "b_noise": self.b_noise,
+            "step": self.step, "kind": self.kind, "purpose": self.purpose, "reason": self.reason,
+            "b_noise": self.b_noise,
             "dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
             "num_microbatches": p.num_microbatches, "global_batch_size": p.global_batch_size,
             "candidates": [

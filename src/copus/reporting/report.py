@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from copus.reporting.checks import audit_table, decision_rows, probe_table
 from copus.reporting.runs import Run, first_time_below, plan_label, plan_segments
 
 
@@ -38,7 +39,7 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
             "batch_start": int(run.steps[0].get("global_batch_size") or 0),
             "batch_end": int(last.get("global_batch_size") or 0),
             "plans": " → ".join(s[2] for s in plan_segments(run)),
-            "num_decisions": len(run.decisions),
+            "num_decisions": len(decision_rows(run)),
         }
         for target in targets:
             row[f"time_to_{target:g}"] = first_time_below(val_t, val, target)
@@ -133,12 +134,14 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
           "the data·tensor·pipeline layouts the run used, in order.", "",
           markdown_table(rows, targets), ""]
     for run in runs:
-        if run.decisions:
+        if decision_rows(run):
             md += [f"## Decisions of {run.name}", ""]
-            for d in run.decisions:
-                md.append(f"- step {d.get('step')}: {d.get('kind')} → {plan_label(d)} "
+            for d in decision_rows(run):
+                purpose = "" if d.get("purpose", "decide") == "decide" else f" ({d['purpose']})"
+                md.append(f"- step {d.get('step')}: {d.get('kind')}{purpose} → {plan_label(d)} "
                           f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
             md.append("")
+        md += probe_table(run) + audit_table(run)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "summary.md"
     path.write_text("\n".join(md) + "\n")

@@ -91,12 +91,31 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
         kw = dict(margin=c.margin, lr_aware=c.lr_aware, reconfig_cost_s=c.reconfig_cost_s,
                   allow_reconfigure=c.allow_reconfigure and not fixed,
-                  refit_interval_steps=c.refit_interval_steps, hardware=hardware)
+                  refit_interval_steps=c.refit_interval_steps, hardware=hardware,
+                  explore=explore_settings(cfg), audit_steps=c.audit_steps,
+                  cores=job_cores(world_size) if hardware is None else None)
         if cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
     policy = make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
     layouts = parse_layout_map(cfg.parallel.layouts)
     return policy if layouts is None else LayoutMappedPolicy(policy, layouts)
+
+
+def job_cores(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """CPU cores of the whole job: this host's cores × hosts (world / LOCAL_WORLD_SIZE ranks per
+    host; one host outside a launcher). The CPU prior prices ranks sharing them."""
+    env = os.environ if env is None else env
+    local = int(env.get("LOCAL_WORLD_SIZE") or world_size)
+    return (os.cpu_count() or 1) * max(world_size // max(local, 1), 1)
+
+
+def explore_settings(cfg: Config):
+    """The in-run exploration bounds of `[controller] explore_*` (core.explore)."""
+    from copus.core.explore import ExploreSettings
+
+    c = cfg.controller
+    return ExploreSettings(max_probes=c.explore_max_probes, probe_steps=c.explore_steps,
+                           interval_steps=c.explore_interval_steps, top_k=c.explore_top_k)
 
 
 # Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.

@@ -239,6 +239,12 @@ class RunWriter:
             self._bar.write(f"step {decision.step}: {decision.kind} → {decision.plan.describe()}"
                             f" ({decision.reason})")
 
+    def log_event(self, row: dict[str, Any]) -> None:
+        """Append a controller event (probe result, audit; it has an "event" key) to
+        decisions.jsonl, with the wall time."""
+        if self.rank0:
+            self._append("decisions.jsonl", {**row, "wall_s": self.wall_s()})
+
     # --------------------------------------------------------------------------------- summary
 
     def summary(self, wall_s: float | None = None, **extra: Any) -> dict[str, Any]:

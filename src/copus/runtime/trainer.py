@@ -268,6 +268,8 @@ class Trainer:
     def decide(self, record: StepRecord) -> Decision | None:
         """Rank 0's policy observes the step; its decision (or None) is broadcast to all ranks."""
         box: list[Decision | None] = [self.policy.observe(record) if self.rank == 0 else None]
+        for row in getattr(self.policy, "drain_events", list)() if self.rank == 0 else ():
+            self.writer.log_event(row)      # probe results and audits (core.explore, core.audit)
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]

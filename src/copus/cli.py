@@ -1,4 +1,4 @@
-"""`copus` command line: train | plan | profile | simulate | report.
+"""`copus` command line: train | plan | profile | simulate | report | calibrate.
 
 Each subcommand lives in its own module under `copus.commands`, imported only when used, so
 `copus plan` and `copus simulate` never import torch. User mistakes exit 2 with one line.
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "profile": "measure step time and memory of parallel plans",
     "simulate": "simulate every policy on a cluster of 8 to 1,024+ GPUs",
     "report": "plots and a summary table from run folders",
+    "calibrate": "measure the critical batch and the noise-scale calibration c by branching",
 }
 
 

@@ -124,3 +124,20 @@ def test_measured_calibration():
     assert measured_calibration(30.0, 15.0) == 2.0
     assert math.isnan(measured_calibration(math.nan, 15.0))
     assert math.isnan(measured_calibration(30.0, 0.0))
+
+
+def test_summarize_branches_known_answer():
+    from copus.core.critical_batch import summarize_branches
+
+    B, b_noise, C, start = 8.0, 24.0, 2.0, 3.0
+    # two repeats: the model's losses ± 0.005 (gap 0.01 → ε = 0.02)
+    losses = {k * B: [start - C / (k * B + b_noise) + d for d in (-0.005, 0.005)]
+              for k in (1, 2, 4, 8)}
+    s = summarize_branches(base_batch=B, losses=losses, start_loss=start, b_noise_online=12.0)
+    assert s["epsilon"] == pytest.approx(0.02)
+    assert s["b_noise_fit"] == pytest.approx(b_noise, rel=1e-6)
+    assert s["c"] == pytest.approx(2.0, rel=1e-6)
+    assert all(v == pytest.approx(b_noise, rel=1e-6) for v in s["b_noise_pairs"].values())
+    # within 0.02 of L(8) = 3 − 2/32: 2/32 − 2/(b + 24) ≤ 0.02 ⇔ b ≤ 23.1 → 16 passes, 32 not
+    assert s["critical_batch"]["lower"] == 16 and s["critical_batch"]["upper"] == 32
+    assert len(s["c_repeats"]) == 2 and s["c_spread"] >= 0

@@ -150,3 +150,40 @@ def measured_calibration(b_noise_fit: float, b_noise_online: float) -> float:
     """`c = B_noise_fit / b_noise_online` (NaN when either is not a finite positive number)."""
     ok = all(math.isfinite(v) and v > 0 for v in (b_noise_fit, b_noise_online))
     return b_noise_fit / b_noise_online if ok else math.nan
+
+
+def summarize_branches(*, base_batch: float, losses: Mapping[float, Sequence[float]],
+                       start_loss: float, b_noise_online: float,
+                       epsilon: float | None = None) -> dict:
+    """One checkpoint's calibration from its branches (plain numbers, JSON-ready).
+
+    `losses[b]`: the smoothed final loss of each repeat of the branch at global batch `b`
+    (repeat r on its own disjoint samples). `start_loss`: the loss at the checkpoint on the same
+    windows. ε = `noise_floor(losses)` unless given. The critical batch is read off the mean
+    over repeats; B_noise is fitted (least squares) on the mean drops and per repeat, and
+    `c = B_noise_fit / b_noise_online` is reported with its spread over repeats.
+    """
+    mean = {float(b): float(np.mean(v)) for b, v in losses.items()}
+    eps = noise_floor(losses) if epsilon is None else float(epsilon)
+    cb = read_off_critical_batch(mean, eps)
+    fit = fit_b_noise({b: start_loss - v for b, v in mean.items()})
+    num_repeats = min(len(v) for v in losses.values())
+    per_repeat = [fit_b_noise({float(b): start_loss - v[r] for b, v in losses.items()}).b_noise
+                  for r in range(num_repeats)]
+    c_repeats = [measured_calibration(b, b_noise_online) for b in per_repeat]
+    pairs = {b: fit_b_noise_pair(base_batch, b / base_batch, start_loss - mean[base_batch],
+                                 start_loss - v)
+             for b, v in mean.items() if b != base_batch and base_batch in mean}
+    finite_c = [c for c in c_repeats if math.isfinite(c)]
+    return {
+        "base_batch": base_batch, "start_loss": start_loss, "epsilon": eps,
+        "mean_loss": mean,
+        "critical_batch": {"lower": cb.lower, "upper": cb.upper, "value": cb.value},
+        "b_noise_fit": fit.b_noise, "fit_residual_rms": fit.residual_rms,
+        "b_noise_pairs": pairs, "b_noise_fit_repeats": per_repeat,
+        "b_noise_online": b_noise_online,
+        "c": measured_calibration(fit.b_noise, b_noise_online),
+        "c_repeats": c_repeats,
+        "c_spread": (max(finite_c) - min(finite_c)) if len(finite_c) >= 2 else math.nan,
+        "c_critical": measured_calibration(cb.value, b_noise_online),
+    }

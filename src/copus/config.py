@@ -77,6 +77,20 @@ def _real_or_auto() -> Check:
     return lambda v: None if v == "auto" or real(v) is None else "a number > 0 or 'auto'"
 
 
+def _probe_multipliers() -> Check:
+    """`gns.probe_multipliers`: core.critical_batch.parse_probe_multipliers syntax."""
+    from copus.core.critical_batch import parse_probe_multipliers
+
+    def check(v: Any) -> str | None:
+        try:
+            parse_probe_multipliers(v)
+        except ValueError:
+            return "comma-separated numbers > 0, at least two, including 1 (e.g. '1,2,4')"
+        return None
+
+    return check
+
+
 def _layout_map() -> Check:
     """`parallel.layouts` (core.layout_map syntax); "" = no map."""
     def check(v: Any) -> str | None:
@@ -177,7 +191,7 @@ class GnsConfig:
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
     probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "auto"
     probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
-    probe_multipliers: str = _opt("1,2,4", _nonempty_str())
+    probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
 
 
 @dataclass(**_FROZEN)

@@ -141,3 +141,21 @@ def test_summarize_branches_known_answer():
     # within 0.02 of L(8) = 3 − 2/32: 2/32 − 2/(b + 24) ≤ 0.02 ⇔ b ≤ 23.1 → 16 passes, 32 not
     assert s["critical_batch"]["lower"] == 16 and s["critical_batch"]["upper"] == 32
     assert len(s["c_repeats"]) == 2 and s["c_spread"] >= 0
+
+
+def test_probe_multipliers_and_auto_calibration_config():
+    from copus.config import load_config
+    from copus.core.critical_batch import parse_probe_multipliers
+    from copus.core.policies import AUTO_CALIBRATION_PRIOR, PolicySettings
+
+    assert parse_probe_multipliers("4,1,2") == [1.0, 2.0, 4.0]
+    for bad in ("2,4", "1", "1,-2", "1,x"):
+        with pytest.raises(ValueError, match="probe_multipliers"):
+            parse_probe_multipliers(bad)
+    cfg = load_config(None, ["gns.calibration='auto'"])
+    assert cfg.gns.calibration == "auto"
+    assert PolicySettings.from_config(cfg).calibration == AUTO_CALIBRATION_PRIOR
+    assert load_config(None, ["gns.calibration=2"]).gns.calibration == 2.0
+    for bad in ("gns.calibration='sometimes'", "gns.calibration=0", "gns.probe_multipliers='2,4'"):
+        with pytest.raises(ValueError, match="gns"):
+            load_config(None, [bad])

@@ -30,6 +30,19 @@ import numpy as np
 EMA_ALPHA = 0.5   # Merrill et al. 2025, §3.1
 
 
+def parse_probe_multipliers(text: str) -> list[float]:
+    """`gns.probe_multipliers` ("1,2,4") → sorted distinct numbers > 0, at least two, with 1."""
+    try:
+        ks = sorted({float(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        ks = []
+    if (len(ks) < 2 or 1.0 not in ks
+            or any(not (math.isfinite(k) and k > 0) for k in ks)):
+        raise ValueError(f"gns.probe_multipliers={text!r}: allowed: comma-separated numbers > 0, "
+                         "at least two, including 1 (e.g. \"1,2,4\")")
+    return ks
+
+
 def ema_smooth(losses: Sequence[float], alpha: float = EMA_ALPHA) -> list[float]:
     """s_0 = L_0, s_t = α·L_t + (1 − α)·s_{t−1}: the smoothed loss curve (Merrill et al. §3.1)."""
     if not 0.0 < alpha <= 1.0:

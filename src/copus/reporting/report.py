@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from copus.reporting.calibration import calibration_section
 from copus.reporting.runs import Run, first_time_below, plan_label, plan_segments
 
 
@@ -139,6 +140,7 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
                 md.append(f"- step {d.get('step')}: {d.get('kind')} → {plan_label(d)} "
                           f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
             md.append("")
+        md += calibration_section(run)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "summary.md"
     path.write_text("\n".join(md) + "\n")

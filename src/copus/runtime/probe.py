@@ -7,7 +7,7 @@ tokens `gns.probe_tokens`, the run's LR rule applied to `k`, the same validation
 
 - fits B_noise over the branches' loss drops (McCandlish et al. 2018, Eq. 2.7; `core/critical_batch`)
   and sets the policy's calibration to the measured `c = B_noise_fit / b_noise` (online estimate
-  at the probe's start) when the fit is finite; the prior is `AUTO_PRIOR` until then;
+  at the probe's start) when the fit is finite; the prior is `AUTO_PRIOR` (1.0) until then;
 - continues from the branch whose smoothed validation loss is lowest: its model, optimizer,
   progress (the global sample offset), GNS and LR state become the run's, and its steps are
   written to metrics.jsonl as ordinary steps. Its tokens are not wasted; the other branches'
@@ -26,21 +26,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from copus.core.critical_batch import fit_b_noise, measured_calibration
+from copus.core.critical_batch import fit_b_noise, measured_calibration, parse_probe_multipliers
 from copus.core.policies import AUTO_CALIBRATION_PRIOR as AUTO_PRIOR  # noqa: F401 (c before the first probe: McCandlish's B_crit ≈ B_noise ≈ B_simple)
 from copus.core.records import Decision
-
-
-def parse_multipliers(text: str) -> list[float]:
-    """`gns.probe_multipliers` ("1,2,4") → sorted distinct numbers > 0 that include 1."""
-    try:
-        ks = sorted({float(x) for x in str(text).split(",") if x.strip()})
-    except ValueError:
-        ks = []
-    if not ks or any(not (math.isfinite(k) and k > 0) for k in ks) or 1.0 not in ks or len(ks) < 2:
-        raise ValueError(f"gns.probe_multipliers={text!r}: allowed: comma-separated numbers > 0, "
-                         "at least two, including 1 (e.g. \"1,2,4\")")
-    return ks
 
 
 def set_calibration(policy, c: float) -> bool:
@@ -68,7 +56,7 @@ class Prober:
         g = cfg.gns
         if g.calibration != "auto":
             return None
-        return cls(multipliers=parse_multipliers(g.probe_multipliers), tokens=g.probe_tokens,
+        return cls(multipliers=parse_probe_multipliers(g.probe_multipliers), tokens=g.probe_tokens,
                    interval_tokens=g.probe_interval_tokens)
 
     def due(self, trainer, decision: Decision | None) -> bool:

@@ -106,7 +106,9 @@ def test_branches_share_samples_and_repeat_bit_identically(tmp_path):
 def scripted_growth(cfg, plan, world, shape):
     from tests.runtime.test_trainer import ScriptedPolicy
 
-    return ScriptedPolicy(plan, {3: (16, 2)})
+    policy = ScriptedPolicy(plan, {3: (16, 2)})
+    policy.calibration = 1.0        # as the goodput controller's: the probe sets the measured c
+    return policy
 
 
 def probe_worker(run_dir: str) -> dict:
@@ -184,8 +186,10 @@ def test_probe_continues_from_the_chosen_branch_exactly_once(tmp_path):
               if "probe" in json.loads(x)]
     assert len(probes) == 1 and probes[0]["probe"]["chosen_batch"] == e["chosen_batch"]
     assert probes[0]["global_batch_size"] == e["chosen_batch"]
-    if out["prober_c"] is not None:
-        assert out["calibration"] == pytest.approx(out["prober_c"])
+    if out["prober_c"] is not None:         # a finite fit: the policy decides with it from now on
+        assert out["calibration"] == pytest.approx(out["prober_c"]) != 1.0
+    else:
+        assert out["calibration"] == 1.0
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -208,6 +212,18 @@ def run_dir(tmp_path):
     d.mkdir()
     (d / "config.toml").write_text('[model]\nname = "tiny"\n[parallel]\nnproc = 2\n')
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_launch(monkeypatch, request):
+    """In the refusal tests a worker start is a failure: the input must be rejected up front."""
+    if "refuses" in request.node.name:
+        from copus.runtime import launch
+
+        def refuse(*_a, **_k):
+            raise AssertionError("a worker was about to start")
+
+        monkeypatch.setattr(launch, "launch", refuse)
 
 
 def _calibrate(capsys, *args) -> tuple[int, str]:

@@ -114,9 +114,6 @@ def prepare(args: argparse.Namespace) -> tuple[object, list[Path], dict, Path]:
     """Everything checked, nothing started: (config, checkpoints, request, out folder)."""
     from copus.config import load_config
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise ValueError(f"{run_dir}: no config.toml; allowed: a run folder written by copus train")
     if args.tokens is not None and args.tokens <= 0:
         raise ValueError(f"--tokens={args.tokens}: allowed: an integer > 0")
     if args.repeats < 1 or (args.repeats < 2 and args.epsilon is None):
@@ -127,6 +124,9 @@ def prepare(args: argparse.Namespace) -> tuple[object, list[Path], dict, Path]:
     if args.marks < 1:
         raise ValueError(f"--marks={args.marks}: allowed: an integer >= 1")
     multipliers = parse_multipliers(args.multipliers)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ValueError(f"{run_dir}: no config.toml; allowed: a run folder written by copus train")
     cfg = load_config(str(run_dir / "config.toml"))
     paths = choose_checkpoints(_valid_checkpoints(run_dir), args.steps)
     worlds = {check_checkpoint(p, cfg, multipliers, args.tokens) for p in paths}

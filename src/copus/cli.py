@@ -1,4 +1,4 @@
-"""`copus` command line: train | plan | profile | simulate | report | prepare | export.
+"""`copus` command line: train | plan | profile | simulate | report | prepare | export | calibrate.
 
 Each subcommand lives in its own module under `copus.commands`, imported only when used, so
 `copus plan` and `copus simulate` never import torch. User mistakes exit 2 with one line.
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "report": "plots and a summary table from run folders",
     "prepare": "tokenize text once into token shards that training streams",
     "export": "write a checkpoint as a Hugging Face model folder (safetensors + config.json)",
+    "calibrate": "measure the critical batch and the noise-scale calibration c by branching",
 }
 
 

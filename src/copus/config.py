@@ -71,6 +71,26 @@ def _nonempty_str() -> Check:
     return lambda v: None if isinstance(v, str) and v.strip() else "a non-empty string"
 
 
+def _real_or_auto() -> Check:
+    """`gns.calibration`: a number > 0 (COPUS: 2.0) or "auto" (measured by branch probes)."""
+    real = _real(0.0, lo_open=True)
+    return lambda v: None if v == "auto" or real(v) is None else "a number > 0 or 'auto'"
+
+
+def _probe_multipliers() -> Check:
+    """`gns.probe_multipliers`: core.critical_batch.parse_probe_multipliers syntax."""
+    from copus.core.critical_batch import parse_probe_multipliers
+
+    def check(v: Any) -> str | None:
+        try:
+            parse_probe_multipliers(v)
+        except ValueError:
+            return "comma-separated numbers > 0, at least two, including 1 (e.g. '1,2,4')"
+        return None
+
+    return check
+
+
 def _layout_map() -> Check:
     """`parallel.layouts` (core.layout_map syntax); "" = no map."""
     def check(v: Any) -> str | None:
@@ -191,8 +211,11 @@ class GnsConfig:
     decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
-    calibration: float = _opt(2.0, _real(0.0, lo_open=True))
+    calibration: float | str = _opt(2.0, _real_or_auto())
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
+    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "auto"
+    probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
+    probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
 
 
 @dataclass(**_FROZEN)
@@ -275,7 +298,7 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
         problem = by_name[key].metadata["check"](value)
         if problem is not None:
             raise _bad(section, key, value, f"allowed: {problem}")
-        if by_name[key].type == "float":
+        if by_name[key].type in ("float", "float | str") and not isinstance(value, str):
             value = float(value)
         kwargs[key] = value
     return cls(**kwargs)

@@ -138,6 +138,8 @@ OTHER = [
     ("simulate-unknown-policy", ["simulate", "--policies", "foo"], ["'foo'", "allowed"]),
     ("simulate-reconfig-choice", ["simulate", "--reconfig", "teleport"], ["'teleport'", "choose"]),
     ("report-missing-run", ["report", "{tmp}/no-run"], ["no-run", "not a folder"]),
+    ("calibrate-missing-run", ["calibrate", "{tmp}/no-run"], ["no-run", "config.toml"]),
+    ("calibrate-tokens-zero", ["calibrate", "{tmp}", "--tokens", "0"], ["--tokens=0", "allowed"]),
     ("unknown-command", ["fly"], ["'fly'", "choose"]),
 ]
 

@@ -58,3 +58,30 @@ def test_report_cli_writes_plots_and_table(tmp_path):
     res = subprocess.run([sys.executable, "-m", "copus", "report", str(tmp_path / "zzz")],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_report_shows_probes_and_calibration(tmp_path):
+    from copus.reporting.report import write_report
+
+    _fake_run(tmp_path / "a", "goodput")
+    probe = dict(step=10, tokens=10240, base_batch=8, b_noise_online=12.0, b_noise_fit=30.0,
+                 measured_c=2.5, c_used=2.5, chosen_batch=16, cost_s=4.2, cost_tokens=4096,
+                 branches=[dict(global_batch_size=b) for b in (8, 16, 32)])
+    with open(tmp_path / "a" / "decisions.jsonl", "a") as f:
+        f.write(json.dumps(dict(step=10, kind="batch", dp=4, tp=1, pp=1, global_batch_size=16,
+                                reason="probe", probe=probe)) + "\n")
+    cal = tmp_path / "a" / "calibration"
+    cal.mkdir()
+    (cal / "calibration.json").write_text(json.dumps({"command": "copus calibrate a"}))
+    (cal / "calibration.md").write_text("| step | c |\n|---|---|\n| 50 | 0.77 |\n")
+    text = write_report([load_run(tmp_path / "a")], tmp_path / "out", []).read_text()
+    assert "## Calibration of a" in text
+    assert "| 10 | 10240 | 8 | 8,16,32 | 12 | 30 | 2.5 | 2.5 | 16 | 4.2 | 4096 |" in text
+    assert "`copus calibrate a`" in text and "| 50 | 0.77 |" in text
+
+
+def test_report_without_calibration_has_no_section(tmp_path):
+    from copus.reporting.report import write_report
+
+    _fake_run(tmp_path / "a", "goodput")
+    assert "Calibration" not in write_report([load_run(tmp_path / "a")], tmp_path / "o", []).read_text()

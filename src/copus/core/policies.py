@@ -94,7 +94,12 @@ class PolicySettings:
               if hasattr(config.batch, f.name)}
         for name in ("max_rel_err", "calibration"):
             kw[name] = getattr(config.gns, name)
+        if kw["calibration"] == "auto":   # measured by runtime/probe.py; this prior until then
+            kw["calibration"] = AUTO_CALIBRATION_PRIOR
         return cls(**kw)
+
+
+AUTO_CALIBRATION_PRIOR = 1.0   # gns.calibration="auto" before the first probe (runtime/probe.py)
 
 
 class _Window:

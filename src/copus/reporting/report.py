@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from copus.reporting.checks import audit_table, decision_rows, probe_table
+from copus.reporting.calibration import calibration_section
 from copus.reporting.runs import Run, first_time_below, plan_label, plan_segments
 
 
@@ -142,6 +143,7 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
                           f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
             md.append("")
         md += probe_table(run) + audit_table(run)
+        md += calibration_section(run)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "summary.md"
     path.write_text("\n".join(md) + "\n")

@@ -41,6 +41,7 @@ from copus.runtime.launch import (
     validate_before_launch,
 )
 from copus.runtime.optim import LearningRate, build_learning_rate
+from copus.runtime.probe import Prober
 
 
 __all__ = ["Trainer", "TrainingError", "default_micro_batch_size", "initial_plan",
@@ -111,6 +112,7 @@ class Trainer:
         self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
                                                     self.shape.seq_len)
         self.progress = Progress()
+        self.prober = Prober.from_config(cfg)    # gns.calibration = "auto" (runtime/probe.py)
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
@@ -179,6 +181,9 @@ class Trainer:
             if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
                 self.evaluate()
             decision = self.decide(record)
+            if self.prober is not None and self.prober.due(self, decision):
+                self.prober.run(self, decision)    # continues from the best branch
+                decision = None
             if decision is not None:       # before the checkpoint: it holds the new plan
                 self.apply_decision(decision)
             if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
@@ -361,6 +366,7 @@ class Trainer:
             "policy": self.policy.state_dict(),
             "lr": self.lr.state_dict(),
             "rng": ckpt.rng_state(),
+            "probe": self.prober.state_dict() if self.prober is not None else None,
             "model": self.cfg.model.name,
             "tokenizer": tokenizer_state(self.tokenizer, self.shape),
             "run_id": self.run_id,
@@ -417,6 +423,8 @@ class Trainer:
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])
         self.lr.load_state_dict(state["lr"])
+        if self.prober is not None and state.get("probe"):
+            self.prober.load_state_dict(state["probe"], self.policy)
         decision = self.resume_plan(saved, int(state.get("world_size") or 0))
         self._engine_for(decision.plan if decision is not None else saved)
         tensors = self._dcp_state()

@@ -65,7 +65,7 @@ def test_lr_scale_rules():
         lr_scale("cubic", 64, 16)
     with pytest.raises(ValueError, match="adascale"):
         lr_scale("adascale", 64, 16)
-    assert LR_RULES == ("none", "linear", "sqrt", "adascale")
+    assert LR_RULES == ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
 def test_lr_aware_factor():

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 SCHEDULES = ("constant", "cosine", "linear")
-RULES = ("none", "linear", "sqrt", "adascale")
+RULES = ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

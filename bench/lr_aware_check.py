@@ -1,0 +1,141 @@
+"""Does a k·B run with sqrt(k)·LR make more progress per sample than E(B) predicts? (issue 14 part 3)
+
+    python bench/lr_aware_check.py --from runs/ttt_static [--base 8] [--out bench/results/lr_aware_check.json]
+
+Reads the static-B runs of bench/time_to_target.py (same seed, data order, token schedule; LR
+= lr·sqrt(B/B0)): branches from the same start (step 0) at k·B0 with the square-root LR rule.
+For each target loss (the base run's loss at 10 %, 20 %, ... of its tokens) it compares the
+measured token ratio T(k·B0)/T(B0) with two predictions:
+
+    E(B) model (McCandlish 2018 Eq. 2.11, AdaptDL):  T_k/T_1 = (φ + k·B0)/(φ + B0)
+    COPUS LR-aware (goodput × sqrt(B), Eqs. 7-8):    T_k/T_1 = (φ + k·B0)/(φ + B0) / sqrt(k)
+
+with φ = c·b̄_noise, b̄_noise the base run's mean online estimate on its way to the target, for
+c = 0.5, 1, 2; and it fits φ from the measured ratio, φ̂ = (k·B0 − r·B0)/(r − 1) (the McCandlish
+branch fit of cbs-notes §5.3). A ratio r < 1 (the larger batch needs FEWER tokens) is progress
+per sample above anything E(B) allows: the signature of a real LR benefit beyond E(B); r ≥ 1
+everywhere with φ̂ near c·b̄_noise says E(B) already accounts for the LR rule and the sqrt(B)
+factor double-counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.exists() else []
+
+
+def tokens_to(tokens: list[float], losses: list[float], target: float) -> float:
+    """First crossing of `target` in tokens, linear between evaluations (NaN: never)."""
+    for i, (t, v) in enumerate(zip(tokens, losses)):
+        if v <= target:
+            if i == 0:
+                return t
+            t0, v0 = tokens[i - 1], losses[i - 1]
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+    return math.nan
+
+
+def smoothed(losses: list[float], alpha: float = 0.5) -> list[float]:
+    """EMA(α) of the evaluation losses (Merrill et al. 2025 §3.1 smooth with α = 0.5)."""
+    out, m = [], None
+    for v in losses:
+        m = v if m is None else alpha * m + (1 - alpha) * v
+        out.append(m)
+    return out
+
+
+def run_curves(roots: list[Path], seed: int) -> dict[int, dict]:
+    out = {}
+    for root in roots:
+        for run in sorted((root / f"seed{seed}").glob("static-*")):
+            b = int(run.name.split("-")[1])
+            ev = [e for e in read_jsonl(run / "eval.jsonl") if e.get("val_loss") is not None]
+            steps = read_jsonl(run / "metrics.jsonl")
+            if len(ev) < 3 or b in out:
+                continue
+            out[b] = {"tokens": [float(e["tokens"]) for e in ev],
+                      "loss": smoothed([float(e["val_loss"]) for e in ev]),
+                      "b_noise": [(float(r["tokens"]), r.get("b_noise")) for r in steps]}
+    return out
+
+
+def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
+    ref = curves[base]
+    rows = []
+    for f in fractions:
+        k = max(1, min(len(ref["tokens"]) - 1, round(f * len(ref["tokens"]))))
+        target = ref["loss"][k]
+        t_base = tokens_to(ref["tokens"], ref["loss"], target)
+        path = [b for t, b in ref["b_noise"] if t <= t_base and b is not None and math.isfinite(b)]
+        bn = statistics.fmean(path) if path else math.nan
+        for b in sorted(curves):
+            if b == base:
+                continue
+            t_b = tokens_to(curves[b]["tokens"], curves[b]["loss"], target)
+            r = t_b / t_base if t_base > 0 else math.nan
+            kk = b / base
+            pred = {f"E_c{c:g}": (c * bn + b) / (c * bn + base) for c in (0.5, 1.0, 2.0)}
+            pred.update({f"lra_c{c:g}": pred[f"E_c{c:g}"] / math.sqrt(kk) for c in (0.5, 1.0, 2.0)})
+            fit = (b - r * base) / (r - 1) if r > 1 else math.nan
+            rows.append({"fraction": f, "target": target, "batch": b, "k": kk,
+                         "tokens_base": t_base, "tokens_batch": t_b, "ratio": r,
+                         "b_noise_base_mean": bn, "phi_fit": fit, **pred})
+    return {"base": base, "rows": rows}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Token ratio T(B)/T({res['base']}) to the base run's smoothed loss, measured vs "
+             "predicted (E: (φ+B)/(φ+B0); LR-aware: E/sqrt(B/B0)), φ = c·mean b_noise.", "",
+             "| target | B | measured | E c=0.5 | E c=1 | E c=2 | LR-aware c=1 | LR-aware c=2 "
+             "| b_noise | φ fit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        cells = [f"{r['target']:.3f}", str(r["batch"]), f"{r['ratio']:.2f}",
+                 *(f"{r[k]:.2f}" for k in ("E_c0.5", "E_c1", "E_c2", "lra_c1", "lra_c2")),
+                 f"{r['b_noise_base_mean']:.1f}",
+                 "–" if math.isnan(r["phi_fit"]) else f"{r['phi_fit']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    ok = [r for r in res["rows"] if not math.isnan(r["ratio"])]
+    for key in ("E_c0.5", "E_c1", "E_c2", "lra_c1", "lra_c2"):
+        errs = [abs(math.log(r["ratio"] / r[key])) for r in ok]
+        if errs:
+            lines.append(f"- {key}: median |log(measured/predicted)| = "
+                         f"{statistics.median(errs):.2f} over {len(errs)} (target, B) pairs")
+    below = sum(r["ratio"] < 1 for r in ok)
+    lines.append(f"- measured ratio < 1 (the larger batch needed fewer tokens) in {below} of "
+                 f"{len(ok)} pairs")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="from_", required=True, help="runs root(s), comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base", type=int, default=8)
+    ap.add_argument("--fractions", default="0.1,0.25,0.5,0.75,0.95")
+    ap.add_argument("--out", default=str(RESULTS / "lr_aware_check.json"))
+    args = ap.parse_args(argv)
+    curves = run_curves([Path(r) for r in args.from_.split(",")], args.seed)
+    if args.base not in curves:
+        raise SystemExit(f"--base {args.base}: no static-{args.base} run under {args.from_}")
+    res = analyse(curves, args.base, [float(x) for x in args.fractions.split(",")])
+    res["command"] = "python bench/lr_aware_check.py " + " ".join(argv or [])
+    out = Path(args.out)
+    out.write_text(json.dumps(res, indent=1, default=lambda x: None))
+    table = markdown(res)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -135,6 +135,7 @@ class TrackingGnsEstimator:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "kind": "tracking", "ref_batch": self.ref_batch,
                 "lepski_z": self.lepski_z, "num_skipped": self.num_skipped,
+                "num_updates": self.num_updates,
                 "levels": [lv.state_dict() for lv in self.levels]}
 
     def load_state_dict(self, state: dict) -> None:

@@ -69,6 +69,15 @@ def run_curves(roots: list[Path], seed: int) -> dict[int, dict]:
     return out
 
 
+def b_noise_at(curve: dict, tokens: float, window: int = 25) -> float:
+    """Geometric mean of the online b_noise over the `window` steps up to `tokens` (the
+    temperature check: McCandlish App. C predicts B_simple ∝ B/ε, i.e. √k higher at k·B with
+    √k·LR at the same loss)."""
+    vals = [b for t, b in curve["b_noise"] if t <= tokens and b is not None
+            and math.isfinite(b) and b > 0][-window:]
+    return math.exp(statistics.fmean(math.log(b) for b in vals)) if vals else math.nan
+
+
 def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
     ref = curves[base]
     rows = []
@@ -89,6 +98,8 @@ def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
             fit = (b - r * base) / (r - 1) if r > 1 else math.nan
             rows.append({"fraction": f, "target": target, "batch": b, "k": kk,
                          "tokens_base": t_base, "tokens_batch": t_b, "ratio": r,
+                         "b_noise_base_at_target": b_noise_at(ref, t_base),
+                         "b_noise_batch_at_target": b_noise_at(curves[b], t_b),
                          "b_noise_base_mean": bn, "phi_fit": fit, **pred})
     return {"base": base, "rows": rows}
 
@@ -97,12 +108,14 @@ def markdown(res: dict) -> str:
     lines = [f"Token ratio T(B)/T({res['base']}) to the base run's smoothed loss, measured vs "
              "predicted (E: (φ+B)/(φ+B0); LR-aware: E/sqrt(B/B0)), φ = c·mean b_noise.", "",
              "| target | B | measured | E c=0.5 | E c=1 | E c=2 | LR-aware c=1 | LR-aware c=2 "
-             "| b_noise | φ fit |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| b_noise | φ fit | b_noise at target: base / B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         cells = [f"{r['target']:.3f}", str(r["batch"]), f"{r['ratio']:.2f}",
                  *(f"{r[k]:.2f}" for k in ("E_c0.5", "E_c1", "E_c2", "lra_c1", "lra_c2")),
                  f"{r['b_noise_base_mean']:.1f}",
-                 "–" if math.isnan(r["phi_fit"]) else f"{r['phi_fit']:.0f}"]
+                 "–" if math.isnan(r["phi_fit"]) else f"{r['phi_fit']:.0f}",
+                 f"{r['b_noise_base_at_target']:.1f} / {r['b_noise_batch_at_target']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     ok = [r for r in res["rows"] if not math.isnan(r["ratio"])]
     for key in ("E_c0.5", "E_c1", "E_c2", "lra_c1", "lra_c2"):
@@ -110,6 +123,12 @@ def markdown(res: dict) -> str:
         if errs:
             lines.append(f"- {key}: median |log(measured/predicted)| = "
                          f"{statistics.median(errs):.2f} over {len(errs)} (target, B) pairs")
+    temp = [r["b_noise_batch_at_target"] / r["b_noise_base_at_target"] / math.sqrt(r["k"])
+            for r in ok if r["b_noise_base_at_target"] > 0]
+    if temp:
+        lines.append(f"- b_noise(k·B)/b_noise(B) at the same loss, divided by sqrt(k) (1 = the "
+                     f"temperature feedback of McCandlish App. C): median "
+                     f"{statistics.median(temp):.2f}")
     below = sum(r["ratio"] < 1 for r in ok)
     lines.append(f"- measured ratio < 1 (the larger batch needed fewer tokens) in {below} of "
                  f"{len(ok)} pairs")

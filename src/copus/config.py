@@ -169,7 +169,7 @@ class GnsConfig:
     decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
-    calibration: float = _opt(0.5, _real(0.0, lo_open=True))
+    calibration: float = _opt(1.0, _real(0.0, lo_open=True))
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
     estimator: str = _opt("tracking", _choice("tracking", "ema"))
     confidence: float = _opt(1.645, _real(0.0))

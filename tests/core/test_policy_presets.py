@@ -10,7 +10,7 @@ def test_goodput_copus_is_the_papers_settings_and_goodput_is_not():
     ours = load_config(None, [])
     assert ours.batch.policy == "goodput"
     assert (ours.gns.calibration, ours.gns.estimator, ours.controller.lr_aware) == \
-        (0.5, "tracking", False)
+        (1.0, "tracking", False)
 
 
 def test_explicit_keys_win_over_the_preset_and_round_trip(tmp_path):

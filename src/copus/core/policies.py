@@ -71,7 +71,7 @@ class PolicySettings:
     orth_nu: float = 2.0
     gns_c: float = 2.0
     max_rel_err: float = 0.5      # [gns]; only with confidence = 0
-    calibration: float = 0.5      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
+    calibration: float = 1.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
     confidence: float = 1.645     # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
     recovery_steps: int = 20      # [gns]; hold after a batch change
 

@@ -4,10 +4,11 @@ COPUS paper's settings (arXiv 2604.26687 §3, §6.1; copus-notes.md), kept to co
 A preset only supplies defaults: a key the user sets explicitly (file or `--set`) wins, and
 the run folder's config.toml records every resolved value. `goodput` itself uses the plain
 defaults of `copus.config`, which differ from the paper where measurement or the sources say
-so (docs/statistics.md): c = 0.5 instead of 2 (cbs-notes §5.4), no LR-aware sqrt(B) factor
-(§5.1: it counts the LR benefit twice), the tracking GNS estimator with a sample-tied decay
-instead of one per-step EMA 0.95 → 0.99, decisions on the lower confidence bound of the noise
-scale, and a recovery hold after each batch change.
+so (docs/statistics.md): c = 1 instead of 2 (§4: it fits the static-B token ratios best), no
+LR-aware sqrt(B) factor (§4: it counts the LR benefit twice, and mispredicts the ratios), the
+tracking GNS estimator with a sample-tied decay instead of one per-step EMA 0.95 → 0.99,
+decisions on the lower confidence bound of the noise scale, and a recovery hold after each
+batch change.
 """
 
 from __future__ import annotations

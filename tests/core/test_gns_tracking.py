@@ -71,6 +71,19 @@ def test_decay_is_tied_to_samples():
     assert held[64][8] > 100 * held[64][0] / 2
 
 
+def test_a_short_level_without_signal_is_passed_over():
+    """|G|² truly 1, tr Σ = 100; the last step's |G|² estimate is −5 (noise): the 1-step level
+    has no signal (φ = inf), the longer levels still measure ≈ 100 and are used."""
+    est = TrackingGnsEstimator(64)
+    for _ in range(200):
+        est.update(1.0 + 100 / 8, 8, 1.0 + 100 / 64, 64)
+    est.update(-5.0 + 100 / 8, 8, -5.0 + 100 / 64, 64)
+    assert est.levels[0].b_noise == math.inf
+    assert est.chosen_level() > 0 and est.b_noise == pytest.approx(100, rel=0.1)
+    empty = TrackingGnsEstimator(64)
+    assert empty.chosen_level() == 8 and math.isnan(empty.b_noise)
+
+
 def test_tracking_state_round_trip_and_errors():
     a, b = TrackingGnsEstimator(8), TrackingGnsEstimator(8)
     stream = list(_falling_stream(1, cv=0.2))

@@ -76,14 +76,17 @@ class TrackingGnsEstimator:
         return self._chosen
 
     def _select(self) -> int:
+        """Lepski's rule over the levels with a finite positive φ (a short level whose |G|²
+        EMA is ≤ 0 says nothing about the others and is passed over); the longest level
+        when none has one (its φ is then inf, 0 or NaN: no signal, or no data)."""
         logs = [_log(lv.b_noise) for lv in self.levels]
         errs = [lv.rel_err for lv in self.levels]
-        best = 0
-        for k in range(1, len(self.levels)):
-            if logs[k] is None:
-                break
-            bands = [(logs[j], errs[j]) for j in range(k) if logs[j] is not None
-                     and math.isfinite(errs[j])]
+        usable = [k for k, lk in enumerate(logs) if lk is not None]
+        if not usable:
+            return len(self.levels) - 1
+        best = usable[0]
+        for k in usable[1:]:
+            bands = [(logs[j], errs[j]) for j in usable if j < k and math.isfinite(errs[j])]
             if any(abs(logs[k] - lj) > self.lepski_z * sj for lj, sj in bands):
                 break
             best = k

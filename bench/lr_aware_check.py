@@ -104,6 +104,41 @@ def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
     return {"base": base, "rows": rows}
 
 
+def ceiling(steps: list[dict], profile: list[dict], base: int, c: float,
+            fractions: tuple[float, ...] = (0.5, 0.8, 1.0)) -> dict:
+    """The most ANY batch schedule could save over static B0 per the E(B) model: replay the
+    tracking estimator (core.gns_tracking) on the base run's logged gradient statistics,
+    φ = c·b_noise, and price the same progress (B0 samples × E(B0) per base step) at
+    throughput T(B)·E(B) — static B0 vs the best static B vs the per-step best B (an oracle
+    with free switches), T(B) = the fastest profiled plan's samples/s at B."""
+    from copus.core.gns_tracking import TrackingGnsEstimator
+
+    best: dict[int, float] = {}
+    for r in profile:
+        b = int(r["global_batch_size"])
+        best[b] = max(best.get(b, 0.0), float(r["samples_per_s"]))
+    est, phis = TrackingGnsEstimator(base), []
+    for r in steps:
+        est.update(r["small_sqnorm"], r["small_batch"], r["big_sqnorm"], r["global_batch_size"])
+        phis.append(est.b_noise)
+    out = {}
+    for f in fractions:
+        t_static, t_oracle = dict.fromkeys(best, 0.0), 0.0
+        for phi in phis[20:int(len(phis) * f)]:
+            phi = c * (phi if math.isfinite(phi) else 1e12)
+            prog = base * (phi + 1) / (phi + base)
+            rate = {b: s * (phi + 1) / (phi + b) for b, s in best.items()}
+            t_oracle += prog / max(rate.values())
+            for b in best:
+                t_static[b] += prog / rate[b]
+        bs = min(t_static, key=t_static.get)
+        out[f"{f:g}"] = {"best_static": bs,
+                         "best_static_saves_vs_base": 1 - t_static[bs] / t_static[base],
+                         "oracle_saves_vs_base": 1 - t_oracle / t_static[base],
+                         "oracle_saves_vs_best_static": 1 - t_oracle / t_static[bs]}
+    return out
+
+
 def markdown(res: dict) -> str:
     lines = [f"Token ratio T(B)/T({res['base']}) to the base run's smoothed loss, measured vs "
              "predicted (E: (φ+B)/(φ+B0); LR-aware: E/sqrt(B/B0)), φ = c·mean b_noise.", "",
@@ -132,6 +167,11 @@ def markdown(res: dict) -> str:
     below = sum(r["ratio"] < 1 for r in ok)
     lines.append(f"- measured ratio < 1 (the larger batch needed fewer tokens) in {below} of "
                  f"{len(ok)} pairs")
+    for c, by_f in (res.get("ceiling") or {}).items():
+        parts = "; ".join(f"first {float(f):.0%}: oracle {100 * v['oracle_saves_vs_base']:.1f}% "
+                          f"vs static-{res['base']}, {100 * v['oracle_saves_vs_best_static']:.1f}% "
+                          f"vs best static ({v['best_static']})" for f, v in by_f.items())
+        lines.append(f"- ceiling of any batch schedule, E(B) with c={c}: {parts}")
     return "\n".join(lines) + "\n"
 
 
@@ -142,11 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=int, default=8)
     ap.add_argument("--fractions", default="0.1,0.25,0.5,0.75,0.95")
     ap.add_argument("--out", default=str(RESULTS / "lr_aware_check.json"))
+    ap.add_argument("--profile", default="",
+                    help="copus profile.json(s), comma-separated: adds the adaptation ceiling")
     args = ap.parse_args(argv)
     curves = run_curves([Path(r) for r in args.from_.split(",")], args.seed)
     if args.base not in curves:
         raise SystemExit(f"--base {args.base}: no static-{args.base} run under {args.from_}")
     res = analyse(curves, args.base, [float(x) for x in args.fractions.split(",")])
+    if args.profile:
+        prof = [r for f in args.profile.split(",") for r in json.loads(Path(f).read_text())]
+        base_steps = next(read_jsonl(Path(r) / f"seed{args.seed}" / f"static-{args.base}" /
+                                     "metrics.jsonl") for r in args.from_.split(",")
+                          if (Path(r) / f"seed{args.seed}" / f"static-{args.base}").exists())
+        res["ceiling"] = {f"{c:g}": ceiling(base_steps, prof, args.base, c)
+                          for c in (0.5, 1.0, 2.0)}
     res["command"] = "python bench/lr_aware_check.py " + " ".join(argv or [])
     out = Path(args.out)
     out.write_text(json.dumps(res, indent=1, default=lambda x: None))

@@ -78,3 +78,15 @@ def test_lr_aware_check_recovers_phi_from_an_e_of_b_world():
         assert r["phi_fit"] == pytest.approx(phi, rel=0.1)
         assert r["E_c1"] == pytest.approx(r["ratio"], rel=0.02)
     assert "measured ratio < 1" in lra.markdown(res)
+
+
+def test_ceiling_is_zero_on_flat_throughput_and_large_on_linear():
+    phi = 1e6                                     # pure noise: every batch is efficient
+    steps = [{"small_sqnorm": 1.0 + phi / 4, "small_batch": 4, "big_sqnorm": 1.0 + phi / 8,
+              "global_batch_size": 8} for _ in range(200)]
+    flat = [{"global_batch_size": b, "samples_per_s": 50.0} for b in (8, 16, 32)]
+    linear = [{"global_batch_size": b, "samples_per_s": 5.0 * b} for b in (8, 16, 32)]
+    assert lra.ceiling(steps, flat, 8, 1.0)["1"]["oracle_saves_vs_base"] == pytest.approx(0)
+    lin = lra.ceiling(steps, linear, 8, 1.0)["1"]
+    assert lin["best_static"] == 32 and lin["oracle_saves_vs_base"] == pytest.approx(0.75, abs=1e-3)
+    assert lin["oracle_saves_vs_best_static"] == pytest.approx(0, abs=1e-3)

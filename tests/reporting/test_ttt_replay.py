@@ -90,3 +90,21 @@ def test_ceiling_is_zero_on_flat_throughput_and_large_on_linear():
     lin = lra.ceiling(steps, linear, 8, 1.0)["1"]
     assert lin["best_static"] == 32 and lin["oracle_saves_vs_base"] == pytest.approx(0.75, abs=1e-3)
     assert lin["oracle_saves_vs_best_static"] == pytest.approx(0, abs=1e-3)
+
+
+def test_bench_goodput_runs_with_library_defaults_only():
+    """The head-to-head's `goodput` leg sets no [gns]/[controller] key (nothing bench-specific);
+    `goodput-copus` differs from it only by the policy name."""
+    import types
+
+    ttt = _load("time_to_target")
+    args = types.SimpleNamespace(initial_batch=8, static=[8, 16, 32, 64, 128], model="tiny",
+                                 nproc=4, max_tokens=1_000_000, warmup_tokens=50_000, lr=3e-3,
+                                 eval_samples=32, set=[])
+    plan = {"dp": 1, "tp": 1, "pp": 4, "micro_batch_size": 2}
+    best = {b: {**plan, "micro_batch_size": max(2, b // 8)} for b in args.static}
+    specs = ttt.run_specs(args, best, 128)
+    assert set(ttt.ALL_POLICIES) <= set(specs)
+    assert not [s for s in specs["goodput"] if s.startswith(("gns.", "controller."))]
+    diff = set(specs["goodput-copus"]) ^ set(specs["goodput"])
+    assert diff == {"batch.policy='goodput'", "batch.policy='goodput-copus'"}

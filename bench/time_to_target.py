@@ -366,6 +366,7 @@ def analyse(roots: list[Path], targets: list[float] | None, times_at: list[float
             replay[(name, seed)] = replay_eval_curve(run, medians)
             rc = replay_curve(run, medians)
             meta[(name, seed)].update(replay_s=rc["replay_s"], unprofiled_steps=rc["unprofiled_steps"],
+                                      interpolated_steps=rc["interpolated_steps"],
                                       switch_s=rc["switch_s"], probe_s=rc["probe_s"])
     if not curves:
         raise ValueError(f"no runs with >= 2 evaluations under {', '.join(map(str, roots))}")

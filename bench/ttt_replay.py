@@ -5,7 +5,10 @@ training wall time every run gets a *replay time*: the same steps, each priced a
 median step time of the plan it ran under (`copus profile`), plus the measured cost of each
 switch (decisions.jsonl `switch_s`) and of each branch probe (probes.jsonl `cost_s`, written
 by the calibration probe when it exists). A plan that the profile does not hold is priced at
-that run's own median measured step time for it (counted in `unprofiled_steps`).
+the profile's linear fit in the number of micro-batches for the same (dp, tp, pp,
+micro_batch_size) — a global batch of 20 or 28 is not profiled, but 8, 16, 32 of its layout
+are (counted in `interpolated_steps`) — and without such rows at that run's own median
+measured step time for it (counted in `unprofiled_steps`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ def profile_medians(rows: list[dict]) -> dict[tuple[int, ...], float]:
     return out
 
 
+def interpolate(medians: dict[tuple[int, ...], float], key: tuple[int, ...]) -> float:
+    """Step time of an unprofiled plan from the profiled plans of its (dp, tp, pp, mbs):
+    least-squares line in num_microbatches (one row: proportional); NaN without rows."""
+    dp, tp, pp, mbs, batch = key
+    pts = [(k[4] // (k[0] * k[3]), s) for k, s in medians.items() if k[:4] == key[:4]]
+    n = batch // max(dp * mbs, 1)
+    if not pts:
+        return math.nan
+    if len({x for x, _ in pts}) == 1:
+        x0, s0 = pts[0]
+        return s0 * n / x0
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return max(my + slope * (n - mx), 1e-9)
+
+
 def replay_curve(run_dir: Path, medians: dict[tuple[int, ...], float]) -> dict:
     """Cumulative replay seconds after every step, and what went into it."""
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -60,17 +80,21 @@ def replay_curve(run_dir: Path, medians: dict[tuple[int, ...], float]) -> dict:
     for p in read_jsonl(run_dir / "probes.jsonl"):
         probe_at[int(p.get("step", 0))] = probe_at.get(int(p.get("step", 0)), 0.0) + \
             float(p.get("cost_s") or 0.0)
-    total, cum, unprofiled = 0.0, {}, 0
+    total, cum, unprofiled, interpolated = 0.0, {}, 0, 0
     for r in steps:
         k, step = plan_key(r), int(r["step"])
         if k in medians:
             total += medians[k]
+        elif math.isfinite(guess := interpolate(medians, k)):
+            total += guess
+            interpolated += 1
         else:
             total += statistics.median(own[k])
             unprofiled += 1
         total += switch_at.get(step, 0.0) + probe_at.get(step, 0.0)
         cum[step] = total
     return {"replay_s_at_step": cum, "replay_s": total, "unprofiled_steps": unprofiled,
+            "interpolated_steps": interpolated,
             "switch_s": sum(switch_at.values()), "probe_s": sum(probe_at.values()),
             "steps": len(steps)}
 

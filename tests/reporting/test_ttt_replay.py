@@ -47,6 +47,12 @@ def test_replay_prices_steps_by_the_profile_plus_switch_and_probe_costs(tmp_path
     # 3 profiled steps at 2 s, switch 1.5 s, 2 unprofiled steps at their own median 6 s, probe 10
     assert rc["replay_s"] == pytest.approx(3 * 2 + 1.5 + 6 + 10 + 6)
     assert rc["unprofiled_steps"] == 2 and rc["switch_s"] == 1.5 and rc["probe_s"] == 10
+    # same layout and micro-batch profiled at 4 and 8 micro-batches: a line through them
+    two = {(1, 1, 4, 2, 8): 2.0, (1, 1, 4, 2, 16): 3.0}
+    assert replay.interpolate(two, (1, 1, 4, 2, 12)) == pytest.approx(2.5)
+    assert replay.interpolate(two, (1, 1, 4, 2, 32)) == pytest.approx(5.0)
+    assert replay.interpolate({(1, 1, 4, 2, 8): 2.0}, (1, 1, 4, 2, 24)) == pytest.approx(6.0)
+    assert math.isnan(replay.interpolate(two, (2, 1, 2, 2, 8)))
     assert replay.replay_eval_curve(tmp_path / "r", medians) == ([4.0, pytest.approx(29.5)],
                                                                  [3.0, 2.0])
 

@@ -3,6 +3,10 @@
     python bench/time_to_target.py --set parallel.reshard_after_forward=false   # full: ~1 h
     python bench/time_to_target.py --quick               # a smoke run (1 seed, 4 policies, tiny)
     python bench/time_to_target.py --from runs/time_to_target   # re-analyse, no training
+    python bench/time_to_target.py --max-tokens 1000000 --warmup-tokens 50000 \
+        --static 8,16,32,64,128 --profile bench/results/time_to_target_long_profile.json \
+        --policies static-8,gns-start --seeds 0 --runs runs/ttt_a --out bench/results/ttt_a.json
+    python bench/time_to_target.py --from runs/ttt_a,runs/ttt_b --out bench/results/ttt.json
 
 One training run per (policy, seed): the `tiny` model on the embedded corpus, 4 CPU ranks, the
 same seed, data order (GlobalSampler(seed)), LR schedule (in tokens) and token budget for every
@@ -19,9 +23,16 @@ Policies (COPUS §3.1 baselines):
   gns-start    CBS: B ≈ gns_c·b_noise, plan (layout, micro-batch) tuned for B0 ("pessimistic").
   gns-large    CBS with the layout tuned for the largest static batch ("optimistic"); the
                micro-batch is the largest that divides B0/dp (batch policies keep it fixed).
-  goodput      COPUS: batch, micro-batch and (dp, tp, pp) chosen by goodput; starts on the B0 plan.
-  goodput-nolra, goodput-c1   diagnostics, not baselines: goodput without the LR-aware sqrt(B)
-               factor (controller.lr_aware=false), and with c = 1 (gns.calibration=1.0).
+  goodput      batch, micro-batch and (dp, tp, pp) chosen by goodput with copus's defaults;
+               starts on the B0 plan.
+  goodput-copus  the same controller with the COPUS paper's settings (c = 2, LR-aware sqrt(B)
+               factor, one EMA 0.95 → 0.99, point estimate): `batch.policy='goodput-copus'`.
+
+Legs: `--policies`/`--seeds` pick a subset; each leg writes its own runs root (`--runs`) and
+results file (`--out`); `--from ROOT1,ROOT2,...` merges the roots into one analysis (a
+(policy, seed) found twice is taken from the first root). Next to the wall time every run gets
+a replay time (bench/ttt_replay.py: profiled median step time of each step's plan + measured
+switch and probe costs), and the issue-14 goal is checked at the last target in both clocks.
 
 Evaluation: the same fixed validation windows (eval.num_samples) after the step that crosses
 each multiple of max_tokens/num_evals tokens: one token grid for every policy (eval.interval_steps
@@ -52,8 +63,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUEST = "ttt_request.json"
-ALL_POLICIES = ("static-8", "static-32", "static-128", "ramp", "norm-test", "gns-start",
-                "gns-large", "goodput", "goodput-nolra", "goodput-c1")
+ALL_POLICIES = ("static-8", "static-16", "static-32", "static-64", "static-128", "ramp",
+                "norm-test", "gns-start", "gns-large", "goodput", "goodput-copus")
 STATIC_GROUP, CBS_GROUP = "static", "cbs"
 
 
@@ -104,10 +115,15 @@ def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
             trainer = trainer_cls(run_cfg, item["run_dir"], device,
                                   policy_factory=_free_layout_policy)
             trainer.eval_every_tokens = trainer.next_eval = int(item["eval_every_tokens"])
+            load0, t0 = os.getloadavg(), time.time()
             try:
                 trainer.run()
             finally:
                 trainer.close()
+            if trainer.rank == 0:           # the machine's load beside each run's wall time
+                (Path(item["run_dir"]) / "load.json").write_text(json.dumps(
+                    {"start_unix": t0, "wall_s": time.time() - t0,
+                     "load_avg_start": load0, "load_avg_end": os.getloadavg()}))
             done.append(item["name"])
     finally:
         shutdown()
@@ -142,7 +158,7 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     b0, bmax = args.initial_batch, max(args.static)
     common = [f"model.name={args.model!r}", f"parallel.nproc={args.nproc}",
               f"train.max_tokens={args.max_tokens}", f"train.warmup_tokens={args.warmup_tokens}",
-              f"train.lr={args.lr}", "gns.max_rel_err=1.0", "checkpoint.interval_steps=0",
+              f"train.lr={args.lr}", "checkpoint.interval_steps=0",
               "checkpoint.keep=1", "log.progress=false", "log.tensorboard=false",
               "eval.interval_steps=0",
               f"eval.num_samples={args.eval_samples}", f"batch.ramp_to={bmax}", *args.set]
@@ -160,11 +176,11 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     specs["norm-test"] = [*common, "batch.policy='norm-test'", *adaptive, *plan_overrides(start)]
     specs["gns-start"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(start)]
     specs["gns-large"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(large)]
+    # goodput: the library's defaults, nothing bench-specific; goodput-copus: the paper's
+    # settings (core/policy_presets.py)
     specs["goodput"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
-    # diagnostic variants (not baselines): goodput without the LR-aware sqrt(B) factor, and
-    # with the uncalibrated noise scale (c = 1)
-    specs["goodput-nolra"] = [*specs["goodput"], "controller.lr_aware=false"]
-    specs["goodput-c1"] = [*specs["goodput"], "gns.calibration=1.0"]
+    specs["goodput-copus"] = [*common, "batch.policy='goodput-copus'", *adaptive,
+                              *plan_overrides(start)]
     return specs
 
 
@@ -276,10 +292,14 @@ def loss_at(times: list[float], losses: list[float], when: float) -> float:
     return math.nan
 
 
-def auto_targets(curves: dict, n: int = 4) -> list[float]:
-    """n targets from the median loss at a quarter of each run to the median best loss."""
-    hi = statistics.median(loss_at(t, v, t[-1] * 0.25) for t, v in curves.values() if len(t) > 1)
-    lo = statistics.median(min(v) for _, v in curves.values() if v)
+def auto_targets(curves: dict, n: int = 5) -> list[float]:
+    """n targets evenly from the median loss at a fifth of each run down to the best loss of
+    the best static batch (the static run with the lowest loss; the median best loss when
+    there is no static run): spread over the whole run, the last one reached by the best
+    static batch only at its end."""
+    hi = statistics.median(loss_at(t, v, t[-1] * 0.2) for t, v in curves.values() if len(t) > 1)
+    static = [min(v) for (p, _), (_, v) in curves.items() if p.startswith("static-") and v]
+    lo = min(static) if static else statistics.median(min(v) for _, v in curves.values() if v)
     return [round(hi + (lo - hi) * k / (n - 1), 3) for k in range(n)]
 
 
@@ -305,25 +325,51 @@ def speedups(tt: dict[str, dict[int, float]], seeds: list[int], group: str | Non
             "of_means": (reached[best] - _mean([tt["goodput"][k] for k in seeds])) / reached[best]}
 
 
-def analyse(root: Path, targets: list[float] | None, times_at: list[float] | None) -> dict:
-    """Time to each target and loss at fixed times for every run under root/seed*/policy/."""
-    curves, tok_curves, meta = {}, {}, {}
-    for seed_dir in sorted(root.glob("seed*")):
-        seed = int(seed_dir.name[4:])
-        for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
-            t, v, ev = eval_curve(run)
-            if len(t) < 2:
-                continue
-            curves[(run.name, seed)] = (t, v)
-            tok_curves[(run.name, seed)] = eval_tokens(run)
-            steps = read_jsonl(run / "metrics.jsonl")
-            meta[(run.name, seed)] = {"eval_s": ev, "train_wall_s": steps[-1]["wall_s"] - ev,
-                                      "tokens": steps[-1]["tokens"], "steps": steps[-1]["step"],
-                                      "batch_end": steps[-1].get("global_batch_size"),
-                                      "layouts": sorted({f"{r.get('dp')}x{r.get('tp')}x{r.get('pp')}"
-                                                         for r in steps})}
+def run_dirs(roots: list[Path]) -> dict[tuple[str, int], Path]:
+    """(policy, seed) → run folder over every root (the first root wins on a duplicate)."""
+    out: dict[tuple[str, int], Path] = {}
+    for root in roots:
+        for seed_dir in sorted(root.glob("seed*")):
+            seed = int(seed_dir.name[4:])
+            for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
+                out.setdefault((run.name, seed), run)
+    return out
+
+
+def analyse(roots: list[Path], targets: list[float] | None, times_at: list[float] | None,
+            medians: dict | None = None) -> dict:
+    """Time to each target (wall and replay) and loss at fixed times for every run under
+    root/seed*/policy/ of every root."""
+    from ttt_replay import replay_curve, replay_eval_curve
+
+    curves, tok_curves, meta, replay = {}, {}, {}, {}
+    for (name, seed), run in run_dirs(roots).items():
+        t, v, ev = eval_curve(run)
+        if len(t) < 2:
+            continue
+        curves[(name, seed)] = (t, v)
+        tok_curves[(name, seed)] = eval_tokens(run)
+        steps = read_jsonl(run / "metrics.jsonl")
+        evals = [e for e in read_jsonl(run / "eval.jsonl") if e.get("val_loss") is not None]
+        b_at = {int(r["step"]): r.get("b_noise") for r in steps}
+        meta[(name, seed)] = {"eval_s": ev, "train_wall_s": steps[-1]["wall_s"] - ev,
+                              "tokens": steps[-1]["tokens"], "steps": steps[-1]["step"],
+                              "batch_end": steps[-1].get("global_batch_size"),
+                              "b_noise_first_eval": b_at.get(int(evals[0]["step"])),
+                              "b_noise_last_eval": b_at.get(int(evals[-1]["step"])),
+                              "root": str(run.parent.parent),
+                              "machine": json.loads((run / "load.json").read_text())
+                              if (run / "load.json").exists() else None,
+                              "layouts": sorted({f"{r.get('dp')}x{r.get('tp')}x{r.get('pp')}"
+                                                 for r in steps})}
+        if medians:
+            replay[(name, seed)] = replay_eval_curve(run, medians)
+            rc = replay_curve(run, medians)
+            meta[(name, seed)].update(replay_s=rc["replay_s"], unprofiled_steps=rc["unprofiled_steps"],
+                                      interpolated_steps=rc["interpolated_steps"],
+                                      switch_s=rc["switch_s"], probe_s=rc["probe_s"])
     if not curves:
-        raise ValueError(f"no runs with >= 2 evaluations under {root}")
+        raise ValueError(f"no runs with >= 2 evaluations under {', '.join(map(str, roots))}")
     policies = sorted({p for p, _ in curves}, key=lambda p: (ALL_POLICIES + (p,)).index(p))
     seeds = sorted({s for _, s in curves})
     targets = targets or auto_targets(curves)
@@ -334,18 +380,24 @@ def analyse(root: Path, targets: list[float] | None, times_at: list[float] | Non
                      for p in policies} for x in targets}
     la = {f"{w:g}": {p: {s: loss_at(*curves.get((p, s), empty), w) for s in seeds}
                      for p in policies} for w in times_at}
+    rt = {f"{x:g}": {p: {s: time_to_target(*replay.get((p, s), empty), x) for s in seeds}
+                     for p in policies} for x in targets} if replay else {}
     most = max(m["tokens"] for m in meta.values())
     tokens_at = [round(most * f, -3) for f in (0.25, 0.5, 0.95)]
     lt = {f"{x:g}": {p: {s: loss_at(*tok_curves.get((p, s), empty), x) for s in seeds}
                      for p in policies} for x in tokens_at}
     return {
         "targets": targets, "times_s": times_at, "seeds": seeds, "policies": policies,
-        "time_to_target_s": tt, "loss_at_time": la, "loss_at_tokens": lt,
+        "time_to_target_s": tt, "replay_time_to_target_s": rt, "loss_at_time": la,
+        "loss_at_tokens": lt,
         "speedup": {x: {"static": speedups(tt[x], seeds, STATIC_GROUP),
                         "cbs": speedups(tt[x], seeds, CBS_GROUP),
                         "any": speedups(tt[x], seeds, None)} for x in tt},
         "runs": {f"{p}/seed{s}": m for (p, s), m in meta.items()},
-        "curves": {f"{p}/seed{s}": {"train_s": t, "val_loss": v} for (p, s), (t, v) in curves.items()},
+        "curves": {f"{p}/seed{s}": {"train_s": t, "val_loss": v,
+                                    "replay_s": replay.get((p, s), ([], []))[0],
+                                    "tokens": tok_curves[(p, s)][0]}
+                   for (p, s), (t, v) in curves.items()},
     }
 
 
@@ -362,17 +414,17 @@ def train_wall_at(run_dir: Path, steps: list[dict], step: int) -> float:
     return wall[step] - sum(max(float(e["wall_s"]) - wall[int(e["step"])], 0.0) for e in evals)
 
 
-def noise_floor(root: Path) -> dict:
+def noise_floor(roots: list[Path]) -> dict:
     """Wall-time spread of runs that trained IDENTICALLY so far (same plan, batch and seed, so
     the same losses): at the last step before any of them changed plan, (max − min)/min of
     wall_s. This is what timing noise alone does to a time-to-target on this machine."""
     out = {}
-    for seed_dir in sorted(root.glob("seed*")):
-        groups: dict[tuple, list[tuple[str, list[dict]]]] = {}
-        for run in sorted(p for p in seed_dir.iterdir() if p.is_dir() and p.name != "_warmup"):
-            steps = read_jsonl(run / "metrics.jsonl")
-            if steps:
-                groups.setdefault(_plan_key(steps[0]), []).append((run.name, steps))
+    by_seed: dict[int, dict[tuple, list[tuple[Path, list[dict]]]]] = {}
+    for (_, seed), run in run_dirs(roots).items():
+        steps = read_jsonl(run / "metrics.jsonl")
+        if steps:
+            by_seed.setdefault(seed, {}).setdefault(_plan_key(steps[0]), []).append((run, steps))
+    for seed, groups in sorted(by_seed.items()):
         for key, runs in groups.items():
             if len(runs) < 2:
                 continue
@@ -380,10 +432,10 @@ def noise_floor(root: Path) -> dict:
                               int(st[-1]["step"])) for _, st in runs)
             if common < 2:
                 continue
-            walls = {name: train_wall_at(seed_dir / name, st, common) for name, st in runs}
+            walls = {run.name: train_wall_at(run, st, common) for run, st in runs}
             lo = min(walls.values())
-            out[f"{seed_dir.name}/B{key[-1]}"] = {"steps": common, "wall_s": walls,
-                                                  "spread": (max(walls.values()) - lo) / lo}
+            out[f"seed{seed}/B{key[-1]}"] = {"steps": common, "wall_s": walls,
+                                             "spread": (max(walls.values()) - lo) / lo}
     return out
 
 
@@ -434,6 +486,10 @@ def _cell(xs: list[float], spec: str = ".0f") -> str:
     return (f"{m:{spec}} ± {statistics.stdev(ok):{spec}}" if len(ok) > 1 else f"{m:{spec}}") + miss
 
 
+def _fmt_num(x) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.0f}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None or math.isnan(x) else f"{100 * x:+.1f}%"
 
@@ -461,6 +517,28 @@ def markdown(res: dict) -> str:
                    for s in seeds if f"{p}/seed{s}" in res["runs"]]
             cells = [_cell([lt[x][p][s] for s in seeds], ".3f") for x in lt]
             lines.append(f"| {p} | " + " | ".join(cells) + f" | {_cell(tps)} |")
+    rt = res.get("replay_time_to_target_s") or {}
+    if rt:
+        lines += ["", "Replay time to target (s; profiled median step time of each step's plan "
+                  "+ measured switch and probe costs: no timing noise):", "",
+                  "| policy | " + " | ".join(f"t→{k}" for k in rt) + " | replay s (run) | "
+                  "wall s (run) | b_noise first → last eval |", "|" + "---|" * (4 + len(rt))]
+        for p in pols:
+            cells = [_cell([rt[k][p][s] for s in seeds]) for k in rt]
+            runs = [res["runs"].get(f"{p}/seed{s}") for s in seeds]
+            runs = [r for r in runs if r]
+            bn = "; ".join(f"{_fmt_num(r.get('b_noise_first_eval'))} → "
+                           f"{_fmt_num(r.get('b_noise_last_eval'))}" for r in runs)
+            cells += [_cell([r.get("replay_s", math.nan) for r in runs]),
+                      _cell([r["train_wall_s"] for r in runs]), bn]
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    goal = res.get("goal") or {}
+    for clock, g in goal.items():
+        vs, vc = g["vs_static"], g["vs_cbs"]
+        lines.append(f"- goal ({clock} time, last target {g['target']}): goodput vs best static "
+                     f"{vs['baseline']} {_pct(vs['median'])} (needs >= +12%), vs best CBS "
+                     f"{vc['baseline']} {_pct(vc['median'])} (needs >= +5%): "
+                     f"{'MET' if g['met'] else 'NOT MET'}")
     lines += ["", "Speed-up of goodput = (T_base − T_goodput)/T_base, T_base = the baseline with "
               "the lowest mean time at that target; mean [min, max] of the per-seed speed-ups.", "",
               "| target | best static | vs static | best CBS | vs CBS | best of all | vs all |",
@@ -556,12 +634,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--times", default="auto", help="wall times (s) for loss-at-time, or auto")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--profile", default="", help="a copus profile.json to reuse")
+    ap.add_argument("--profile", default="",
+                    help="copus profile.json file(s) to reuse, comma-separated (also priced "
+                         "for the replay time)")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="extra config override for every run and the profile")
     ap.add_argument("--runs", default="", help="run folders root (default runs/time_to_target)")
-    ap.add_argument("--from", dest="from_", default="", help="analyse this runs root only")
+    ap.add_argument("--from", dest="from_", default="",
+                    help="analyse these runs roots only (comma-separated: merged)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 4 policies, 40k tokens")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/time_to_target.json)")
     ap.add_argument("--plot", default="", help="PNG: val loss vs time of the first seed")
@@ -575,13 +656,15 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     out = Path(args.out) if args.out else RESULTS / ("time_to_target_quick.json" if args.quick
                                                       else "time_to_target.json")
-    root = Path(args.from_ or args.runs or ("runs/time_to_target" + ("_quick" if args.quick else "")))
+    roots = [Path(r) for r in (args.from_ or args.runs or (
+        "runs/time_to_target" + ("_quick" if args.quick else ""))).split(",") if r]
+    root = roots[0]
+    prof_rows = [r for f in args.profile.split(",") if f for r in json.loads(Path(f).read_text())]
     if not args.from_:
         from copus.core.models import get_model_shape
 
         seq_len = get_model_shape(args.model).seq_len
-        rows = (json.loads(Path(args.profile).read_text()) if args.profile
-                else profile(args, root / "profile"))
+        rows = prof_rows or profile(args, root / "profile")
         specs = run_specs(args, best_plans(rows), seq_len)
         unknown = [p for p in policies if p not in specs]
         if unknown:
@@ -594,17 +677,25 @@ def main(argv: list[str] | None = None) -> int:
             k = i * len(policies) // len(seeds)
             order = policies[k:] + policies[:k]
             run_seed(args, specs, seed, order[::-1] if i % 2 else order, root)
-    res = analyse(root, _floats(args.targets), _floats(args.times))
-    if (root / "specs.json").exists():
-        res["specs"] = json.loads((root / "specs.json").read_text())
-    res["seed_runs"] = [json.loads(p.read_text()) for p in sorted(root.glob("seed*/seed.json"))]
-    res["seed_runs"] += [r for p in sorted(root.glob("seed*/launches.jsonl")) for r in read_jsonl(p)]
-    res["noise_floor"] = noise_floor(root)
-    res["costs"] = {f"{r.name}/{r.parent.name}": run_costs(r)
-                    for r in sorted(root.glob("seed*/*")) if r.is_dir() and r.name != "_warmup"}
-    if (root / "profile" / "profile.json").exists():
-        res["throughput_surface"] = throughput_surface(
-            json.loads((root / "profile" / "profile.json").read_text()))
+    from ttt_replay import goal_check, profile_medians
+
+    for r in roots:
+        if (r / "profile" / "profile.json").exists() and not prof_rows:
+            prof_rows = json.loads((r / "profile" / "profile.json").read_text())
+    res = analyse(roots, _floats(args.targets), _floats(args.times),
+                  profile_medians(prof_rows) if prof_rows else None)
+    res["goal"] = goal_check(res)
+    res["specs"] = {}
+    for r in roots:
+        if (r / "specs.json").exists():
+            res["specs"].update(json.loads((r / "specs.json").read_text()))
+    res["seed_runs"] = [{**x, "root": str(r)} for r in roots
+                        for p in sorted(r.glob("seed*/launches.jsonl")) for x in read_jsonl(p)]
+    res["noise_floor"] = noise_floor(roots)
+    res["costs"] = {f"{name}/seed{seed}": run_costs(run)
+                    for (name, seed), run in run_dirs(roots).items()}
+    if prof_rows:
+        res["throughput_surface"] = throughput_surface(prof_rows)
     res["command"] = "python bench/time_to_target.py " + " ".join(argv if argv is not None
                                                                    else sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)

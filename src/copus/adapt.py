@@ -68,7 +68,7 @@ class AdaptiveBatch:
                  micro_batch_size: int = 1, min_batch: int | None = None, max_batch: int = 256,
                  lr_rule: str = "sqrt", seq_len: int = 1, settings: PolicySettings | None = None,
                  decay: DecaySchedule | float | None = None) -> None:
-        if policy == "goodput":
+        if policy.startswith("goodput"):
             raise ValueError("policy='goodput' is invalid here; allowed: constant, ramp, norm-test, "
                              "inner-product-test, gns (goodput needs `copus train`)")
         self.rank, world = _world()

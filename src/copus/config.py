@@ -19,8 +19,10 @@ import tomli_w
 
 from copus.core.layout_map import SYNTAX, LayoutMapError, parse_layout_map
 from copus.core.models import MODELS
+from copus.core.policy_presets import apply_policy_preset
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput")
+POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput",
+                "goodput-copus")
 
 # A check returns None when the value is allowed, else a short "what is allowed" text.
 Check = Callable[[Any], str | None]
@@ -160,7 +162,7 @@ class TrainConfig:
     lr_schedule: str = _opt("cosine", _choice("constant", "cosine", "linear"))
     warmup_tokens: int = _opt(0, _int(0))
     min_lr_ratio: float = _opt(0.1, _real(0.0, 1.0))
-    lr_rule: str = _opt("sqrt", _choice("none", "linear", "sqrt", "adascale"))
+    lr_rule: str = _opt("sqrt", _choice("none", "linear", "sqrt", "adascale", "sqrt-gain"))
     weight_decay: float = _opt(0.1, _real(0.0))
     beta1: float = _opt(0.9, _real(0.0, 1.0, hi_open=True))
     beta2: float = _opt(0.95, _real(0.0, 1.0, hi_open=True))
@@ -211,17 +213,20 @@ class GnsConfig:
     decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
-    calibration: float | str = _opt(2.0, _real_or_auto())
+    calibration: float | str = _opt(1.0, _real_or_auto())
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
     probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "auto"
     probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
     probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
+    estimator: str = _opt("tracking", _choice("tracking", "ema"))
+    confidence: float = _opt(1.645, _real(0.0))
+    recovery_steps: int = _opt(20, _int(0))
 
 
 @dataclass(**_FROZEN)
 class ControllerConfig:
     margin: float = _opt(0.10, _real(0.0))
-    lr_aware: bool = _opt(True, _bool())
+    lr_aware: bool = _opt(False, _bool())
     reconfig_cost_s: float = _opt(2.0, _real(0.0))
     allow_reconfigure: bool = _opt(True, _bool())
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
@@ -307,6 +312,7 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """A validated `Config` from nested {section: {key: value}}; missing keys take defaults."""
     sections: dict[str, Any] = {}
+    data = apply_policy_preset(data)
     for section, values in data.items():
         if section not in SECTIONS:
             raise ValueError(f"unknown config section [{section}]; allowed: {', '.join(SECTIONS)}")
@@ -340,7 +346,7 @@ def check_consistency(cfg: Config) -> None:
         if fixed:
             raise _bad("parallel", "layouts", p.layouts,
                        f"allowed: a layout map only with parallel.dp/tp/pp unset (got {fixed[0]})")
-        if b.policy == "goodput":
+        if b.policy.startswith("goodput"):
             raise _bad("parallel", "layouts", p.layouts,
                        "allowed: a layout map only with a batch-only policy (batch.policy="
                        "'goodput' chooses layouts itself)")

@@ -17,7 +17,10 @@ from copus.core.throughput import StepTimeModel
 SHAPE = get_model_shape("llama-3.2-3b")
 HW = "h100-nvlink-pairs"
 INIT = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)  # COPUS 3B start
-SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10)
+# COPUS's rule (point estimate once rel_err <= max_rel_err, c = 2, no recovery hold); the
+# lower-bound and recovery rules have their own tests below
+SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10,
+                          calibration=2.0, confidence=0.0, recovery_steps=0)
 TRUE = StepTimeModel.analytic(SHAPE, HW, 8)  # the "machine" the synthetic trainer runs on
 
 

@@ -65,9 +65,25 @@ def test_lr_scale_rules():
         lr_scale("cubic", 64, 16)
     with pytest.raises(ValueError, match="adascale"):
         lr_scale("adascale", 64, 16)
-    assert LR_RULES == ("none", "linear", "sqrt", "adascale")
+    assert LR_RULES == ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
 def test_lr_aware_factor():
     assert lr_aware_factor(64, 16) == 2.0
     assert np.allclose(lr_aware_factor(np.array([1, 4, 9])), [1, 2, 3])
+
+
+def test_sqrt_gain_rule_is_bounded_and_follows_sqrt_below_b_noise():
+    """AdaptDL AdamScale: η ∝ sqrt(AdaScale gain). With φ' = b_noise/B0 = trΣ/(B0·|G|²):
+    ≈ sqrt(B/B0) while B ≪ b_noise, saturating at sqrt(1 + φ') (plain sqrt keeps growing)."""
+    g2, ref = 1.0, 8
+    trace = 1000.0 * ref                              # b_noise = 8000 samples, φ' = 1000
+    assert lr_scale("sqrt-gain", 32, ref, g2, trace) == pytest.approx(2.0, rel=0.01)
+    big = lr_scale("sqrt-gain", 8 * 10**6, ref, g2, trace)
+    assert big == pytest.approx(math.sqrt(1 + 1000), rel=0.01) and big < lr_scale(
+        "sqrt", 8 * 10**6, ref)
+    assert lr_scale("sqrt-gain", 64, ref, g2, trace) == pytest.approx(
+        math.sqrt(adascale_gain(g2, trace, 8, ref)))
+    assert lr_scale("sqrt-gain", 64, ref, math.nan, math.nan) == 1.0   # no statistics yet
+    with pytest.raises(ValueError, match="sqrt-gain"):
+        lr_scale("sqrt-gain", 64, ref)

@@ -84,7 +84,7 @@ def test_settings_mirror_config_and_validate():
 
 def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
     assert POLICY_NAMES == ("constant", "ramp", "norm-test", "inner-product-test", "gns",
-                            "goodput")
+                            "goodput", "goodput-copus")
     s, p = PolicySettings(), plan()
     for name, cls in (("constant", ConstantPolicy), ("ramp", RampPolicy),
                       ("norm-test", NormTestPolicy), ("inner-product-test", InnerProductTestPolicy),
@@ -98,6 +98,7 @@ def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
     monkeypatch.setitem(sys.modules, "copus.core.controller", fake)
     assert make_policy("goodput", s, p, 4, None, margin=0.2) == "controller"
     assert calls == [((s, p, 4, None), {"margin": 0.2})]
+    assert make_policy("goodput-copus", s, p, 4, None) == "controller"   # same controller
 
 
 def _check_invariants(decisions, start, s):
@@ -138,7 +139,7 @@ def test_policies_respect_limits(name, dp, pp, mbs, max_batch, growth, warmup, i
 
 def test_no_decision_before_warmup_and_between_intervals():
     start = plan(nmb=8)
-    s = PolicySettings(initial=8, max=1024, warmup_steps=25, interval_steps=7)
+    s = PolicySettings(initial=8, max=1024, warmup_steps=25, interval_steps=7, recovery_steps=0)
     feed = Feed(start, trace=500.0)
     decisions = feed.run(GnsPolicy(s, start), 60, b_noise=1000.0)
     assert [d.step for d in decisions][:3] == [25, 32, 39]
@@ -148,7 +149,7 @@ def test_no_decision_before_warmup_and_between_intervals():
 def test_gns_policy_approaches_c_times_b_noise_and_waits_for_accuracy():
     start = plan(dp=2, mbs=2, nmb=2)                     # multiple of 4
     s = PolicySettings(initial=8, min=8, max=4096, warmup_steps=0, interval_steps=5,
-                       gns_c=2.0, max_rel_err=0.3)
+                       gns_c=2.0, max_rel_err=0.3, confidence=0.0, recovery_steps=0)
     feed, policy = Feed(start), GnsPolicy(s, start)
     assert feed.run(policy, 30, b_noise=101.0, b_noise_rel_err=0.5) == []
     decisions = feed.run(policy, 60, b_noise=101.0, b_noise_rel_err=0.2)

@@ -67,6 +67,10 @@ def test_lr_rules_linear_adascale():
     assert ada.on_batch_change(16) == pytest.approx(1.0)     # no GNS estimate yet → 1
     # gain r = (σ² + μ²)/(σ²/S + μ²), σ² = tr(Σ)/B0: tr=40, B0=4 → σ²=10, μ²=1, S=4 → 11/3.5
     assert ada.on_batch_change(16, grad_sqnorm=1.0, grad_trace_cov=40.0) == pytest.approx(11 / 3.5)
+    sg = LearningRate(schedule=LrSchedule(base_lr=1.0, kind="constant"), rule="sqrt-gain",
+                      ref_batch=4)                    # AdaptDL AdamScale: sqrt of that gain
+    assert sg.on_batch_change(16, grad_sqnorm=1.0, grad_trace_cov=40.0) == pytest.approx(
+        (11 / 3.5) ** 0.5)
 
 
 def test_bad_schedule_values_are_value_errors():

@@ -7,9 +7,11 @@ Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
    ≥ `refit_interval_steps` steps arrived since the last fit AND the model misses a measured
    plan's median step time by more than `refit_tolerance` (relative): a fit costs ~1 s of
    least squares, so an accurate model is not refitted;
-2. once `warmup_steps` have passed and the GNS estimate is trustworthy
-   (`b_noise_rel_err ≤ max_rel_err`), every `interval_steps` it ranks every candidate plan by
-   goodput with the calibrated noise scale `calibration · b_noise` (COPUS §1.2: c = 2) and calls
+2. once `warmup_steps` have passed, every `interval_steps` it ranks every candidate plan by
+   goodput with the calibrated noise scale `calibration · φ`, φ = the lower confidence bound
+   `core.gns.lower_bound(b_noise, rel_err, confidence)` (issue 14; with `confidence` = 0, the
+   point estimate once `b_noise_rel_err ≤ max_rel_err`: COPUS §1.2 with c = 2), holding for
+   `recovery_steps` after a batch change (COPUS App. E transient), and calls
    `core.search.evaluate` (hysteresis, growth cap, amortised reconfiguration cost; the batch
    does not shrink unless `allow_shrink`);
 3. `record_switch_cost(seconds)` feeds the measured cost of each parallelism change back:
@@ -36,6 +38,7 @@ import numpy as np
 from copus.core.audit import Auditor
 from copus.core.explore import ExploreSettings, Explorer
 from copus.core.fit import OnlineFitter, fit_model, prior_model
+from copus.core.gns import lower_bound
 from copus.core.goodput import CandidateSet, StepTimePredictor, build_candidates, goodput
 from copus.core.hardware import HardwareProfile, get_hardware
 from copus.core.memory import MemoryModel
@@ -60,7 +63,8 @@ class Controller:
                  allow_reconfigure: bool = True, allow_shrink: bool = False,
                  refit_interval_steps: int = 20, refit_tolerance: float = 0.05,
                  explore: ExploreSettings | None = None, audit_steps: int = 0,
-                 memory_capacity_bytes: float | None = None) -> None:
+                 memory_capacity_bytes: float | None = None,
+                 confidence: float = 0.0, recovery_steps: int = 0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -78,6 +82,8 @@ class Controller:
         self.warmup_steps = warmup_steps
         self.max_rel_err = max_rel_err
         self.calibration = calibration
+        self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
+        self._batch_change_step: int | None = None
         self.prior_reconfig_cost_s = reconfig_cost_s
         self.refit_interval_steps = refit_interval_steps
         self.refit_tolerance = refit_tolerance
@@ -150,6 +156,8 @@ class Controller:
         if math.isfinite(record.step_s) and record.step_s > 0:
             self.elapsed_s += record.step_s
         self._measure(record)
+        if record.plan.global_batch_size != self.plan.global_batch_size:
+            self._batch_change_step = record.step
         self.plan = record.plan
         follow = self._follow_up(record)
         if follow is not None or self.explorer.busy or self.auditor.busy:
@@ -159,7 +167,8 @@ class Controller:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
             return self._maybe_probe(record)
         self._maybe_refit()
-        b_used = self.calibration * record.b_noise
+        b_used = self.calibration * lower_bound(record.b_noise, record.b_noise_rel_err,
+                                                self.confidence)
         result = evaluate(self.candidates, self.decision_model(), b_used, record.plan,
                           reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
                           useful_s=self.useful_s, step=record.step,
@@ -271,7 +280,14 @@ class Controller:
             return "step skipped (non-finite statistics)"
         if not (math.isfinite(record.b_noise) and record.b_noise > 0):
             return f"gns not ready: b_noise={record.b_noise}"
-        if not record.b_noise_rel_err <= self.max_rel_err:
+        if self._batch_change_step is not None and \
+                record.step - self._batch_change_step < self.recovery_steps:
+            return (f"recovery: batch changed at step {self._batch_change_step}, hold "
+                    f"{self.recovery_steps} steps")
+        if self.confidence > 0:
+            if not lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence) > 0:
+                return f"gns lower bound is 0 (rel. error {record.b_noise_rel_err})"
+        elif not record.b_noise_rel_err <= self.max_rel_err:
             return (f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > "
                     f"max_rel_err {self.max_rel_err}")
         return None
@@ -387,4 +403,6 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       allow_reconfigure=allow_reconfigure,
                       refit_interval_steps=refit_interval_steps, allow_shrink=allow_shrink,
                       explore=explore, audit_steps=audit_steps,
-                      memory_capacity_bytes=memory_capacity_bytes)
+                      memory_capacity_bytes=memory_capacity_bytes,
+                      confidence=float(getattr(settings, "confidence", 0.0)),
+                      recovery_steps=int(getattr(settings, "recovery_steps", 0)))

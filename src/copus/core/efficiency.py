@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-LR_RULES = ("none", "linear", "sqrt", "adascale")
+LR_RULES = ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
 def statistical_efficiency(b_noise: ArrayLike, global_batch_size: ArrayLike,
@@ -54,7 +54,12 @@ def lr_scale(rule: str, new_batch: ArrayLike, ref_batch: ArrayLike,
     none: 1 (Lau et al. 2025, "optimizer scaling rule: None"); linear: B/B0 (Goyal et al. 2017);
     sqrt: sqrt(B/B0) (Adam's square-root rule, Malladi et al. 2022; COPUS Eq. 9);
     adascale: `adascale_gain` (needs the GNS statistics; while they are NaN, i.e. before the
-    estimator has data, the factor is 1 — the gain's conservative end).
+    estimator has data, the factor is 1 — the gain's conservative end);
+    sqrt-gain: sqrt(adascale_gain), the bounded Adam rule of AdaptDL's `AdamScale`
+    (`petuum/adaptdl` scaling_rules.py): η ∝ sqrt(r), r = (φ'+1)/(φ'/S+1), φ' = b_noise/B0.
+    It follows sqrt(B/B0) while B ≪ b_noise and saturates at sqrt(1 + φ') beyond, as the
+    optimal Adam LR does (McCandlish App. E.2: η ∝ B^α, 0.5 < α < 1, only below B_noise;
+    Li et al. 2024 "Surge"; cbs-notes §5.2), where plain sqrt keeps growing.
     """
     if rule not in LR_RULES:
         raise ValueError(f"lr_rule={rule!r} is invalid; allowed: {', '.join(LR_RULES)}")
@@ -66,8 +71,10 @@ def lr_scale(rule: str, new_batch: ArrayLike, ref_batch: ArrayLike,
     if rule == "sqrt":
         return np.sqrt(scale)[()]
     if grad_sqnorm is None or grad_trace_cov is None:
-        raise ValueError("lr_rule='adascale' needs grad_sqnorm and grad_trace_cov")
+        raise ValueError(f"lr_rule={rule!r} needs grad_sqnorm and grad_trace_cov")
     gain = np.asarray(adascale_gain(grad_sqnorm, grad_trace_cov, scale, ref_batch))
+    if rule == "sqrt-gain":
+        gain = np.sqrt(gain)
     return np.where(np.isnan(gain), 1.0, gain)[()]
 
 

@@ -100,8 +100,10 @@ class GnsEstimator:
         self.last_grad_trace_cov = math.nan
 
     def update(self, small_sqnorm: float, small_batch: float, big_sqnorm: float,
-               big_batch: float, tokens: int = 0) -> bool:
-        """Add one step's statistics; `tokens` = tokens consumed so far (selects the decay).
+               big_batch: float, tokens: int = 0, decay: float | None = None) -> bool:
+        """Add one step's statistics; `tokens` = tokens consumed so far (selects the decay),
+        or `decay` = this update's decay, overriding the schedule (`core.gns_tracking` ties it
+        to samples).
 
         Returns False, changing nothing but `num_skipped`, when the sample is unusable: a
         non-finite input or estimate, or a single small gradient (big_batch ≤ small_batch).
@@ -114,7 +116,7 @@ class GnsEstimator:
         if not (math.isfinite(x) and math.isfinite(y)):
             self.num_skipped += 1
             return False
-        a = self.decay(tokens)
+        a = self.decay(tokens) if decay is None else float(decay)
         e = self._ema
         e["w1"] = a * e["w1"] + (1.0 - a)
         e["w2"] = a * a * e["w2"] + (1.0 - a) ** 2
@@ -189,6 +191,25 @@ class GnsEstimator:
         self.num_skipped = int(state.get("num_skipped", 0))
         self.last_grad_sqnorm = _nan_if_none(state.get("last_grad_sqnorm"))
         self.last_grad_trace_cov = _nan_if_none(state.get("last_grad_trace_cov"))
+
+
+def lower_bound(b_noise: float, rel_err: float, z: float) -> float:
+    """One-sided lower confidence bound of b_noise: φ·exp(−z·rel_err).
+
+    `rel_err` is the delta-method standard error of ln φ (= relative error of φ), so this is
+    the log-normal bound: always ≥ 0, → φ as rel_err → 0, and 0 while the error is unknown
+    (inf). Merrill et al. 2025 App. B model the noise of the GNS parts to put confidence
+    intervals on it; cbs-notes §5.6: act on the lower bound rather than refusing to act.
+    z = 0 gives the point estimate. NaN stays NaN; inf (no signal) stays inf when rel_err is
+    finite.
+    """
+    if math.isnan(b_noise):
+        return math.nan
+    if not math.isfinite(rel_err):
+        return 0.0 if z > 0 else b_noise
+    if math.isinf(b_noise):
+        return b_noise
+    return b_noise * math.exp(-z * max(rel_err, 0.0))
 
 
 def _finite(value: float) -> bool:

@@ -4,8 +4,14 @@ Every policy here changes only the global batch: same (dp, tp, pp) and micro_bat
 num_microbatches (Decision kind "batch"). Shared rules (design.md §5, COPUS §3.4, Lau et al.):
 
 - no decision before `warmup_steps`; then a check every `interval_steps` steps;
-- GNS-based policies also wait until `record.b_noise_rel_err ≤ max_rel_err` (the check is
-  retried on the next step, not skipped);
+- GNS-based policies act on the lower confidence bound φ·exp(−z·rel_err) of b_noise
+  (`core.gns.lower_bound`, z = `confidence`; issue 14): a noisy estimate makes them cautious
+  instead of freezing them. With `confidence` = 0 they use the point estimate and wait until
+  `record.b_noise_rel_err ≤ max_rel_err` (the check is retried on the next step) — the old rule,
+  which kept gns-start at B = 8 for a whole run once rel_err stayed above the limit;
+- GNS-based policies hold for `recovery_steps` steps after the batch changed (COPUS App. E:
+  Adam's second moment lags the new LR and the loss bumps; Merrill et al. 2025 Assumption 3:
+  a local recovery within Δ), so the transient does not feed the next decision;
 - the batch only grows, at most `max_growth`× per decision, within [min, max], rounded up to a
   multiple of dp·micro_batch_size and to num_microbatches ≥ pp;
 - statistical tests use the *ratio of window means*: each test's numerator and denominator
@@ -26,12 +32,15 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from copus.core import batch_tests as bt
+from copus.core.gns import lower_bound
 from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan
 from copus.core.records import Decision, StepRecord
 from copus.core.schedules import BatchSchedule, round_down
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput")
+POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput",
+                "goodput-copus")
+GOODPUT_POLICIES = ("goodput", "goodput-copus")   # the controller; see core.policy_presets
 
 
 class Policy(Protocol):
@@ -61,13 +70,15 @@ class PolicySettings:
     ip_theta: float = 0.5
     orth_nu: float = 2.0
     gns_c: float = 2.0
-    max_rel_err: float = 0.5      # [gns]
-    calibration: float = 2.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
+    max_rel_err: float = 0.5      # [gns]; only with confidence = 0
+    calibration: float = 1.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
+    confidence: float = 1.645     # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
+    recovery_steps: int = 20      # [gns]; hold after a batch change
 
     def __post_init__(self) -> None:
         for name, lo in (("initial", 1), ("min", 1), ("max", 1), ("interval_steps", 1),
                          ("warmup_steps", 0), ("ramp_to", 1), ("ramp_samples", 1),
-                         ("ramp_steps", 1)):
+                         ("ramp_steps", 1), ("recovery_steps", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:
                 raise ValueError(f"batch.{name}={value!r} is invalid; allowed: an integer >= {lo}")
@@ -80,6 +91,10 @@ class PolicySettings:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number > 0")
+        if not (isinstance(self.confidence, int | float) and self.confidence >= 0
+                and math.isfinite(self.confidence)):
+            raise ValueError(f"confidence={self.confidence!r} is invalid; allowed: a finite "
+                             "number >= 0")
         if self.ramp_kind not in ("linear", "stepwise"):
             raise ValueError(f"batch.ramp_kind={self.ramp_kind!r} is invalid; "
                              "allowed: linear, stepwise")
@@ -92,7 +107,7 @@ class PolicySettings:
         """From a `copus.config.Config` (or anything with `.batch` and `.gns` sections)."""
         kw = {f.name: getattr(config.batch, f.name) for f in fields(cls)
               if hasattr(config.batch, f.name)}
-        for name in ("max_rel_err", "calibration"):
+        for name in ("max_rel_err", "calibration", "confidence", "recovery_steps"):
             kw[name] = getattr(config.gns, name)
         if kw["calibration"] == "auto":   # measured by runtime/probe.py; this prior until then
             kw["calibration"] = AUTO_CALIBRATION_PRIOR
@@ -152,18 +167,24 @@ class _BatchPolicy:
         self.num_decisions = 0
         self._last_check_step = 0
         self._window = _Window()
+        self._batch: int | None = None          # global batch of the previous record
+        self._batch_change_step = -(1 << 62)    # step at which it last changed
 
     # --- per-step -------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> Decision | None:
         s = self.settings
         if record.skipped:
             return None
+        if self._batch is not None and record.plan.global_batch_size != self._batch:
+            self._batch_change_step = record.step
+        self._batch = record.plan.global_batch_size
         terms = self._terms(record)
         if terms is not None and record.step > s.warmup_steps - s.interval_steps:
             self._window.add(record.plan, terms, (record.num_small, record.small_batch))
         if record.step < s.warmup_steps or record.step - self._last_check_step < s.interval_steps:
             return None
-        if self.gns_based and not record.b_noise_rel_err <= s.max_rel_err:
+        if self.gns_based and (record.step - self._batch_change_step < s.recovery_steps or (
+                s.confidence == 0 and not record.b_noise_rel_err <= s.max_rel_err)):
             return None
         self._last_check_step = record.step
         target = self._target(record)
@@ -208,7 +229,8 @@ class _BatchPolicy:
     # --- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"name": self.name, "num_decisions": self.num_decisions,
-                "last_check_step": self._last_check_step, "window": self._window.state()}
+                "last_check_step": self._last_check_step, "window": self._window.state(),
+                "batch": self._batch, "batch_change_step": self._batch_change_step}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
@@ -217,6 +239,8 @@ class _BatchPolicy:
         self.num_decisions = int(state["num_decisions"])
         self._last_check_step = int(state["last_check_step"])
         self._window.load(state["window"])
+        self._batch = state.get("batch")
+        self._batch_change_step = int(state.get("batch_change_step", -(1 << 62)))
 
 
 class ConstantPolicy(_BatchPolicy):
@@ -312,19 +336,22 @@ class GnsPolicy(_BatchPolicy):
     """COPUS's CBS baseline: global batch ≈ gns_c · b_noise on a fixed layout.
 
     Uses the smoothed `record.b_noise` (raw estimate; `gns_c` plays COPUS's c = 2 here, and
-    `calibration` is left to the goodput controller, so the two are not multiplied).
+    `calibration` is left to the goodput controller, so the two are not multiplied), at its
+    lower confidence bound when `confidence` > 0.
     """
 
     name = "gns"
     gns_based = True
 
     def _target(self, record: StepRecord) -> tuple[float, str] | None:
-        b = record.b_noise
+        s = self.settings
+        b = lower_bound(record.b_noise, record.b_noise_rel_err, s.confidence)
         if math.isnan(b):
             return None
-        target = self.settings.gns_c * b
-        why = (f"gns: b_noise={b:.1f} (rel. err {record.b_noise_rel_err:.2f}) x "
-               f"gns_c={self.settings.gns_c:g} = {target:.1f}")
+        target = s.gns_c * b
+        bound = f" -> lower bound (z={s.confidence:g}) {b:.1f}" if s.confidence > 0 else ""
+        why = (f"gns: b_noise={record.b_noise:.1f} (rel. err {record.b_noise_rel_err:.2f})"
+               f"{bound} x gns_c={s.gns_c:g} = {target:.1f}")
         return target, why
 
 
@@ -342,7 +369,7 @@ def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
     change only the batch and ignore `world_size`, `shape` and `kw`."""
     if name not in POLICY_NAMES:
         raise ValueError(f"batch.policy={name!r} is invalid; allowed: {', '.join(POLICY_NAMES)}")
-    if name == "goodput":
+    if name in GOODPUT_POLICIES:
         controller = importlib.import_module("copus.core.controller")
         return controller.make_controller(settings, initial_plan, world_size, shape, **kw)
     return _CLASSES[name](settings, initial_plan)

@@ -424,7 +424,7 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
 def _copus_settings(scenario: Scenario) -> tuple[tuple[str, object], ...]:
     return (("initial", scenario.initial_batch), ("min", scenario.initial_batch),
             ("max", scenario.max_batch), ("max_growth", 2.0), ("gns_c", 2.0),
-            ("calibration", 2.0))
+            ("calibration", 2.0), ("confidence", 0.0), ("recovery_steps", 0))
 
 
 @dataclass(slots=True, kw_only=True)

@@ -85,7 +85,7 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
 
     settings = PolicySettings.from_config(cfg)
     kw: dict[str, Any] = {}
-    if cfg.batch.policy == "goodput":
+    if cfg.batch.policy.startswith("goodput"):
         c = cfg.controller
         # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/elastic.py)
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))

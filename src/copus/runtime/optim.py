@@ -7,7 +7,8 @@ keeps the schedule unchanged when the global batch changes mid-run.
 
 `factor` is the LR rule applied on a batch change, relative to the reference batch
 `batch.initial` (design §3): `none` (1), `linear` (B/B0), `sqrt` (√(B/B0), Adam's square-root
-rule) or `adascale` (AdaScale's gain, Johnson et al. 2020), via `copus.core.efficiency.lr_scale`.
+rule), `adascale` (AdaScale's gain, Johnson et al. 2020) or `sqrt-gain` (√gain, AdaptDL's
+bounded AdamScale), via `copus.core.efficiency.lr_scale`.
 No torch here: the trainer passes the returned float to `Engine.train_step`.
 """
 
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 SCHEDULES = ("constant", "cosine", "linear")
-RULES = ("none", "linear", "sqrt", "adascale")
+RULES = ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from copus.config import Config
-from copus.core.gns import DecaySchedule, GnsEstimator
+from copus.core.gns_tracking import make_estimator
 from copus.core.models import ModelShape, get_model_shape
 from copus.core.plan import ParallelPlan, plan_problems
 from copus.core.records import Decision, StepRecord
@@ -107,8 +107,9 @@ class Trainer:
                                      if device.type == "cuda" else "")
         self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
                        else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware))
-        self.gns = GnsEstimator(DecaySchedule(decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
-                                              switch_tokens=cfg.gns.decay_switch_tokens))
+        self.gns = make_estimator(cfg.gns.estimator, ref_batch=cfg.batch.initial,
+                                  decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
+                                  decay_switch_tokens=cfg.gns.decay_switch_tokens)
         self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
                                                     self.shape.seq_len)
         self.progress = Progress()

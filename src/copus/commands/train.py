@@ -135,11 +135,17 @@ def resolve_config(args: argparse.Namespace):
 
 
 def default_run_dir() -> Path:
-    """runs/<timestamp>; under torchrun runs/<run id>, the same on every rank and node."""
+    """runs/<timestamp>, or runs/<timestamp>-2, -3, ... when that one is taken (one run per
+    folder); under torchrun runs/<run id>, the same on every rank and node."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if "RANK" in os.environ and run_id and run_id != "none":
         return Path("runs") / f"torchrun-{run_id}"
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +191,7 @@ def _outcome(result: dict, run_dir: Path, rank0: bool) -> int:
 
     if result.get("aborted"):
         if rank0:
-            print(f"copus train: aborted by a second {result['aborted']}; the last complete "
+            print(f"copus train: aborted by a second signal ({result['aborted']}); the last complete "
                   f"checkpoint in {run_dir / 'checkpoints'} is kept; resume: copus train "
                   f"--run-dir {run_dir} --resume", file=sys.stderr)
         return int(result["exit_code"])

@@ -35,7 +35,8 @@ class Run:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored."""
+    """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored, and so
+    are rows a resume marked `"superseded": true` (runtime/metrics.py)."""
     if not path.exists():
         return []
     rows = []
@@ -44,15 +45,17 @@ def read_jsonl(path: Path) -> list[dict]:
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not (isinstance(row, dict) and row.get("superseded")):
+            rows.append(row)
     return rows
 
 
 def latest_rows(rows: list[dict], *, keep_same_step: bool = False) -> list[dict]:
     """One row per step: where the step count goes back (a resume appended after rows the
-    checkpoint did not hold, in folders written before `RunWriter.truncate_after`), the earlier
+    checkpoint did not hold, in folders written before `RunWriter.supersede_after`), the earlier
     rows with step >= the new row's step are superseded and dropped (`keep_same_step`: only
     step > it, for decisions.jsonl, where a resume logs its own decision at the checkpoint's
     step). Rows without a step are kept."""

@@ -22,6 +22,7 @@ and SIGKILL the workers after 30 s). A second signal kills the workers and retur
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Callable, Mapping
@@ -234,8 +235,9 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
             try:
                 results = elastic_launch(config, entry)(cfg, run_dir, resume)
             except SignalException:
-                return {"aborted": stop.signal_name(forwarder.signum or 2),
-                        "exit_code": stop.exit_code(forwarder.signum or 2)}
+                first = forwarder.signum or int(signal.SIGINT)
+                return {"aborted": stop.signal_name(forwarder.second or first),
+                        "exit_code": stop.exit_code(first)}
     finally:
         for k, v in saved_env.items():
             if v is None:

@@ -11,10 +11,10 @@
 
 Only rank 0 writes; on other ranks every method is a no-op, so the trainer calls them
 unconditionally. Each line is flushed when written (appends survive a crash or a restart).
-One row per step: a resume first cuts every log back to the checkpoint's step
-(`truncate_after`), so steps after it, written before the stop or crash, are not logged twice.
-`copus report` (copus.reporting.runs) reads these files (and drops superseded rows of folders
-written before this rule, `reporting.runs.latest_rows`).
+One row per step: a resume first marks every log row after the checkpoint's step
+`"superseded": true` (`supersede_after`; the rows stay, as a record of the lost attempt), and
+every reader skips marked rows: `copus report` (`reporting.runs.read_jsonl`, which also drops
+the duplicated rows of folders written before this rule), `last_wall_s`, bench/ scripts.
 
 Console (stdout): one `copus: ...` line per event (decision, eval, checkpoint), written above the
 tqdm bar on a terminal (`console`); without a usable terminal (not a tty, or 0 columns) a plain
@@ -73,7 +73,8 @@ def last_wall_s(path: Path, tail_bytes: int = 1 << 16) -> float:
         return 0.0
     for line in reversed(lines):
         try:
-            value = json.loads(line).get("wall_s")
+            row = json.loads(line)
+            value = None if row.get("superseded") else row.get("wall_s")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
@@ -167,21 +168,21 @@ class RunWriter:
 
             write_state(self.run_dir, state, **info)
 
-    def truncate_after(self, step: int) -> int:
-        """Drop every log row with step > `step` (a resume from checkpoint `step`): each file
-        is rewritten atomically (tmp, fsync, rename); the wall clock continues from the last
-        kept metrics row. Returns the number of rows dropped (rank 0; 0 elsewhere)."""
+    def supersede_after(self, step: int) -> int:
+        """Mark every log row with step > `step` superseded (a resume from checkpoint `step`):
+        each file is rewritten atomically (tmp, fsync, rename); the wall clock continues from
+        the last row kept. Returns the number of rows marked (rank 0; 0 elsewhere)."""
         if not self.rank0:
             return 0
         for fh in self._files.values():
             fh.close()
         self._files.clear()
-        dropped = sum(truncate_jsonl(self.run_dir / name, step) for name in LOG_FILES)
+        marked = sum(supersede_jsonl(self.run_dir / name, step) for name in LOG_FILES)
         self._t0 = time.monotonic() - last_wall_s(self.run_dir / "metrics.jsonl")
-        if dropped:
-            self.console(f"copus: resume from step {step}: dropped {dropped} log rows written "
-                         "after that checkpoint")
-        return dropped
+        if marked:
+            self.console(f"copus: resume from step {step}: {marked} log rows written after "
+                         "that checkpoint are marked superseded")
+        return marked
 
     def wall_s(self) -> float:
         """Seconds since this writer was created, plus the wall_s already in the run folder."""
@@ -372,31 +373,37 @@ def progress_line(row: dict[str, Any], total_steps: int = 0, total_tokens: int =
             f"B {row['global_batch_size']} {row_layout(row)}, {_fmt(row['wall_s'], '.0f')} s")
 
 
-def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep the rows of a JSONL log with "step" <= `step` (unreadable lines are dropped too);
-    atomic rewrite only when something is dropped. Returns the number of rows dropped."""
+def supersede_jsonl(path: Path, step: int) -> int:
+    """Add `"superseded": true` to the rows of a JSONL log with "step" > `step` (a line cut
+    short by a crash is dropped); atomic rewrite, only when a row changes. Returns the number
+    of rows newly marked."""
     try:
         lines = path.read_bytes().splitlines()
     except OSError:
         return 0
-    kept = []
+    out, marked, changed = [], 0, False
     for line in lines:
         try:
-            row_step = json.loads(line).get("step")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            changed = changed or bool(line.strip())
             continue
-        if isinstance(row_step, int) and row_step <= step:
-            kept.append(line)
-    dropped = sum(1 for line in lines if line.strip()) - len(kept)
-    if dropped <= 0:
+        if (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+                and not row.get("superseded")):
+            row["superseded"] = True
+            marked += 1
+            out.append(json_line(row).encode())
+        else:
+            out.append(line + b"\n")
+    if not (marked or changed):
         return 0
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(b"".join(line + b"\n" for line in kept))
+        fh.write(b"".join(out))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return dropped
+    return marked
 
 
 def _fmt(v: Any, spec: str) -> str:

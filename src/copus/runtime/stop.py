@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-DUPLICATE_WINDOW_S = 0.5
+DUPLICATE_WINDOW_S = 0.25
 LAUNCHER_ENV = "COPUS_LOCAL_LAUNCHER"   # set by copus's own launcher for its workers
 _PR_SET_PDEATHSIG = 1
 
@@ -123,7 +123,7 @@ class SignalForwarder:
     """Launcher-side handler of SIGINT/SIGTERM while local workers run (see the module doc)."""
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.signum = self.second = 0
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
@@ -148,6 +148,7 @@ class SignalForwarder:
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
             return   # one signal delivered twice (e.g. `timeout` signals child and group)
+        self.second = signum
         _write_stderr(f"copus: second signal ({signal_name(signum)}): aborting the workers; the "
                       "last complete checkpoint is kept\n")
         self._send(signal.SIGKILL)

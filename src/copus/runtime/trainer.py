@@ -407,7 +407,7 @@ class Trainer:
             return False
         saved = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
-        self.writer.truncate_after(self.progress.step)   # one row per step (runtime/metrics.py)
+        self.writer.supersede_after(self.progress.step)   # one row per step (metrics.py)
         self.boundary.saved(self.progress.step)
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])

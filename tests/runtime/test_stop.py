@@ -68,3 +68,15 @@ def test_the_time_based_checkpoint_comes_due_after_interval_s():
     b.saved(7)
     assert b.poll() == (0, False) and b.checkpoint_name() == "step-7"
     assert stop.Boundary(stop.StopRequest(), interval_s=0).poll() == (0, False)
+
+
+def test_the_launchers_request_file_reaches_a_watching_worker(tmp_path):
+    req = stop.StopRequest().watch(tmp_path)
+    assert req.pending() == 0
+    with stop.SignalForwarder(tmp_path) as fwd:
+        fwd._request(signal.SIGTERM)
+        assert req.pending() == signal.SIGTERM
+    assert not (tmp_path / stop.STOP_FILE).exists()      # removed when the launch ends
+    (tmp_path / stop.STOP_FILE).write_text("2\n")          # stale, from a killed launcher
+    with stop.SignalForwarder(tmp_path):
+        assert not (tmp_path / stop.STOP_FILE).exists()

@@ -13,9 +13,9 @@ Workers report deliberate stops (bad plan, non-finite run, ...) as a result inst
 so the elastic agent does not restart a run that would fail the same way again.
 
 SIGINT / SIGTERM (runtime/stop.py): the workers finish the step, checkpoint and return a
-"stopped" result; under `--nproc N` the launcher forwards the signal to them once
-(`stop.SignalForwarder`; torch's agent is told to leave both signals alone, it would re-send them
-and SIGKILL the workers after 30 s). A second signal kills the workers and returns
+"stopped" result; under `--nproc N` the launcher passes the signal on to them once, as the file
+`<run_dir>/stop-request` (`stop.SignalForwarder`; torch's agent is told to leave both signals
+alone, it would re-send them and SIGKILL the workers after 30 s). A second signal kills the workers and returns
 {"aborted": signal} without any restart.
 """
 
@@ -231,7 +231,7 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
                                                  "TORCHELASTIC_SIGNALS_TO_HANDLE")}
     os.environ[stop.LAUNCHER_ENV] = "1"
     try:
-        with stop.SignalForwarder() as forwarder:
+        with stop.SignalForwarder(run_dir) as forwarder:
             try:
                 results = elastic_launch(config, entry)(cfg, run_dir, resume)
             except SignalException:

@@ -18,10 +18,13 @@ it again), not a second request.
 
 Launcher side (`SignalForwarder`, used by `launch._run_elastic`): torch's elastic agent would turn
 the signal into a SignalException, send it to the workers again and SIGKILL them 30 s later. The
-agent is told to leave SIGINT/SIGTERM alone (`signals_to_handle`); the forwarder sends the first
-signal to the workers once (they were moved to their own process group by `detach_worker`, so a
-terminal's Ctrl-C reaches them only through it) and lets them finish; a second signal SIGKILLs
-them and raises SignalException so the agent shuts down without restarting anyone.
+agent is told to leave SIGINT/SIGTERM alone (`signals_to_handle`); the forwarder passes the first
+signal on as a file, `<run_dir>/stop-request` (holding the signal number), which every worker
+checks at each step boundary (`StopRequest.watch`; one stat per step). A file, not a signal, so a
+worker still importing torch, or restarted by the agent, cannot be killed by it before it
+installed its handler, and sees it when it gets there. The workers left the terminal's process
+group (`detach_worker`), so a Ctrl-C reaches them only this way. A second signal SIGKILLs them
+and raises SignalException so the agent shuts down without restarting anyone.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_FILE = "stop-request"
 DUPLICATE_WINDOW_S = 0.25
 LAUNCHER_ENV = "COPUS_LOCAL_LAUNCHER"   # set by copus's own launcher for its workers
 _PR_SET_PDEATHSIG = 1
@@ -65,13 +69,29 @@ class StopRequest:
         self.signum = 0
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
+        self._file: str | None = None
 
     def install(self) -> StopRequest:
-        self.signum = 0
+        self.signum, self._file = 0, None
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def watch(self, run_dir: str | os.PathLike) -> StopRequest:
+        """Also take a stop request from `<run_dir>/stop-request` (written by the launcher)."""
+        self._file = os.path.join(run_dir, STOP_FILE)
+        return self
+
+    def pending(self) -> int:
+        """This rank's request: the signal it received, else the launcher's file's, else 0."""
+        if not self.signum and self._file is not None and os.path.exists(self._file):
+            try:
+                with open(self._file, encoding="utf-8") as fh:
+                    self.signum = int(fh.read().strip() or signal.SIGTERM)
+            except (OSError, ValueError):
+                self.signum = int(signal.SIGTERM)
+        return self.signum
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -95,19 +115,19 @@ class StopRequest:
         import torch.distributed as dist
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64,
+            return self.pending()
+        flag = torch.tensor([self.pending()], dtype=torch.int64,
                             device=device if device is not None else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
 
-def detach_worker() -> None:
+def detach_worker() -> bool:
     """In a worker of copus's own launcher: leave the terminal's process group (Ctrl-C then
     reaches it only through the launcher, once) and die with the launcher (PR_SET_PDEATHSIG,
-    Linux), so a SIGKILLed launcher leaves no orphans."""
+    Linux), so a SIGKILLed launcher leaves no orphans. Returns whether this is such a worker."""
     if os.environ.get(LAUNCHER_ENV) != "1":
-        return
+        return False
     try:
         os.setpgid(0, 0)
     except OSError:
@@ -117,17 +137,21 @@ def detach_worker() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    return True
 
 
 class SignalForwarder:
-    """Launcher-side handler of SIGINT/SIGTERM while local workers run (see the module doc)."""
+    """Launcher-side handler of SIGINT/SIGTERM while local workers run (see the module doc).
+    Removes a stale `stop-request` on entry and the file on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: str | os.PathLike) -> None:
         self.signum = self.second = 0
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
+        self.path = os.path.join(run_dir, STOP_FILE)
 
     def __enter__(self) -> SignalForwarder:
+        self._remove()
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -137,6 +161,21 @@ class SignalForwarder:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+
+    def _request(self, signum: int) -> None:
+        """Write the stop request atomically (tmp + rename) for the workers to find."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{int(signum)}\n")
+        os.replace(tmp, self.path)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
@@ -144,7 +183,7 @@ class SignalForwarder:
             self.signum, self._first_at = signum, now
             _write_stderr(f"copus: {signal_name(signum)}: stopping after the current step and "
                           "saving a checkpoint (send it again to abort at once)\n")
-            self._send(signum)
+            self._request(signum)
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
             return   # one signal delivered twice (e.g. `timeout` signals child and group)
@@ -193,8 +232,8 @@ class Boundary:
 
         due = self.interval_s > 0 and time.monotonic() - self.last_save_t >= self.interval_s
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.stop.signum, due
-        flags = torch.tensor([self.stop.signum, int(due)], dtype=torch.int64,
+            return self.stop.pending(), due
+        flags = torch.tensor([self.stop.pending(), int(due)], dtype=torch.int64,
                              device=device if device is not None else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return int(flags[0].item()), bool(flags[1].item())

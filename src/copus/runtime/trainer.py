@@ -506,8 +506,10 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
     from copus.runtime.dist import init_distributed, shutdown
 
     elastic = elastic_run_id() is not None or restart_count() > 0
-    stop.detach_worker()
-    stop.request.install()
+    if stop.detach_worker():     # a worker of copus's own launcher: it writes stop-request
+        stop.request.install().watch(run_dir)
+    else:
+        stop.request.install()
     device = init_distributed(backend=cfg.parallel.backend)
     trainer = None
     try:

@@ -102,6 +102,9 @@ class StopRequest:
         now = time.monotonic()
         if not self.signum:
             self.signum, self._first_at = signum, now
+            if os.environ.get("RANK", "0") == "0":
+                _write_stderr(f"copus: {signal_name(signum)}: stopping after the current step "
+                              "and saving a checkpoint (send it again to abort at once)\n")
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
             return   # the same Ctrl-C delivered twice (terminal + launcher)

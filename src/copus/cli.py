@@ -81,5 +81,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copus {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside a run's graceful stop (runtime/stop.py)
-        print(f"copus {args.command}: interrupted (SIGINT)", file=sys.stderr)
+        print(f"copus {args.command}: interrupted", file=sys.stderr)
         return 130

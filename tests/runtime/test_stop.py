@@ -83,3 +83,24 @@ def test_the_launchers_request_file_reaches_a_watching_worker(tmp_path):
     (tmp_path / stop.STOP_FILE).write_text("2\n")          # stale, from a killed launcher
     with stop.SignalForwarder(tmp_path):
         assert not (tmp_path / stop.STOP_FILE).exists()
+
+
+def test_the_forwarder_requests_once_then_aborts_and_profile_workers_abort_at_once(tmp_path):
+    import pytest
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with stop.SignalForwarder(tmp_path) as fwd:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert (tmp_path / stop.STOP_FILE).read_text() == f"{int(signal.SIGTERM)}\n"
+        os.kill(os.getpid(), signal.SIGTERM)             # a duplicate delivery: ignored
+        time.sleep(0.05)
+        with pytest.raises(SignalException):
+            os.kill(os.getpid(), signal.SIGINT)          # a second signal: abort
+            time.sleep(1)
+        assert (fwd.signum, fwd.second) == (signal.SIGTERM, signal.SIGINT)
+    with stop.SignalForwarder(tmp_path, graceful=False) as fwd:
+        with pytest.raises(SignalException):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert not (tmp_path / stop.STOP_FILE).exists()

@@ -231,10 +231,13 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
                                                  "TORCHELASTIC_SIGNALS_TO_HANDLE")}
     os.environ[stop.LAUNCHER_ENV] = "1"
     try:
-        with stop.SignalForwarder(run_dir) as forwarder:
+        graceful = getattr(entry, "__module__", "") == "copus.runtime.trainer"
+        with stop.SignalForwarder(run_dir, graceful=graceful) as forwarder:
             try:
                 results = elastic_launch(config, entry)(cfg, run_dir, resume)
             except SignalException:
+                if not graceful:         # e.g. copus profile: nothing to save
+                    raise KeyboardInterrupt from None
                 first = forwarder.signum or int(signal.SIGINT)
                 return {"aborted": stop.signal_name(forwarder.second or first),
                         "exit_code": stop.exit_code(first)}

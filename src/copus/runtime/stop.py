@@ -147,7 +147,10 @@ class SignalForwarder:
     """Launcher-side handler of SIGINT/SIGTERM while local workers run (see the module doc).
     Removes a stale `stop-request` on entry and the file on exit."""
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, graceful: bool = True) -> None:
+        """`graceful`: the workers watch `stop-request` (the trainer); otherwise (e.g. `copus
+        profile`'s workers) the first signal already aborts them."""
+        self.graceful = graceful
         self.signum = self.second = 0
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
@@ -182,7 +185,7 @@ class SignalForwarder:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
-        if not self.signum:
+        if not self.signum and self.graceful:
             self.signum, self._first_at = signum, now
             _write_stderr(f"copus: {signal_name(signum)}: stopping after the current step and "
                           "saving a checkpoint (send it again to abort at once)\n")
@@ -190,9 +193,13 @@ class SignalForwarder:
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
             return   # one signal delivered twice (e.g. `timeout` signals child and group)
-        self.second = signum
-        _write_stderr(f"copus: second signal ({signal_name(signum)}): aborting the workers; the "
-                      "last complete checkpoint is kept\n")
+        if self.signum:
+            self.second = signum
+            _write_stderr(f"copus: second signal ({signal_name(signum)}): aborting the workers; "
+                          "the last complete checkpoint is kept\n")
+        else:
+            self.signum = signum
+            _write_stderr(f"copus: {signal_name(signum)}: stopping the workers\n")
         self._send(signal.SIGKILL)
         from torch.distributed.elastic.multiprocessing.api import SignalException
 

@@ -32,12 +32,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: argparse's ArgumentDefaultsHelpFormatter, except
+    where the text already names it, or there is none to show (None, False, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False
+                or default in ("", [], argparse.SUPPRESS)
+                or action.option_strings == [] or isinstance(action, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="copus", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"copus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=_DefaultsFormatter)
         module = _command_module(name)
         if module is not None:
             module.add_arguments(p)
@@ -68,3 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # user mistakes: one line, exit 2, no traceback
         print(f"copus {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's graceful stop (runtime/stop.py)
+        print(f"copus {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -241,6 +241,7 @@ class ControllerConfig:
 @dataclass(**_FROZEN)
 class CheckpointConfig:
     interval_steps: int = _opt(100, _int(0))
+    interval_s: float = _opt(0.0, _real(0.0))   # also save when this much wall time passed
     keep: int = _opt(2, _int(1))
     max_failed_saves: int = _opt(3, _int(1))
 
@@ -254,6 +255,7 @@ class EvalConfig:
 @dataclass(**_FROZEN)
 class LogConfig:
     progress: bool = _opt(True, _bool())
+    progress_interval_s: float = _opt(30.0, _real(0.0))   # plain progress line without a tty
     tensorboard: bool = _opt(True, _bool())
 
 

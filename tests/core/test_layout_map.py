@@ -20,7 +20,7 @@ def test_parse_gives_layouts_by_ascending_min_batch():
     assert m == LayoutMap(((8, (1, 1, 4)), (32, (2, 1, 2)), (128, (4, 1, 1))))
     assert [m.layout_for(b) for b in (4, 8, 31, 32, 127, 128, 4096)] == \
         [None, (1, 1, 4), (1, 1, 4), (2, 1, 2), (2, 1, 2), (4, 1, 1), (4, 1, 1)]
-    assert m.describe() == "pp4@8, dp2.pp2@32, dp4@128"
+    assert m.describe() == "dp1.tp1.pp4@8, dp2.tp1.pp2@32, dp4.tp1.pp1@128"
     assert parse_layout_map("") is None and parse_layout_map("  ") is None
     assert parse_layout_map("tp2.dp1@1").entries == ((1, (1, 2, 1)),)
 
@@ -47,7 +47,7 @@ def test_check_needs_the_whole_world_a_fitting_model_and_the_initial_batch():
         check_layout_map(parse_layout_map("pp4@8,dp2@32"), 4, 8, tiny)
     with pytest.raises(ValueError, match="no layout for batch.initial=8"):
         check_layout_map(parse_layout_map("pp4@16"), 4, 8, tiny)
-    with pytest.raises(ValueError, match="layout pp8"):
+    with pytest.raises(ValueError, match="layout dp1.tp1.pp8"):
         check_layout_map(parse_layout_map("pp8@8"), 8, 8, tiny)   # tiny has 4 layers
 
 
@@ -76,7 +76,7 @@ def test_mapped_ramp_switches_layout_when_and_only_when_the_batch_enters_a_new_r
         want = policy.layouts.layout_for(d.plan.global_batch_size)
         assert d.plan.layout == want
         if d.kind == "reconfigure":
-            assert "from parallel.layouts (pp4@8, dp2.pp2@32, dp4@64)" in d.reason
+            assert "from parallel.layouts (dp1.tp1.pp4@8, dp2.tp1.pp2@32, dp4.tp1.pp1@64)" in d.reason
     kinds = [k for k, _, _ in got]
     assert kinds.count("reconfigure") == 2           # into dp2.pp2 and into dp4, once each
     assert policy.name == "ramp" and policy.state_dict()["name"] == "ramp"

@@ -105,6 +105,8 @@ TRAIN = [
     ("resume-without-run-dir", ["--resume"], ["--resume", "--run-dir"]),
     ("resume-without-checkpoints", ["--resume", "--run-dir", "{a_folder}"],
      ["--resume", "a_folder", "checkpoints"]),
+    ("run-dir-is-a-file", ["--run-dir", "{bad_syntax.toml}"],
+     ["--run-dir", "bad_syntax.toml", "is an existing file", "allowed"]),
     # config files
     ("config-missing", ["--config", "{tmp}/missing.toml"], ["missing.toml", "cannot be read"]),
     ("config-is-folder", ["--config", "{a_folder}"], ["a_folder", "cannot be read"]),

@@ -31,7 +31,7 @@ def test_load_and_segments(tmp_path):
     _fake_run(tmp_path / "a", "goodput", switch_at=12)
     run = load_run(tmp_path / "a")
     assert run.policy == "goodput" and len(run.steps) == 20  # truncated line ignored
-    assert [s[2] for s in plan_segments(run)] == ["dp4", "dp2·pp2"]
+    assert [s[2] for s in plan_segments(run)] == ["dp4.tp1.pp1", "dp2.tp1.pp2"]
     assert first_time_below([1, 2, 3], [5, 4, 3], 4.0) == 2
 
 
@@ -53,7 +53,7 @@ def test_report_cli_writes_plots_and_table(tmp_path):
                            "bnoise_vs_tokens.png", "plan_timeline.png", "tokens_per_s.png"])
     assert all((out / p).stat().st_size > 5000 for p in pngs)
     md = (out / "summary.md").read_text()
-    assert "| a | goodput | 20 |" in md and "dp4 → dp2·pp2" in md
+    assert "| a | goodput | 20 |" in md and "dp4.tp1.pp1 -> dp2.tp1.pp2" in md
     assert "| 5.0 | 7.5 |" in md  # val loss reaches 4.0 at step 10 (5.0 s), 3.5 at step 15 (7.5 s)
     res = subprocess.run([sys.executable, "-m", "copus", "report", str(tmp_path / "zzz")],
                          capture_output=True, text=True)

@@ -65,7 +65,7 @@ def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     (["--policy", "fastest"], "batch.policy='fastest'"),
     (["--config", "missing.toml"], "missing.toml"),
     (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp4@8"],
-     "layout dp4: dp*tp*pp=4*1*1=4 must equal the world size 2"),
+     "layout dp4.tp1.pp1: dp*tp*pp=4*1*1=4 must equal the world size 2"),
     (["--nproc", "2", "--set", "parallel.layouts=dp2@8"], "batch-only policy"),
     (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp2@16"],
      "no layout for batch.initial=8"),
@@ -134,7 +134,7 @@ def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path
     decisions = [json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()]
     applied = [d for d in decisions if d.get("applied")]
     assert len(applied) == 1 and applied[0]["kind"] == "reconfigure"
-    assert "from parallel.layouts (pp2@8, dp2@16)" in applied[0]["reason"]
+    assert "from parallel.layouts (dp1.tp1.pp2@8, dp2.tp1.pp1@16)" in applied[0]["reason"]
     assert applied[0]["switch"]["method"] == "in-process" and applied[0]["switch_s"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_plan"]["dp"] == 2 and summary["steps"] == 8

@@ -34,17 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model name (default tiny)")
     p.add_argument("--global-batch", default="8,32,128", help="global batch sizes to profile")
     p.add_argument("--micro-batch-sizes", default="1,2,4,8,16", help="micro-batch sizes")
-    p.add_argument("--layouts", default="", help="only these layouts, e.g. 4x1x1,2x1x2 (dp x tp x pp)")
+    p.add_argument("--layouts", default="", help="only these comma-separated layouts, e.g. "
+                   "dp4.tp1.pp1,dp2.tp1.pp2 (older 4x1x1 spellings accepted)")
     p.add_argument("--sample", type=int, default=0, help="profile a random sample of N plans (0 = all)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per plan")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and of --sample")
     p.add_argument("--config", default=None, help="TOML config (engine settings)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable)")
     p.add_argument("--out", default="profile", help="output folder (default profile/)")
 
 
 def select_plans(args: argparse.Namespace, shape):
+    from copus.core.layout_names import parse_layout
     from copus.core.plan import enumerate_plans
 
     plans = list(enumerate_plans(args.nproc, _ints(args.global_batch, "--global-batch"),
@@ -52,10 +55,10 @@ def select_plans(args: argparse.Namespace, shape):
     if args.layouts:
         wanted = set()
         for item in args.layouts.split(","):
-            parts = item.strip().split("x")
-            if len(parts) != 3 or not all(x.isdigit() for x in parts):
-                raise ValueError(f"--layouts item {item!r} is invalid; allowed: DPxTPxPP, e.g. 2x1x2")
-            wanted.add(tuple(int(x) for x in parts))
+            try:
+                wanted.add(parse_layout(item))
+            except ValueError as err:
+                raise ValueError(f"--layouts item {item.strip()!r}: {err}") from None
         plans = [p for p in plans if p.layout in wanted]
     if args.sample:
         random.Random(args.seed).shuffle(plans)
@@ -96,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="copus-profile-") as tmp:
         write_request(Path(tmp), plans, args.steps, args.warmup)
         result = launch(cfg, tmp, entry=profile_worker, max_restarts=0)
+    from copus.core.layout_names import layout_name
+
     rows = sorted(result["rows"], key=lambda r: -r["samples_per_s"])
     write_table(rows, out)
     print(f"wrote {args.out}/profile.json and profile.csv; fastest: "
-          f"dp{rows[0]['dp']}·tp{rows[0]['tp']}·pp{rows[0]['pp']} mb{rows[0]['micro_batch_size']} "
+          f"{layout_name(rows[0]['dp'], rows[0]['tp'], rows[0]['pp'], rows[0]['micro_batch_size'])} "
           f"B={rows[0]['global_batch_size']} {rows[0]['tokens_per_s']:.0f} tokens/s")
     return 0

@@ -31,13 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICY_FAMILIES),
                    help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}")
     p.add_argument("--tokens", type=float, default=1e9, help="token budget of each run")
-    p.add_argument("--initial-batch", type=int, default=16)
-    p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--initial-batch", type=int, default=16, help="first global batch (samples)")
+    p.add_argument("--max-batch", type=int, default=1024, help="largest global batch (samples)")
     p.add_argument("--reconfig", choices=("online", "restart"), default="online",
                    help="cost of a parallelism change: online resharding or checkpoint-restart")
     p.add_argument("--no-lr-aware", action="store_true",
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated noise")
     p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="PNG", help="write loss/batch curves here")

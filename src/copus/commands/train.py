@@ -3,7 +3,9 @@
 With no arguments this is a real, small run: the `tiny` model on the embedded corpus, 2 local
 workers, the `goodput` policy, 800k tokens (a few minutes on 2 idle CPU cores); the batch grows from
 8 as the gradient noise scale rises. Everything is configurable with --config / --set.
-Config and plan are validated before any worker starts (a mistake exits 2 with one line).
+Config, plan and run folder are validated before any worker starts (a mistake exits 2 with one
+line; one run per folder, `runtime/run_folder.py`). Ctrl-C or SIGTERM stops after the current
+step with a checkpoint and exits 130 / 143 (`runtime/stop.py`); a second signal aborts at once.
 """
 
 from __future__ import annotations
@@ -35,20 +37,37 @@ DEFAULT_RUN = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (docs/internals.md)")
+    from copus.config import Config
+
+    d = Config()
+
+    def default(section: str, key: str) -> object:
+        """What a run without --config/--set uses: the command's default, else the config's."""
+        return DEFAULT_RUN.get((section, key), getattr(getattr(d, section), key))
+
+    p.add_argument("--config", metavar="FILE", help="TOML config file (docs/internals.md; "
+                   "default: none, built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
-    p.add_argument("--nproc", type=int, help="local workers to start (parallel.nproc)")
-    p.add_argument("--run-dir", metavar="DIR", help="run folder (default runs/<timestamp>)")
-    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps (train.max_steps)")
-    p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens)")
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable; "
+                   "default: none)")
+    p.add_argument("--nproc", type=int, help="local workers to start (parallel.nproc, default "
+                   f"{default('parallel', 'nproc')})")
+    p.add_argument("--run-dir", metavar="DIR", help="run folder, new or empty (default "
+                   "runs/<timestamp>)")
+    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps (train.max_steps, "
+                   f"default {default('train', 'max_steps')} = no step limit)")
+    p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens, default "
+                   f"{default('train', 'max_tokens')})")
     p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
-                                    "inner-product-test, gns, goodput")
-    p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name)")
-    p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; 0 = the model's)")
-    p.add_argument("--seed", type=int, help="seed (train.seed)")
+                                    "inner-product-test, gns, goodput, goodput-copus (default "
+                                    f"{default('batch', 'policy')})")
+    p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "
+                   f"default {default('model', 'name')})")
+    p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; default 0 = the model's)")
+    p.add_argument("--seed", type=int, help=f"seed (train.seed, default {default('train', 'seed')})")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest good checkpoint in --run-dir (any plan)")
+                   help="continue from the latest good checkpoint in --run-dir (any plan; "
+                        "default: start a new run)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of failed local workers, each resuming from a checkpoint")
 
@@ -121,11 +140,17 @@ def resolve_config(args: argparse.Namespace):
 
 
 def default_run_dir() -> Path:
-    """runs/<timestamp>; under torchrun runs/<run id>, the same on every rank and node."""
+    """runs/<timestamp>, or runs/<timestamp>-2, -3, ... when that one is taken (one run per
+    folder); under torchrun runs/<run id>, the same on every rank and node."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if "RANK" in os.environ and run_id and run_id != "none":
         return Path("runs") / f"torchrun-{run_id}"
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,14 +160,20 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts}: allowed: an integer >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
-    if args.resume and not (run_dir / "checkpoints").is_dir():
-        raise ValueError(f"--resume: {run_dir} has no checkpoints/ folder")
+    from copus.runtime import run_folder
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    run_id = _elastic_run_id()
+    if rank0:   # under torchrun the other ranks' processes see rank 0's folder appear
+        run_folder.check_run_dir(run_dir, resume=args.resume, run_id=run_id)
     cfg = resolve_config(args)
 
     from copus.runtime import launch
 
     launch.validate_before_launch(cfg, launch.world_size(cfg))
-    if os.environ.get("RANK", "0") == "0":
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_folder.write_state(run_dir, "running", run_id=run_id)
         print(f"copus train: run folder {run_dir}", file=sys.stderr)
     try:
         result = launch.launch(cfg, str(run_dir), resume=args.resume,
@@ -151,6 +182,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"copus train: error: workers failed ({exc.__class__.__name__}); see the log "
               f"above and {run_dir}", file=sys.stderr)
         return 1
+    return _outcome(result, run_dir, rank0)
+
+
+def _elastic_run_id() -> str | None:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and run_id != "none" else None
+
+
+def _outcome(result: dict, run_dir: Path, rank0: bool) -> int:
+    """Print the one closing line (errors, stop, abort) and return the exit code."""
+    from copus.runtime import stop
+
+    if result.get("aborted"):
+        if rank0:
+            print(f"copus train: aborted by a second signal ({result['aborted']}); the last complete "
+                  f"checkpoint in {run_dir / 'checkpoints'} is kept; resume: copus train "
+                  f"--run-dir {run_dir} --resume", file=sys.stderr)
+        return int(result["exit_code"])
+    if result.get("stopped"):
+        if rank0:
+            line = stop.stop_line(result["stopped"], str(run_dir), torchrun="RANK" in os.environ)
+            print(f"copus train: {line}", file=sys.stderr)
+        return int(result["stopped"]["exit_code"])
     if result.get("error"):
         print(f"copus train: error: {result['error']}", file=sys.stderr)
         return 2 if result.get("kind") == "value" else 1

@@ -5,8 +5,10 @@ COPUS's CBS baselines tune the plan for one batch and keep it; with a map, a bat
 (`ramp`, `norm-test`, `gns`, ...) instead switches to the layout a user found fastest for each
 batch range (e.g. from `copus profile` tables), in the running processes like the goodput
 controller's switches (design §6). The goodput controller chooses layouts itself and does not take
-a map. Syntax: comma-separated `LAYOUT@MIN_BATCH`, LAYOUT = `dpX[.tpY][.ppZ]` (omitted degrees 1),
-e.g. `"pp4@8, dp2.pp2@32, dp4@128"`: pp4 for B in [8, 32), dp2·pp2 for [32, 128), dp4 from 128.
+a map. Syntax: comma-separated `LAYOUT@MIN_BATCH`, LAYOUT = `dpX[.tpY][.ppZ]` (omitted degrees 1)
+or any spelling of `core.layout_names.parse_layout` (`2x1x2`), e.g. `"pp4@8, dp2.pp2@32, dp4@128"`:
+pp4 for B in [8, 32), dp2.pp2 for [32, 128), dp4 from 128. Written back canonically
+(`dp1.tp1.pp4@8, dp2.tp1.pp2@32, dp4.tp1.pp1@128`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from copus.core.layout_names import layout_name, parse_layout
 from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan, default_micro_batch_size, plan_problems
 from copus.core.records import Decision, StepRecord
 
 Layout = tuple[int, int, int]
-_ENTRY = re.compile(r"^(dp\d+|tp\d+|pp\d+)(\.(dp\d+|tp\d+|pp\d+)){0,2}@\d+$")
+_ENTRY = re.compile(r"^[^@]+@\d+$")
 SYNTAX = "comma-separated LAYOUT@MIN_BATCH with LAYOUT like dp2.tp2.pp1, e.g. 'pp4@8,dp4@64'"
 
 
@@ -43,8 +46,7 @@ class LayoutMap:
 
 
 def _name(layout: Layout) -> str:
-    parts = [f"{k}{v}" for k, v in zip(("dp", "tp", "pp"), layout, strict=True) if v > 1]
-    return ".".join(parts) or "dp1"
+    return layout_name(*layout)
 
 
 class LayoutMapError(ValueError):
@@ -69,16 +71,12 @@ def parse_layout_map(text: str) -> LayoutMap | None:
         if not _ENTRY.match(entry):
             raise _bad(text, f"entry {raw.strip()!r} is invalid", SYNTAX)
         spec, min_batch = entry.split("@")
-        degrees = {"dp": 1, "tp": 1, "pp": 1}
-        seen: set[str] = set()
-        for part in spec.split("."):
-            key, value = part[:2], int(part[2:])
-            if key in seen or value < 1:
-                raise _bad(text, f"entry {raw.strip()!r} is invalid",
-                           "each of dp, tp, pp at most once, each >= 1")
-            seen.add(key)
-            degrees[key] = value
-        entries.append((int(min_batch), (degrees["dp"], degrees["tp"], degrees["pp"])))
+        try:
+            layout = parse_layout(spec)
+        except ValueError:
+            raise _bad(text, f"entry {raw.strip()!r} is invalid",
+                       "each of dp, tp, pp at most once, each >= 1") from None
+        entries.append((int(min_batch), layout))
     batches = [b for b, _ in entries]
     if batches != sorted(set(batches)) or batches[0] < 1:
         raise _bad(text, f"minimum batches {batches} are invalid", "strictly increasing, >= 1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from copus.core.layout_names import layout_name
 from copus.core.models import ModelShape
 
 
@@ -53,9 +54,9 @@ class ParallelPlan:
                             num_microbatches=global_batch_size // per_step)
 
     def describe(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
-        return (f"{'·'.join(parts) or 'single'} mb{self.micro_batch_size}"
-                f"×{self.num_microbatches} (B={self.global_batch_size})")
+        """`dp2.tp1.pp2 mb8x1 (B=16)`: the canonical spelling (core/layout_names.py)."""
+        return (f"{layout_name(self.dp, self.tp, self.pp, self.micro_batch_size, self.num_microbatches)}"
+                f" (B={self.global_batch_size})")
 
     def validate(self, world_size: int | None = None, shape: ModelShape | None = None) -> None:
         """Raise ValueError naming the first bad value; see `plan_problems` for the rules."""

@@ -547,7 +547,9 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
 
 
 def _layout(plan: ParallelPlan) -> str:
-    return f"DP{plan.dp},TP{plan.tp},PP{plan.pp}"
+    from copus.core.layout_names import layout_name
+
+    return layout_name(plan.dp, plan.tp, plan.pp)
 
 
 def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",

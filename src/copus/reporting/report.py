@@ -25,8 +25,18 @@ def _fmt(v: float, spec: str = ".3f") -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def run_wall_s(run: Run) -> float:
+    """The run's wall time as summary.txt gives it (summary.json, which also counts the final
+    evaluation and checkpoint) when that summary is of the run's last step, else the last row's."""
+    last = run.steps[-1]
+    if run.summary.get("steps") == last.get("step") and run.summary.get("wall_s") is not None:
+        return float(run.summary["wall_s"])
+    return float(last.get("wall_s") or 0.0)
+
+
 def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
-    """One row per run: totals, final losses, batches, plans, and wall time to each target."""
+    """One row per run: totals, final losses, batches, plans, and wall time to each target.
+    `final_loss` and `wall_s` are summary.txt's: the last step's loss, the run's wall time."""
     rows = []
     for run in runs:
         last = run.steps[-1]
@@ -34,12 +44,12 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
         val_t = run.series("wall_s", run.evals) if run.evals else []
         row = {
             "run": run.name, "policy": run.policy, "steps": int(last.get("step", len(run.steps))),
-            "tokens": int(last.get("tokens") or 0), "wall_s": float(last.get("wall_s") or 0.0),
-            "final_loss": _smooth(run.series("loss"))[-1],
+            "tokens": int(last.get("tokens") or 0), "wall_s": run_wall_s(run),
+            "final_loss": run.series("loss")[-1],
             "final_val_loss": val[-1] if val else float("nan"),
             "batch_start": int(run.steps[0].get("global_batch_size") or 0),
             "batch_end": int(last.get("global_batch_size") or 0),
-            "plans": " → ".join(s[2] for s in plan_segments(run)),
+            "plans": " -> ".join(s[2] for s in plan_segments(run)),
             "num_decisions": len(decision_rows(run)),
         }
         for target in targets:
@@ -49,7 +59,7 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], targets: list[float]) -> str:
-    head = ["run", "policy", "steps", "tokens", "wall s", "train loss", "val loss", "batch",
+    head = ["run", "policy", "steps", "tokens", "wall s", "final loss", "val loss", "batch",
             "plans"] + [f"t→{t:g} (s)" for t in targets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -65,6 +75,39 @@ def _plot_lines(ax, runs: list[Run], x_key: str, y_key: str, smooth: bool = Fals
     for run in runs:
         ys = run.series(y_key)
         ax.plot(run.series(x_key), _smooth(ys) if smooth else ys, label=f"{run.name} ({run.policy})")
+
+
+def _plain_log_ticks(ax, base: int) -> None:
+    """A log axis ticked with plain numbers: 8, 16, 32, 64 (base 2, global batch) or 1, 10,
+    100 (base 10), not 2×10^1; no minor labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=base, subs=(1.0,)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def plan_timeline(plt, runs: list[Run]) -> None:
+    """One bar per run along wall time, a segment per layout (labelled inside when it fits),
+    legend below the axis; at least 2.6 inches tall so one run is not squeezed."""
+    import matplotlib.patches
+
+    fig, ax = plt.subplots(figsize=(8, max(2.6, 1.5 + 0.55 * len(runs))))
+    labels = sorted({s[2] for run in runs for s in plan_segments(run)})
+    colors = {lab: plt.cm.tab10(i % 10) for i, lab in enumerate(labels)}
+    span = max((s[1] for run in runs for s in plan_segments(run)), default=1.0) or 1.0
+    for i, run in enumerate(runs):
+        for start, end, lab in plan_segments(run):
+            ax.barh(i, max(end - start, 1e-3), left=start, height=0.6, color=colors[lab],
+                    edgecolor="k", lw=0.3)
+            if (end - start) / span > 0.12:
+                ax.text((start + end) / 2, i, lab, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(runs)), [r.name for r in runs])
+    ax.set_ylim(-0.6, len(runs) - 0.4)
+    ax.set(xlabel="wall time (s)", title="Parallel plan timeline (dp.tp.pp)")
+    ax.legend(handles=[matplotlib.patches.Patch(color=colors[lab], label=lab) for lab in labels],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35),
+              ncol=min(4, max(1, len(labels))), frameon=False)
 
 
 def write_plots(runs: list[Run], out: Path) -> list[Path]:
@@ -95,27 +138,18 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
                title="Training loss (smoothed) and validation loss")
         ax.legend(fontsize=7)
         save(fig, name)
-    for y_key, ylabel, name, log in (("global_batch_size", "global batch (samples)",
-                                      "batch_vs_tokens.png", True),
-                                     ("b_noise", "b_noise (samples)", "bnoise_vs_tokens.png", True)):
+    for y_key, ylabel, name, base in (("global_batch_size", "global batch (samples)",
+                                       "batch_vs_tokens.png", 2),
+                                      ("b_noise", "b_noise (samples)", "bnoise_vs_tokens.png", 10)):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _plot_lines(ax, runs, "tokens", y_key)
         ax.set(xlabel="tokens", ylabel=ylabel, title=f"{ylabel} as training proceeds")
-        if log:
-            ax.set_yscale("log")
+        ax.set_yscale("log", base=base)
+        _plain_log_ticks(ax, base)
         ax.legend(fontsize=7)
         save(fig, name)
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(runs)))
-    labels = sorted({s[2] for run in runs for s in plan_segments(run)})
-    colors = {lab: plt.cm.tab10(i % 10) for i, lab in enumerate(labels)}
-    for i, run in enumerate(runs):
-        for start, end, lab in plan_segments(run):
-            ax.barh(i, max(end - start, 1e-3), left=start, color=colors[lab], edgecolor="k", lw=0.3)
-    ax.set_yticks(range(len(runs)), [r.name for r in runs])
-    ax.set(xlabel="wall time (s)", title="Parallel plan timeline")
-    ax.legend(handles=[matplotlib.patches.Patch(color=colors[lab], label=lab) for lab in labels],
-              fontsize=7, loc="upper right")
-    save(fig, "plan_timeline.png")
+    plan_timeline(plt, runs)
+    save(plt.gcf(), "plan_timeline.png")
     fig, ax = plt.subplots(figsize=(7, 4.2))
     _plot_lines(ax, runs, "wall_s", "tokens_per_s", smooth=True)
     ax.set(xlabel="wall time (s)", ylabel="tokens/s", title="Throughput")
@@ -131,15 +165,16 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
     rows = summary_rows(runs, targets)
     md = ["# copus report", "",
           "Each row is one training run. *val loss* is the last validation loss; *t→X* is the "
-          "wall time at which the validation loss first reached X (– if never). *plans* lists "
-          "the data·tensor·pipeline layouts the run used, in order.", "",
+          "wall time at which the validation loss first reached X (– if never). *final loss* "
+          "and *wall s* are summary.txt's (the last step's loss; the run's wall time). *plans* "
+          "lists the dp.tp.pp layouts the run used, in order.", "",
           markdown_table(rows, targets), ""]
     for run in runs:
         if decision_rows(run):
             md += [f"## Decisions of {run.name}", ""]
             for d in decision_rows(run):
                 purpose = "" if d.get("purpose", "decide") == "decide" else f" ({d['purpose']})"
-                md.append(f"- step {d.get('step')}: {d.get('kind')}{purpose} → {plan_label(d)} "
+                md.append(f"- step {d.get('step')}: {d.get('kind')}{purpose} -> {plan_label(d)} "
                           f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
             md.append("")
         md += probe_table(run) + audit_table(run)

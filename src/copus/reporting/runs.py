@@ -19,6 +19,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)   # summary.json, when the run wrote one
 
     @property
     def policy(self) -> str:
@@ -34,7 +35,8 @@ class Run:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored."""
+    """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored, and so
+    are rows a resume marked `"superseded": true` (runtime/metrics.py)."""
     if not path.exists():
         return []
     rows = []
@@ -43,10 +45,29 @@ def read_jsonl(path: Path) -> list[dict]:
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not (isinstance(row, dict) and row.get("superseded")):
+            rows.append(row)
     return rows
+
+
+def latest_rows(rows: list[dict], *, keep_same_step: bool = False) -> list[dict]:
+    """One row per step: where the step count goes back (a resume appended after rows the
+    checkpoint did not hold, in folders written before `RunWriter.supersede_after`), the earlier
+    rows with step >= the new row's step are superseded and dropped (`keep_same_step`: only
+    step > it, for decisions.jsonl, where a resume logs its own decision at the checkpoint's
+    step). Rows without a step are kept."""
+    out: list[dict] = []
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, int):
+            while out and isinstance(out[-1].get("step"), int) and (
+                    out[-1]["step"] > step or (out[-1]["step"] == step and not keep_same_step)):
+                out.pop()
+        out.append(row)
+    return out
 
 
 def load_run(path: str | Path) -> Run:
@@ -54,14 +75,20 @@ def load_run(path: str | Path) -> Run:
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"run folder {str(p)!r} does not exist or is not a folder")
-    steps = read_jsonl(p / "metrics.jsonl")
+    steps = latest_rows(read_jsonl(p / "metrics.jsonl"))
     if not steps:
         raise ValueError(f"run folder {str(p)!r} has no metrics.jsonl lines; allowed: a copus run folder")
     config = {}
     if (p / "config.toml").exists():
         config = tomllib.loads((p / "config.toml").read_text())
-    return Run(path=p, name=p.name, config=config, steps=steps,
-               evals=read_jsonl(p / "eval.jsonl"), decisions=read_jsonl(p / "decisions.jsonl"))
+    summary: dict = {}
+    try:
+        summary = json.loads((p / "summary.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return Run(path=p, name=p.name, config=config, steps=steps, summary=summary,
+               evals=latest_rows(read_jsonl(p / "eval.jsonl")),
+               decisions=latest_rows(read_jsonl(p / "decisions.jsonl"), keep_same_step=True))
 
 
 def first_time_below(times: list[float], losses: list[float], target: float) -> float:
@@ -73,8 +100,10 @@ def first_time_below(times: list[float], losses: list[float], target: float) -> 
 
 
 def plan_label(row: dict) -> str:
-    parts = [f"{k}{row.get(k, 1)}" for k in ("dp", "tp", "pp") if int(row.get(k, 1) or 1) > 1]
-    return "·".join(parts) or "single"
+    """A row's layout, canonically: `dp2.tp1.pp2` (core/layout_names.py)."""
+    from copus.core.layout_names import layout_name
+
+    return layout_name(*(int(row.get(k, 1) or 1) for k in ("dp", "tp", "pp")))
 
 
 def plan_segments(run: Run) -> list[tuple[float, float, str]]:

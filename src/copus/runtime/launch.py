@@ -11,11 +11,18 @@
 The plan and policy are resolved and validated here, without torch, before anything starts.
 Workers report deliberate stops (bad plan, non-finite run, ...) as a result instead of raising,
 so the elastic agent does not restart a run that would fail the same way again.
+
+SIGINT / SIGTERM (runtime/stop.py): the workers finish the step, checkpoint and return a
+"stopped" result; under `--nproc N` the launcher passes the signal on to them once, as the file
+`<run_dir>/stop-request` (`stop.SignalForwarder`; torch's agent is told to leave both signals
+alone, it would re-send them and SIGKILL the workers after 30 s). A second signal kills the workers and returns
+{"aborted": signal} without any restart.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Callable, Mapping
@@ -230,12 +237,36 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
     # "Connection refused" (seen in bench/faults.py; pytorch/pytorch#135712). Opting out gives
     # every round a fresh store hosted by its rank 0.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from copus.runtime import stop
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"copus-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": 120}, max_restarts=max_restarts,
         monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1",
+        signals_to_handle="SIGHUP,SIGQUIT",    # SIGINT/SIGTERM: stop.SignalForwarder
     )
-    results = elastic_launch(config, entry)(cfg, run_dir, resume)
+    saved_env = {k: os.environ.get(k) for k in (stop.LAUNCHER_ENV,
+                                                 "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    os.environ[stop.LAUNCHER_ENV] = "1"
+    try:
+        graceful = getattr(entry, "__module__", "") == "copus.runtime.trainer"
+        with stop.SignalForwarder(run_dir, graceful=graceful) as forwarder:
+            try:
+                results = elastic_launch(config, entry)(cfg, run_dir, resume)
+            except SignalException:
+                if not graceful:         # e.g. copus profile: nothing to save
+                    raise KeyboardInterrupt from None
+                first = forwarder.signum or int(signal.SIGINT)
+                return {"aborted": stop.signal_name(forwarder.second or first),
+                        "exit_code": stop.exit_code(first)}
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return results[0] if 0 in results else next(iter(results.values()))

@@ -7,9 +7,18 @@
     <run_dir>/tb/              TensorBoard scalars (optional)
     <run_dir>/summary.json, summary.txt   written by `RunWriter.summary()` at the end
 
+    <run_dir>/run.json         the folder's state: running, stopped or finished (run_folder.py)
+
 Only rank 0 writes; on other ranks every method is a no-op, so the trainer calls them
 unconditionally. Each line is flushed when written (appends survive a crash or a restart).
-`copus report` (copus.reporting.runs) reads these files.
+One row per step: a resume first marks every log row after the checkpoint's step
+`"superseded": true` (`supersede_after`; the rows stay, as a record of the lost attempt), and
+every reader skips marked rows: `copus report` (`reporting.runs.read_jsonl`, which also drops
+the duplicated rows of folders written before this rule), `last_wall_s`, bench/ scripts.
+
+Console (stdout): one `copus: ...` line per event (decision, eval, checkpoint), written above the
+tqdm bar on a terminal (`console`); without a usable terminal (not a tty, or 0 columns) a plain
+progress line every `log.progress_interval_s` instead of the bar.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from copus.core.layout_names import layout_name
 from copus.core.records import Decision, StepRecord
+
+LOG_FILES = ("metrics.jsonl", "eval.jsonl", "decisions.jsonl")
 
 # The keys every metrics.jsonl line has (design.md §2 vocabulary).
 METRIC_KEYS = ("step", "samples", "tokens", "wall_s", "step_s", "loss", "lr",
@@ -61,7 +73,8 @@ def last_wall_s(path: Path, tail_bytes: int = 1 << 16) -> float:
         return 0.0
     for line in reversed(lines):
         try:
-            value = json.loads(line).get("wall_s")
+            row = json.loads(line)
+            value = None if row.get("superseded") else row.get("wall_s")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
@@ -100,7 +113,7 @@ class RunWriter:
 
     def __init__(self, run_dir: str | Path, rank0: bool = True, tensorboard: bool = False,
                  progress: bool = False, total_steps: int = 0, total_tokens: int = 0,
-                 wall_offset_s: float | None = None) -> None:
+                 wall_offset_s: float | None = None, progress_interval_s: float = 30.0) -> None:
         self.run_dir = Path(run_dir)
         self.rank0 = rank0
         if wall_offset_s is None:   # a resumed run continues the clock of its metrics.jsonl
@@ -117,6 +130,9 @@ class RunWriter:
         self.plan_timeline: list[dict[str, Any]] = []    # each change of (dp, tp, pp)
         self.switches: list[dict[str, Any]] = []         # decisions with their measured cost
         self.first_step: int | None = None
+        self._totals = (total_steps, total_tokens)
+        self._plain_every_s: float | None = None   # plain progress lines (no usable terminal)
+        self._plain_last = -math.inf
         if not rank0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,14 +140,49 @@ class RunWriter:
             from torch.utils.tensorboard import SummaryWriter  # lazy: heavy import
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-        if progress and sys.stderr.isatty():
+        if progress and not usable_terminal():
+            self._plain_every_s = float(progress_interval_s)
+        elif progress:
             from tqdm import tqdm
 
             total = total_steps if total_steps > 0 else (total_tokens or None)
             self._bar = tqdm(total=total, unit=self._bar_unit, unit_scale=self._bar_unit == "token",
-                             leave=True, file=sys.stderr, **_bar_width())
+                             leave=True, file=sys.stderr, dynamic_ncols=True)
 
     # ----------------------------------------------------------------------------------- files
+
+    def console(self, line: str) -> None:
+        """Print one line to stdout, above the progress bar when there is one (rank 0)."""
+        if not self.rank0:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def set_state(self, state: str, **info: Any) -> None:
+        """run.json: the folder's state (`run_folder.write_state`), rank 0."""
+        if self.rank0:
+            from copus.runtime.run_folder import write_state
+
+            write_state(self.run_dir, state, **info)
+
+    def supersede_after(self, step: int) -> int:
+        """Mark every log row with step > `step` superseded (a resume from checkpoint `step`):
+        each file is rewritten atomically (tmp, fsync, rename); the wall clock continues from
+        the last row kept. Returns the number of rows marked (rank 0; 0 elsewhere)."""
+        if not self.rank0:
+            return 0
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+        marked = sum(supersede_jsonl(self.run_dir / name, step) for name in LOG_FILES)
+        self._t0 = time.monotonic() - last_wall_s(self.run_dir / "metrics.jsonl")
+        if marked:
+            self.console(f"copus: resume from step {step}: {marked} log rows written after "
+                         "that checkpoint are marked superseded")
+        return marked
 
     def wall_s(self) -> float:
         """Seconds since this writer was created, plus the wall_s already in the run folder."""
@@ -176,6 +227,7 @@ class RunWriter:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"train/{key}", v, record.step)
         self._advance_bar(row)
+        self._plain_progress(row)
         self.last_step = row
         return row
 
@@ -199,12 +251,21 @@ class RunWriter:
             return
         self._bar.set_postfix_str(
             f"loss {_fmt(row['loss'], '.4f')} | {_fmt(row['tokens_per_s'], ',.0f')} tok/s | "
-            f"B {row['global_batch_size']} mb {row['micro_batch_size']} "
-            f"dp{row['dp']}·tp{row['tp']}·pp{row['pp']} | b_noise {_fmt(row['b_noise'], '.1f')}",
-            refresh=False)
+            f"B {row['global_batch_size']} {row_layout(row)} "
+            f"| b_noise {_fmt(row['b_noise'], '.1f')}", refresh=False)
         pos = row["step"] if self._bar_unit == "step" else row["tokens"]
         self._bar.update(max(0, pos - self._bar_pos))
         self._bar_pos = pos
+
+    def _plain_progress(self, row: dict[str, Any]) -> None:
+        """Without a usable terminal: one plain line every `log.progress_interval_s`."""
+        if self._plain_every_s is None:
+            return
+        now = time.monotonic()
+        if now - self._plain_last < self._plain_every_s:
+            return
+        self._plain_last = now
+        self.console(progress_line(row, *self._totals))
 
     def log_eval(self, step: int, val_loss: float, *, samples: int = 0, tokens: int = 0,
                  wall_s: float | None = None, **extra: Any) -> None:
@@ -217,8 +278,7 @@ class RunWriter:
         self._append("eval.jsonl", row)
         if self._tb is not None and math.isfinite(val_loss):
             self._tb.add_scalar("eval/val_loss", val_loss, step)
-        if self._bar is not None:
-            self._bar.write(f"step {step}: val_loss {_fmt(val_loss, '.4f')}")
+        self.console(f"copus: step {step}: val_loss {_fmt(val_loss, '.4f')}")
         self.last_eval = row
 
     def log_decision(self, decision: Decision, *, switch_s: float | None = None,
@@ -235,9 +295,6 @@ class RunWriter:
                                                   "switch_s", "reason")})
         if self._tb is not None and switch_s is not None:
             self._tb.add_scalar(f"switch/{decision.kind}_s", switch_s, decision.step)
-        if self._bar is not None:
-            self._bar.write(f"step {decision.step}: {decision.kind} → {decision.plan.describe()}"
-                            f" ({decision.reason})")
 
     def log_event(self, row: dict[str, Any]) -> None:
         """Append a controller event (probe result, audit; it has an "event" key) to
@@ -298,14 +355,61 @@ def _last_byte(path: Path) -> bytes:
         return fh.read(1)
 
 
-def _bar_width() -> dict[str, Any]:
-    """tqdm follows the terminal width, except where the terminal reports 0 columns (some
-    pseudo-terminals), where tqdm would draw nothing: use a fixed 120 columns there."""
+def usable_terminal() -> bool:
+    """Whether stderr is a terminal that reports a width (some pseudo-terminals report 0
+    columns, where tqdm draws nothing): the progress bar is shown only then."""
     try:
-        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+        return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
     except (OSError, ValueError):
-        columns = 0
-    return {"dynamic_ncols": True} if columns > 0 else {"ncols": 120}
+        return False
+
+
+def row_layout(row: dict[str, Any]) -> str:
+    """A metrics row's plan in the canonical spelling (`core.plan.layout_name`)."""
+    return layout_name(row["dp"], row["tp"], row["pp"], row["micro_batch_size"],
+                       row.get("num_microbatches"))
+
+
+def progress_line(row: dict[str, Any], total_steps: int = 0, total_tokens: int = 0) -> str:
+    """The plain progress line: step, tokens (and % of the run), loss, throughput, plan."""
+    done = (f" ({row['tokens'] / total_tokens:.0%})" if total_tokens > 0 else
+            f" ({row['step'] / total_steps:.0%})" if total_steps > 0 else "")
+    return (f"copus: step {row['step']}, {row['tokens']:,} tokens{done}, loss "
+            f"{_fmt(row['loss'], '.4f')}, {_fmt(row['tokens_per_s'], ',.0f')} tokens/s, "
+            f"B {row['global_batch_size']} {row_layout(row)}, {_fmt(row['wall_s'], '.0f')} s")
+
+
+def supersede_jsonl(path: Path, step: int) -> int:
+    """Add `"superseded": true` to the rows of a JSONL log with "step" > `step` (a line cut
+    short by a crash is dropped); atomic rewrite, only when a row changes. Returns the number
+    of rows newly marked."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return 0
+    out, marked, changed = [], 0, False
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            changed = changed or bool(line.strip())
+            continue
+        if (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+                and not row.get("superseded")):
+            row["superseded"] = True
+            marked += 1
+            out.append(json_line(row).encode())
+        else:
+            out.append(line + b"\n")
+    if not (marked or changed):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(b"".join(out))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return marked
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -322,13 +426,13 @@ def summary_text(s: dict[str, Any]) -> str:
         f"  final loss {_fmt(s['final_loss'], '.4f')}, val loss {_fmt(s['final_val_loss'], '.4f')}"
         f", b_noise {_fmt(s['final_b_noise'], '.1f')}"
         + (f" ({s['val_note']})" if s.get("val_note") and s["final_val_loss"] is None else ""),
-        "  batch: " + (" → ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})"
-                                  f"@{b['step']}" for b in s["batch_timeline"]) or "–"),
-        "  plans: " + (" → ".join(f"dp{p['dp']}·tp{p['tp']}·pp{p['pp']}@{p['step']}"
-                                  for p in s["plan_timeline"]) or "–"),
+        "  batch: " + (" -> ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})"
+                                   f"@{b['step']}" for b in s["batch_timeline"]) or "-"),
+        "  plans: " + (" -> ".join(f"{layout_name(p['dp'], p['tp'], p['pp'])}@{p['step']}"
+                                   for p in s["plan_timeline"]) or "-"),
     ]
     for sw in s["switches"]:
-        lines.append(f"  switch @{sw['step']}: {sw['kind']} → dp{sw['dp']}·tp{sw['tp']}·"
-                     f"pp{sw['pp']} B={sw['global_batch_size']} mb{sw['micro_batch_size']}, "
-                     f"cost {_fmt(sw['switch_s'], '.2f')} s")
+        lines.append(f"  switch @{sw['step']}: {sw['kind']} -> "
+                     f"{layout_name(sw['dp'], sw['tp'], sw['pp'], sw['micro_batch_size'])} "
+                     f"B={sw['global_batch_size']}, cost {_fmt(sw['switch_s'], '.2f')} s")
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ sequence shards (`SequenceParallel`) and the block inputs are all-gathered at at
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -45,6 +46,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
                                         output_layouts=Replicate())
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.output is not None:    # after TP's own output hook, so it sees the local logits
+        model.output.register_forward_hook(_plain_logits)
     for block in model.layers.values():
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
@@ -62,6 +65,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
                                                    desired_input_layouts=(Replicate(),)),
             })
         parallelize_module(block, tp_mesh, plan)
+
+
+def _plain_logits(_module: object, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+    """The TP head's logits as a plain tensor, not a view. `DTensor.to_local()` returns
+    `local.view_as(local)`; the model returns those logits, so FSDP2's root module would warn
+    "returned a view tensor ... wrong gradients" on every forward (an in-place op on a view
+    would bypass its pre-backward hook; copus never does one). `aten._unsafe_view` re-exposes
+    the same storage as a non-view, with the same gradient (no copy), which removes the cause."""
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return torch.ops.aten._unsafe_view(output, output.shape)
+    return output
 
 
 def apply_ac(model: Transformer) -> None:

@@ -31,6 +31,7 @@ from copus.core.models import ModelShape, get_model_shape
 from copus.core.plan import ParallelPlan, plan_problems
 from copus.core.records import Decision, StepRecord
 from copus.runtime import checkpoint as ckpt
+from copus.runtime import stop
 from copus.runtime.launch import (
     default_micro_batch_size,
     elastic_run_id,
@@ -117,6 +118,7 @@ class Trainer:
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.writer = self._make_writer()
+        self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)
         self.engine: Any = None          # built by resume() under the plan it chooses
         self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
         self._remove_stale_stages()
@@ -149,7 +151,8 @@ class Trainer:
         cfg = self.cfg
         writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress, total_steps=cfg.train.max_steps,
-                           total_tokens=cfg.train.max_tokens)
+                           total_tokens=cfg.train.max_tokens,
+                           progress_interval_s=cfg.log.progress_interval_s)
         writer.write_config(cfg)
         if self.rank == 0:   # present even when the policy never decides
             (self.run_dir / "decisions.jsonl").touch()
@@ -160,7 +163,7 @@ class Trainer:
 
     def log(self, message: str) -> None:
         if self.rank == 0:
-            print(f"copus: {message}", flush=True)
+            self.writer.console(f"copus: {message}")
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -177,6 +180,11 @@ class Trainer:
                      "already reach train.max_steps / train.max_tokens")
             return self.finish()
         while not self.done():
+            signum, checkpoint_due = self.boundary.poll(self.device)   # runtime/stop.py
+            if signum:
+                return stop.graceful_stop(self, signum)
+            if checkpoint_due:
+                self.periodic_checkpoint()
             record = self.train_step()
             step = record.step
             if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
@@ -318,8 +326,9 @@ class Trainer:
                 self.policy.record_switch_cost(cost_s)
         self.writer.log_decision(decision, switch_s=cost_s, applied=True,
                                  lr_factor=self.lr.factor, **({"switch": switch} if switch else {}))
+        how = "" if switch is None else f"; {switch['method']} switch {switch['wall_s']:.2f} s"
         self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
-                 f"({decision.reason})")
+                 f"({decision.reason}){how}")
         return True
 
     def reconfigure(self, plan: ParallelPlan) -> dict:
@@ -333,8 +342,6 @@ class Trainer:
         else:
             self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine,
                                                    fallback_root=self.run_dir)
-        self.log(f"reconfigure {report.old_plan} -> {report.new_plan} ({report.method}): "
-                 f"{report.wall_s:.2f} s")
         return report.to_dict()
 
     def reconfigure_through_checkpoint(self, plan: ParallelPlan) -> None:
@@ -396,6 +403,7 @@ class Trainer:
         path = ckpt.save(self.ckpt_dir, self.progress.step, self._dcp_state(),
                          self.trainer_state(), keep=self.cfg.checkpoint.keep)
         self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
+        self.boundary.saved(self.progress.step)
         return path
 
     def resume(self, *, required: bool = True) -> bool:
@@ -421,6 +429,8 @@ class Trainer:
         check_resumed_tokenizer(state.get("tokenizer"), self.tokenizer, str(path))
         saved = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
+        self.writer.supersede_after(self.progress.step)   # one row per step (metrics.py)
+        self.boundary.saved(self.progress.step)
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])
         self.lr.load_state_dict(state["lr"])
@@ -482,6 +492,8 @@ class Trainer:
                    "b_noise": _json_float(self.gns.b_noise)}
         self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,
                             final_plan=plan_to_dict(self.plan), val_note=self.val_note)
+        self.writer.set_state("finished" if self.done() else "stopped", step=p.step,
+                              checkpoint=self.boundary.checkpoint_name())
         return summary
 
     def close(self) -> None:
@@ -518,6 +530,10 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
     from copus.runtime.dist import init_distributed, shutdown
 
     elastic = elastic_run_id() is not None or restart_count() > 0
+    if stop.detach_worker():     # a worker of copus's own launcher: it writes stop-request
+        stop.request.install().watch(run_dir)
+    else:
+        stop.request.install()
     device = init_distributed(backend=cfg.parallel.backend)
     trainer = None
     try:
@@ -531,5 +547,6 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
     finally:
         if trainer is not None:
             trainer.close()
+        stop.request.uninstall()
     shutdown()
     return result

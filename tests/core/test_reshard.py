@@ -105,3 +105,13 @@ def test_memory_order_keeps_every_rank_balanced():
 def test_buckets_are_consecutive_and_capped():
     assert buckets([3, 3, 3, 5, 1, 9, 1], cap=6) == [[0, 1], [2], [3, 4], [5], [6]]
     assert buckets([], cap=4) == []
+
+
+def test_direct_switch_cost_prior_grows_with_the_state():
+    from copus.core.reshard import DIRECT_SWITCH_CONSTANT_S, direct_switch_cost_s
+
+    assert direct_switch_cost_s(0.0) == DIRECT_SWITCH_CONSTANT_S
+    assert direct_switch_cost_s(4e9, 2e9, constant_s=0.1) == pytest.approx(2.1)
+    assert direct_switch_cost_s(1e9) < direct_switch_cost_s(2e9)
+    with pytest.raises(ValueError, match="bandwidth_bps=0"):
+        direct_switch_cost_s(1.0, 0.0)

@@ -380,3 +380,27 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
     assert kind == "shm" and path.name.startswith(own)
     assert not stale.exists()
     assert live.exists() and other_host.exists() and unrelated.exists()
+
+
+def test_controller_prior_is_the_direct_switch_cost_model_unless_configured():
+    from copus.config import load_config
+    from copus.core.hardware import get_hardware
+    from copus.core.models import get_model_shape
+    from copus.core.reshard import direct_switch_cost_s
+    from copus.runtime.launch import make_run_policy, switch_cost_prior_s
+
+    tiny = get_model_shape("tiny")
+    auto = switch_cost_prior_s(-1.0, tiny, 4, None)
+    assert auto == direct_switch_cost_s(12.0 * tiny.num_params())
+    assert switch_cost_prior_s(5.0, tiny, 4, None) == 5.0
+    h100 = get_hardware("h100-sxm")
+    assert switch_cost_prior_s(-1.0, tiny, 8, h100) == direct_switch_cost_s(
+        12.0 * tiny.num_params(), 8 * h100.intra_node_bw)
+    cfg = load_config(None, ["batch.policy='goodput'"])
+    assert cfg.controller.reconfig_cost_s == -1.0
+    policy = make_run_policy(cfg, DP4.with_batch(8), 4, tiny)
+    assert policy.reconfig_cost_s == pytest.approx(auto)         # before any measured switch
+    policy.record_switch_cost(0.5)
+    assert policy.reconfig_cost_s == 0.5                         # then the measured cost
+    with pytest.raises(ValueError, match="reconfig_cost_s"):
+        load_config(None, ["controller.reconfig_cost_s=-2"])

@@ -155,3 +155,21 @@ def buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
             out.append([i])
             total = size
     return out
+
+
+# Direct-switch cost, measured by bench/reconfigure.py (4 gloo ranks on 2 shared CPU cores, see
+# bench/results/reconfigure.json): wall ≈ constant + moved bytes / bandwidth.
+DIRECT_SWITCH_CONSTANT_S = 0.3
+CPU_SWITCH_BANDWIDTH_BPS = 1.0e9   # all ranks together, the measured direct-path rate
+
+
+def direct_switch_cost_s(state_bytes: float, bandwidth_bps: float | None = None,
+                         constant_s: float = DIRECT_SWITCH_CONSTANT_S) -> float:
+    """Prior cost of one direct layout switch: constant + state / bandwidth, where `state_bytes`
+    (weights + AdamW moments, all ranks) bounds the bytes that change owner and `bandwidth_bps`
+    is the world's aggregate rate (None: the CPU figure measured here)."""
+    bw = CPU_SWITCH_BANDWIDTH_BPS if bandwidth_bps is None else bandwidth_bps
+    if state_bytes < 0 or bw <= 0:
+        raise ValueError(f"state_bytes={state_bytes}, bandwidth_bps={bw} are invalid; allowed: "
+                         "state >= 0, bandwidth > 0")
+    return float(constant_s + state_bytes / bw)

@@ -115,8 +115,9 @@ def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
                 if isinstance(v, DTensor) and v.shape == p.shape and \
                         v.placements == p.placements and v.dtype == p.dtype:
                     moved.append(key)
-                elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim == 0:
-                    scalars[key] = (v.detach().cpu().clone(), v.device.type)
+                elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and \
+                        v.ndim == 0 and str(v.dtype) in _SCALAR_DTYPES:
+                    scalars[key] = (v.item(), str(v.dtype), v.device.type)
                 else:
                     raise UnsupportedLayout(f"optimizer state {name}.{key} is neither shaped "
                                             "like the parameter nor a scalar")
@@ -130,6 +131,7 @@ def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
 # ------------------------------------------------------------------------------------ plan
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_SCALAR_DTYPES = {**_DTYPES, **{str(d): d for d in (torch.int64, torch.int32)}}
 
 
 @dataclass
@@ -339,9 +341,11 @@ class _Mover:
         for new_g, old_g in zip(opt.param_groups, old_groups, strict=True):
             new_g.update({k: v for k, v in old_g.items() if k != "params"})
 
-    def _scalar(self, value: torch.Tensor, device_type: str) -> torch.Tensor:
-        """A 0-dim entry (AdamW `step`: on the CPU unless capturable/fused) on its device."""
-        return value.clone() if device_type == "cpu" else value.to(self.device)
+    def _scalar(self, value: float, dtype: str, device_type: str) -> torch.Tensor:
+        """A 0-dim entry (AdamW `step`: on the CPU unless capturable/fused) on its device; the
+        value travelled as a Python number (exact for float32/float64/int entries)."""
+        device = torch.device("cpu") if device_type == "cpu" else self.device
+        return torch.tensor(value, dtype=_SCALAR_DTYPES[dtype], device=device)
 
 
 def redistribute(old, new, *, cap_bytes: int | None = None) -> MoveStats | str:

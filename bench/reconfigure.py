@@ -452,15 +452,16 @@ def report(result: dict, out: Path) -> None:
           f"{host['cpus']} CPUs\nbefore: {host['uptime_before']}\n"
           f"after:  {host.get('uptime_after', '?')}")
     head = ("model/transition", "direct s", "build", "plan", "move", "teardn", "dcp s",
-            "restart s", "rst/dir", "dcp/dir", "step s", "sw/step", "moved MB", "floor s",
-            "dir/floor", "peak MB", "state MB")
+            "restart s", "rst/dir", "dcp/dir", "step s", "sw/step", "moved MB", "move GB/s",
+            "floor s", "dir/floor", "peak MB", "state MB")
     print(" ".join(f"{h:>24}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     for name, m in result["models"].items():
         for r in m["summary"]:
             vals = (r["direct_s"], r["direct_build_s"], r["direct_plan_s"], r["direct_move_s"],
                     r["direct_teardown_s"], r["dcp_s"], r.get("restart_s", float("nan")),
                     r.get("restart_over_direct", float("nan")), r["dcp_over_direct"],
-                    r["step_s"], r["switch_in_steps"], r["moved_mb"], r["floor_s"],
+                    r["step_s"], r["switch_in_steps"], r["moved_mb"],
+                    r["achieved_a2a_Bps"] / 1e9, r["floor_s"],
                     r["direct_vs_floor"], r["direct_state_peak_mb"], r["direct_state_mb"])
             label = f"{name.replace('synthetic:', 'syn')}/{r['transition']}"
             print(f"{label:>24} " + " ".join(f"{v:9.3f}" for v in vals))

@@ -194,7 +194,7 @@ def _all_checks(root: str) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("reconfigure")
-    return root, run_ranks(_all_checks, 4, str(root), timeout=240)
+    return root, run_ranks(_all_checks, 4, str(root), timeout=600)   # loaded 2-core hosts
 
 
 def _union(states: list[dict]) -> dict:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -353,6 +354,9 @@ def redistribute(old, new, *, cap_bytes: int | None = None) -> MoveStats | str:
     figures, or — identically on every rank, before anything changed — why it cannot apply.
     `old` keeps its (now empty) model and optimizer; the caller closes it."""
     t0 = time.perf_counter()
+    for module in old.model.modules():      # sharded parameters registered (a pipeline stage
+        if isinstance(module, FSDPModule):  # without resharding may hold them gathered)
+            module.reshard()
     mine = (describe(old.model, old.optimizer), describe(new.model, None))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -159,10 +159,11 @@ def buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
     return out
 
 
-# Direct-switch cost, measured by bench/reconfigure.py (4 gloo ranks on 2 shared CPU cores, see
-# bench/results/reconfigure.json): wall ≈ constant + moved bytes / bandwidth.
+# Direct-switch cost measured by bench/reconfigure.py (bench/results/reconfigure_synthetic.json:
+# 4 gloo ranks on 2 CPU cores shared with other jobs, load 11-28; synthetic states of 0.1, 0.5
+# and 1 GB took 0.59, 0.73 and 2.4 s): wall ≈ 0.3 s + state / 0.5 GB/s.
 DIRECT_SWITCH_CONSTANT_S = 0.3
-CPU_SWITCH_BANDWIDTH_BPS = 1.0e9   # all ranks together, the measured direct-path rate
+CPU_SWITCH_BANDWIDTH_BPS = 0.5e9   # all ranks together: weights + AdamW state per second
 
 
 def direct_switch_cost_s(state_bytes: float, bandwidth_bps: float | None = None,

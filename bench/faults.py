@@ -10,8 +10,13 @@ random worker (a child of the launcher) in one of three phases:
 
 - step:        after a random step's metrics line appears, plus a random fraction of a step;
 - checkpoint:  while a `checkpoints/tmp-step-N` folder exists (a save in progress);
-- reconfigure: once the trial's own staging folder `/dev/shm/copus-switch-<host>-<pid>-*` exists
-               (pid = one of its workers) or a worker holds a file open in one.
+- reconfigure: inside the in-process switch: once the trainer has logged
+               "reconfigure ... : start" and not yet the switch's result line (the direct path:
+               shards move in memory, no files), or once the trial's own DCP staging folder
+               `/dev/shm/copus-switch-<host>-<pid>-*` exists (the fallback; pid = one of its
+               workers) or a worker holds a file open in one. The kill counts as confirmed
+               inside the switch when, after every worker died, the result line is still
+               missing (direct) or the staging folder still existed at the kill (DCP).
 
 The elastic agent restarts the workers, which resume from the latest good checkpoint. Checked
 per trial (from metrics.jsonl, the checkpoints and the exit status):
@@ -141,6 +146,21 @@ def staging_dirs(pids: list[int] | None = None) -> set[str]:
 
 # ------------------------------------------------------------------------------- reading a run
 
+_SWITCH_START = re.compile(r"^copus: reconfigure .* -> .*: start$", re.MULTILINE)
+_SWITCH_DONE = re.compile(r"^copus: reconfigure .* -> .* \((?:direct|in-process|checkpoint)\): ",
+                          re.MULTILINE)
+
+
+def switch_open(log: Path) -> bool:
+    """True while the trainer's log shows a switch started and not finished (rank 0 prints
+    both lines, flushed)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return len(_SWITCH_START.findall(text)) > len(_SWITCH_DONE.findall(text))
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl lines in file order; a crash-truncated line is skipped."""
     rows: list[dict] = []
@@ -260,13 +280,17 @@ def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
             if tmp.exists():
                 time.sleep(rng.uniform(0.0, 0.25))
                 return {"at_step": target_save, "confirmed": tmp.exists()}
-        else:   # one of our workers' staging folders appears (or it has a file open in one)
+        else:   # a switch is under way: logged start (direct) or our staging folder (DCP)
             pids = workers(proc.pid)
             own = staging_dirs(pids)
             rows = read_rows(run_dir)
+            if switch_open(run_dir.with_suffix(".log")):
+                time.sleep(rng.uniform(0.0, switch_delay_s))
+                return {"at_step": rows[-1]["step"] if rows else 0, "switch_path": "direct",
+                        "confirmed": True}     # re-checked once the workers are dead
             if own or any(STAGE_PREFIX in path for pid in pids for path in open_paths(pid)):
                 time.sleep(rng.uniform(0.0, switch_delay_s))
-                return {"at_step": rows[-1]["step"] if rows else 0,
+                return {"at_step": rows[-1]["step"] if rows else 0, "switch_path": "dcp",
                         "confirmed": bool(staging_dirs(pids))}
             if rows and rows[-1]["step"] >= steps - 2:   # no layout change in this run: kill
                 return {"at_step": rows[-1]["step"], "confirmed": False}   # mid-step instead
@@ -302,6 +326,8 @@ def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 
                               killed_at_s=round(time.monotonic() - t0, 2))
                 while any(alive(p) for p in pids) and time.monotonic() < t0 + timeout_s:
                     time.sleep(0.01)                  # the agent stops the other worker
+                if moment.get("switch_path") == "direct":   # did the switch finish first?
+                    result["confirmed"] = switch_open(root / f"trial-{index:02d}.log")
                 good, bad = verify_all(run_dir / "checkpoints")
                 result["valid_after_kill"], result["corrupt_after_kill"] = good, bad
             try:

@@ -227,7 +227,9 @@ class GnsConfig:
 class ControllerConfig:
     margin: float = _opt(0.10, _real(0.0))
     lr_aware: bool = _opt(False, _bool())
-    reconfig_cost_s: float = _opt(2.0, _real(0.0))
+    # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
+    reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)
+                                  else "-1 (auto) or a number >= 0")
     allow_reconfigure: bool = _opt(True, _bool())
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))

@@ -78,13 +78,16 @@ def test_kill_9_mid_step_and_mid_checkpoint_loses_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_inside_an_in_process_switch_loses_nothing_and_leaks_no_staging(tmp_path):
-    """The layout map switches pp2 -> dp2 at a known step; the kill lands as soon as the switch's
-    staging folder exists (mid-switch); the restarted run switches again and completes."""
+    """The layout map switches pp2 -> dp2 at a known step by the direct path (shards move in
+    memory); the kill lands as soon as the trainer logged the switch's start, and is confirmed
+    inside it (the result line never came); the restarted run resumes from the last checkpoint,
+    switches again and completes with nothing lost or repeated."""
     report = faults.run_trials(1, 9, seed=0, root=tmp_path, echo=False,
                                phases=("reconfigure",), switch_delay_s=0.0)
     t = report["trials"][0]
     detail = (tmp_path / "trial-00.log").read_text()[-3000:]
     assert t["phase"] == "reconfigure" and t["killed"] and t["confirmed"], (t, detail)
+    assert t["switch_path"] == "direct", t
     assert t["survived"] and t["resume_ok"], (t, detail)
     assert t["samples_lost"] == 0 and t["samples_repeated"] == 0, t
     assert t["checkpoint_offsets_ok"] and t["loss_mismatches"] == 0, t

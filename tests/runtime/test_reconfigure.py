@@ -1,14 +1,18 @@
-"""In-process layout switches (runtime/reconfigure.py) on 4 gloo ranks, one process launch.
+"""In-process layout switches (runtime/reconfigure.py, runtime/redistribute.py) on 4 gloo ranks.
 
-Engine level: dp4 → dp2·tp2 → pp2·dp2. After each switch the next two losses must equal those of
-a fresh engine that loads the same state (saved just before the switch) straight into the new
-plan; tolerance: exact (same plan, same state, same data → same floats). The full AdamW state
-(exp_avg, exp_avg_sq, step) and the weights gathered after the switch equal those before.
+Engine level, one chain: dp4 → dp2·tp2 → dp2·pp2 → tp2·pp2 → dp4 by the DIRECT path (shards
+moved between the layouts in memory), then dp4 → dp2·tp2 by DCP staging in /dev/shm (path="dcp")
+and dp2·tp2 → dp2·pp2 by the automatic choice when the direct path cannot apply (the optimizer
+holds an entry it cannot map) — DCP staging on disk. After each switch the next loss must equal
+that of a fresh engine that loads the state saved just before the switch straight into the new
+plan (tolerance: exact). Around every direct switch the full weights and AdamW state (exp_avg,
+exp_avg_sq, step) gathered before and after are equal, and the moved state held at once stays
+within the stated bound.
 
 Trainer level: a scripted policy switches dp4 → dp2·tp2 (after step 1) → pp2·dp2 with B 8 → 16
-(after step 2), once with controller.switch="in-process" and once with "checkpoint": identical
-losses, every sample id consumed exactly once, dp slices tile each batch, switch costs reach the
-policy and decisions.jsonl.
+(after step 2), once with controller.switch="in-process" (direct) and once with "checkpoint":
+identical losses, every sample id consumed exactly once, dp slices tile each batch, switch costs
+reach the policy and decisions.jsonl.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ SHAPE = ModelShape(name="switch-test", n_layers=2, dim=64, n_heads=4, n_kv_heads
 DP4 = ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=1, num_microbatches=2)
 DP2TP2 = ParallelPlan(dp=2, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)
 PP2DP2 = ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=2, num_microbatches=2)
+TP2PP2 = ParallelPlan(dp=1, tp=2, pp=2, micro_batch_size=2, num_microbatches=4)
+# (how, plan): the engine-level chain of switches
+CHAIN = (("direct", DP2TP2), ("direct", PP2DP2), ("direct", TP2PP2), ("direct", DP4),
+         ("dcp", DP2TP2), ("fallback", PP2DP2))
 LR = 1e-2
 
 
@@ -65,6 +73,15 @@ def _full_state(engine) -> dict:
     return out
 
 
+def _unmappable_entry(engine) -> None:
+    """Give one parameter an optimizer entry the direct path cannot map (a plain 1-D tensor, as
+    a factored-moment optimizer keeps): the automatic choice must fall back to DCP staging."""
+    import torch
+
+    p = next(iter(engine.model.parameters()))
+    engine.optimizer.state[p]["row_factor"] = torch.zeros(3)
+
+
 def _engine_switches(root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -74,36 +91,37 @@ def _engine_switches(root: str) -> dict:
 
     cache = MeshCache("cpu")
 
-    def build(plan):
-        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0)
-
-    def save(engine, name):
-        model_sd, optim_sd = engine.state_dicts()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/{name}")
+    def build(plan, allocate=True):
+        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate)
 
     engine = build(DP4)
     losses = _steps(engine, range(0, 2))
-    save(engine, "before-1")
-    before = _full_state(engine)
-    engine, rep1 = switch_engine(engine, DP2TP2, build, fallback_root=root)
-    after = _full_state(engine)
-    losses += _steps(engine, range(2, 4))
-    save(engine, "before-2")
-    engine, rep2 = switch_engine(engine, PP2DP2, build, fallback_root=root, prefer_shm=False)
-    after2 = _full_state(engine)
-    losses += _steps(engine, range(4, 6))
+    states, reports = [], []
+    for i, (how, plan) in enumerate(CHAIN):
+        model_sd, optim_sd = engine.state_dicts()
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/before-{i}")
+        before = _full_state(engine) if how == "direct" else None
+        if how == "fallback":
+            _unmappable_entry(engine)
+        engine, rep = switch_engine(engine, plan, build, fallback_root=root,
+                                    path="dcp" if how == "dcp" else "auto",
+                                    prefer_shm=how != "fallback")
+        if how == "direct":
+            states.append((before, _full_state(engine)))
+        reports.append(rep.to_dict())
+        losses += _steps(engine, range(2 + i, 3 + i))
     engine.close()
     reference = []
-    for name, plan, steps in (("before-1", DP2TP2, range(2, 4)), ("before-2", PP2DP2, range(4, 6))):
+    for i, (_, plan) in enumerate(CHAIN):
         ref = build(plan)
         model_sd, optim_sd = ref.state_dicts()
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=f"{root}/{name}")
+        dcp.load(state, checkpoint_id=f"{root}/before-{i}")
         ref.load_state(state["model"], state["optim"])
-        reference += _steps(ref, steps)
+        reference += _steps(ref, range(2 + i, 3 + i))
         ref.close()
-    return {"losses": losses, "reference": reference, "before": before, "after": after,
-            "after2": after2, "reports": [rep1.to_dict(), rep2.to_dict()], "meshes": len(cache)}
+    return {"losses": losses, "reference": reference, "states": states, "reports": reports,
+            "meshes": len(cache)}
 
 
 class ScriptedLayouts:
@@ -176,7 +194,7 @@ def _all_checks(root: str) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("reconfigure")
-    return root, run_ranks(_all_checks, 4, str(root), timeout=240)
+    return root, run_ranks(_all_checks, 4, str(root), timeout=600)   # loaded 2-core hosts
 
 
 def _union(states: list[dict]) -> dict:
@@ -192,40 +210,51 @@ def _union(states: list[dict]) -> dict:
 def test_losses_after_switch_equal_a_straight_load(four_ranks):
     _, results = four_ranks
     r = results[0]["engine"]
-    assert all(np.isfinite(r["losses"]))
+    assert len(r["losses"]) == 2 + len(CHAIN) and all(np.isfinite(r["losses"]))
     assert r["losses"][2:] == r["reference"]                   # tolerance: exact
     assert [x["engine"]["losses"] for x in results] == [r["losses"]] * 4
-    assert r["meshes"] == 3                                     # one cached mesh per layout
+    assert r["meshes"] == 4                                     # one cached mesh per layout
 
 
-def test_weights_and_adam_moments_survive_the_reshard(four_ranks):
+def test_direct_switch_moves_weights_and_adam_moments_unchanged(four_ranks):
     _, results = four_ranks
-    before = results[0]["engine"]["before"]                     # dp4: every rank holds all keys
-    after = _union([x["engine"]["after"] for x in results])     # dp2·tp2
-    after2 = _union([x["engine"]["after2"] for x in results])   # pp2·dp2: stages hold halves
-    assert set(before) == set(after) == set(after2)
-    moments = [k for k in before if k.endswith((".exp_avg", ".exp_avg_sq"))]
-    steps = [k for k in before if k.endswith(".step")]
-    assert len(moments) == 2 * len(steps) > 0
-    for key in before:
-        assert np.array_equal(np.asarray(before[key]), np.asarray(after[key])), key
-    assert all(float(before[k]) == 2.0 for k in steps)
-    assert all(float(after2[k]) == 4.0 for k in steps)          # 2 more steps under dp2·tp2
-    assert any(np.abs(before[k]).sum() > 0 for k in moments)
+    per_rank = [x["engine"]["states"] for x in results]
+    assert len(per_rank[0]) == 4                                # the four direct switches
+    for k, _ in enumerate(per_rank[0]):
+        before = _union([states[k][0] for states in per_rank])
+        after = _union([states[k][1] for states in per_rank])
+        assert set(before) == set(after)
+        moments = [key for key in before if key.endswith((".exp_avg", ".exp_avg_sq"))]
+        steps = [key for key in before if key.endswith(".step")]
+        assert len(moments) == 2 * len(steps) > 0
+        for key in before:
+            assert np.array_equal(np.asarray(before[key]), np.asarray(after[key])), (k, key)
+        assert all(float(before[key]) == 2.0 + k for key in steps)
+        assert any(np.abs(before[key]).sum() > 0 for key in moments)
 
 
 def test_switch_reports_are_measured_and_agree_across_ranks(four_ranks):
     _, results = four_ranks
     reports = results[0]["engine"]["reports"]
     assert [x["engine"]["reports"] for x in results] == [reports] * 4
+    assert [rep["method"] for rep in reports] == ["direct"] * 4 + ["in-process"] * 2
     for rep in reports:
-        assert rep["method"] == "in-process"
-        phases = [rep[k] for k in ("stage_s", "teardown_s", "build_s", "load_s")]
+        phases = [rep[k] for k in ("stage_s", "teardown_s", "build_s", "load_s", "plan_s",
+                                   "move_s")]
         assert all(0 <= x <= rep["wall_s"] for x in phases) and sum(phases) > 0
-        assert rep["staged_bytes"] > 0 and rep["rss_peak_mb"] >= rep["rss_before_mb"] > 0
-    assert [rep["staging"] for rep in reports] == ["shm", "disk"]
-    assert reports[0]["old_plan"] == DP4.describe() and reports[1]["new_plan"] == \
-        PP2DP2.describe()
+        assert rep["rss_peak_mb"] >= rep["rss_before_mb"] > 0
+    for rep in reports[:4]:
+        assert rep["staged_bytes"] == 0 and rep["moved_bytes"] > 0 and rep["move_s"] > 0
+        assert rep["collectives"] <= rep["buckets"] and rep["fallback_reason"] == ""
+        # the stated bound: moved state held at once <= max(old, new) + 3 buckets in flight
+        assert rep["state_mb"] < rep["state_peak_mb"] <= rep["state_mb"] + 3 * rep[
+            "cap_bytes"] / 2**20
+    assert [rep["staging"] for rep in reports[4:]] == ["shm", "disk"]
+    assert all(rep["staged_bytes"] > 0 for rep in reports[4:])
+    assert reports[4]["fallback_reason"] == ""                  # forced: path="dcp"
+    assert "row_factor" in reports[5]["fallback_reason"]        # automatic fallback
+    assert reports[0]["old_plan"] == DP4.describe() and reports[2]["new_plan"] == \
+        TP2PP2.describe()
 
 
 def _by_step(seen_per_rank: list[list[dict]]) -> dict[int, dict]:
@@ -267,7 +296,8 @@ def test_trainer_switch_consumes_every_sample_once(four_ranks, switch):
     assert len(costs) == 2 and all(c > 0 for c in costs)
     decisions = [json.loads(x) for x in
                  (root / switch / "decisions.jsonl").read_text().splitlines()]
-    assert [d["switch"]["method"] for d in decisions] == [switch, switch]
+    method = "direct" if switch == "in-process" else switch
+    assert [d["switch"]["method"] for d in decisions] == [method, method]
     assert [d["switch_s"] for d in decisions] == costs
 
 
@@ -305,7 +335,7 @@ def test_same_layout_is_refused_before_any_work():
 
     engine = SimpleNamespace(plan=DP4, device="cpu")
     with pytest.raises(ValueError, match=r"layout \(4, 1, 1\) is unchanged"):
-        switch_engine(engine, DP4.with_batch(16), lambda plan: None)
+        switch_engine(engine, DP4.with_batch(16), lambda plan, allocate=True: None)
 
 
 def test_stage_dir_needs_room_and_falls_back_to_the_shared_folder(tmp_path, monkeypatch):
@@ -350,3 +380,27 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
     assert kind == "shm" and path.name.startswith(own)
     assert not stale.exists()
     assert live.exists() and other_host.exists() and unrelated.exists()
+
+
+def test_controller_prior_is_the_direct_switch_cost_model_unless_configured():
+    from copus.config import load_config
+    from copus.core.hardware import get_hardware
+    from copus.core.models import get_model_shape
+    from copus.core.reshard import direct_switch_cost_s
+    from copus.runtime.launch import make_run_policy, switch_cost_prior_s
+
+    tiny = get_model_shape("tiny")
+    auto = switch_cost_prior_s(-1.0, tiny, 4, None)
+    assert auto == direct_switch_cost_s(12.0 * tiny.num_params())
+    assert switch_cost_prior_s(5.0, tiny, 4, None) == 5.0
+    h100 = get_hardware("h100-sxm")
+    assert switch_cost_prior_s(-1.0, tiny, 8, h100) == direct_switch_cost_s(
+        12.0 * tiny.num_params(), 8 * h100.intra_node_bw)
+    cfg = load_config(None, ["batch.policy='goodput'"])
+    assert cfg.controller.reconfig_cost_s == -1.0
+    policy = make_run_policy(cfg, DP4.with_batch(8), 4, tiny)
+    assert policy.reconfig_cost_s == pytest.approx(auto)         # before any measured switch
+    policy.record_switch_cost(0.5)
+    assert policy.reconfig_cost_s == 0.5                         # then the measured cost
+    with pytest.raises(ValueError, match="reconfig_cost_s"):
+        load_config(None, ["controller.reconfig_cost_s=-2"])

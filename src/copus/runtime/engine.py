@@ -101,7 +101,11 @@ class Engine:
     """This rank's share of one (dp, tp, pp) layout; see module docstring."""
 
     def __init__(self, shape: ModelShape, plan: ParallelPlan, settings: EngineSettings,
-                 device: torch.device | str, mesh_cache: MeshCache, seed: int = 0) -> None:
+                 device: torch.device | str, mesh_cache: MeshCache, seed: int = 0,
+                 allocate: bool = True) -> None:
+        """`allocate=False`: the model stays on the meta device (no memory, no optimizer); the
+        caller fills it (reconfigure's direct path: `runtime/redistribute.py`) and then calls
+        `finish_build()`."""
         plan.validate(dist.get_world_size(), shape)
         self.shape, self.plan, self.settings = shape, plan, settings
         self.device = torch.device(device)
@@ -115,14 +119,21 @@ class Engine:
         parallelize(model, self.mesh, sequence_parallel=settings.sequence_parallel,
                     activation_checkpointing=settings.activation_checkpointing,
                     reshard_after_forward=settings.reshard_after_forward)
-        self.model = materialize(model, self.device, seed)
+        self.model = materialize(model, self.device, seed) if allocate else model
+        self.optimizer = self.pipeline = self.stats = None
+        if allocate:
+            self.finish_build()
+
+    # ----------------------------------------------------------------------------- build
+    def finish_build(self) -> None:
+        """AdamW, pipeline stage and gradient statistics on the materialised model."""
+        settings, plan = self.settings, self.plan
         self.optimizer = self._build_optimizer()
         self.pipeline = (Pipeline(self.model, self.mesh["pp"], self.device, settings.pp_schedule,
                                   token_loss) if plan.pp > 1 else None)
         self.gns_small = settings.gns_small if plan.dp > 1 else "microbatch"
         self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
 
-    # ----------------------------------------------------------------------------- build
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW; weight decay on matrices (ndim ≥ 2) only, not on norm weights."""
         s = self.settings
@@ -261,7 +272,8 @@ class Engine:
 
     def close(self) -> None:
         """Drop hooks, model and optimizer (the cached mesh and its groups stay alive)."""
-        self.stats.close()
+        if self.stats is not None:
+            self.stats.close()
         self.pipeline = None
         self.optimizer = None
         self.model = None

@@ -96,7 +96,9 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         c = cfg.controller
         # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/elastic.py)
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
-        kw = dict(margin=c.margin, lr_aware=c.lr_aware, reconfig_cost_s=c.reconfig_cost_s,
+        kw = dict(margin=c.margin, lr_aware=c.lr_aware,
+                  reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size,
+                                                      hardware),
                   allow_reconfigure=c.allow_reconfigure and not fixed,
                   refit_interval_steps=c.refit_interval_steps, hardware=hardware,
                   explore=explore_settings(cfg), audit_steps=c.audit_steps,
@@ -123,6 +125,23 @@ def explore_settings(cfg: Config):
     c = cfg.controller
     return ExploreSettings(max_probes=c.explore_max_probes, probe_steps=c.explore_steps,
                            interval_steps=c.explore_interval_steps, top_k=c.explore_top_k)
+
+
+def switch_cost_prior_s(configured: float, shape: ModelShape, world_size: int,
+                        hardware: HardwareProfile | None) -> float:
+    """controller.reconfig_cost_s, or for -1 (auto) the direct switch's cost model: measured
+    constant + weights and AdamW moments (12 B/parameter) / the world's bandwidth (CPU: the
+    rate measured by bench/reconfigure.py; GPUs: per-device link bandwidth × world)."""
+    from copus.core.reshard import direct_switch_cost_s
+
+    if configured >= 0:
+        return configured
+    bw = None
+    if hardware is not None:
+        link = hardware.intra_node_bw if world_size <= hardware.gpus_per_node else \
+            hardware.inter_node_bw
+        bw = link * world_size
+    return direct_switch_cost_s(12.0 * shape.num_params(), bw)
 
 
 # Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.

@@ -55,16 +55,16 @@ from torch.distributed.tensor import DTensor
 
 from copus.core.plan import ParallelPlan
 
-SWITCH_METHODS = ("in-process", "checkpoint")
+SWITCH_METHODS = ("direct", "in-process", "checkpoint")
 SHM_ROOT = Path("/dev/shm")
-_PHASES = ("stage_s", "teardown_s", "build_s", "load_s")
+_PHASES = ("stage_s", "teardown_s", "build_s", "load_s", "plan_s", "move_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwitchReport:
     """One layout switch, identical on every rank (times and memory: maximum over ranks)."""
 
-    method: str                # "in-process" | "checkpoint"
+    method: str                # "direct" | "in-process" (DCP staging) | "checkpoint"
     old_plan: str
     new_plan: str
     wall_s: float              # the whole switch, first rank in to last rank out
@@ -72,11 +72,21 @@ class SwitchReport:
     teardown_s: float = 0.0    # free the old layout's tensors, close the old engine
     build_s: float = 0.0       # new mesh (cached), model, wrappers, optimizer
     load_s: float = 0.0        # DCP load (reshard) + set_state_dict
+    plan_s: float = 0.0        # direct: describe both layouts (one all_gather_object) + plan
+    move_s: float = 0.0        # direct: materialise new shards, exchange, free old shards
     staged_bytes: int = 0      # size of the staged state, all ranks together
     staging: str = ""          # "shm" (RAM) | "disk"
     rss_before_mb: float = 0.0     # resident memory when the switch started
     rss_peak_mb: float = 0.0       # peak resident memory during the switch (VmHWM)
     device_peak_mb: float = 0.0    # CUDA: peak allocated during the switch; 0 on CPU
+    fallback_reason: str = ""      # why the direct path did not apply (then DCP staging ran)
+    moved_bytes: int = 0           # direct: bytes sent to another rank, all ranks together
+    local_bytes: int = 0           # direct: bytes copied within a rank, all ranks together
+    buckets: int = 0               # direct: groups of parameters moved one after another
+    collectives: int = 0           # direct: all_to_all_single calls
+    cap_bytes: int = 0             # direct: bucket limit (one parameter with its moments)
+    state_mb: float = 0.0          # direct: max over ranks of max(old, new) moved state, MiB
+    state_peak_mb: float = 0.0     # direct: max over ranks of the moved state held at once
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -294,38 +304,108 @@ class _Meter:
         self.rss_seen = max(self.rss_seen, rss_mb())
 
     def report(self, method: str, old: ParallelPlan, new: ParallelPlan, staged_bytes: int,
-               staging: str) -> SwitchReport:
+               staging: str, *, sums: dict[str, float] | None = None,
+               maxes: dict[str, float] | None = None, **extra: Any) -> SwitchReport:
+        """Reduce this rank's figures: times and memory (and `maxes`) by MAX, bytes (and
+        `sums`) by SUM over ranks; `extra` fields are taken as they are (same on every rank)."""
+        sums, maxes = dict(sums or {}), dict(maxes or {})
         wall = time.perf_counter() - self.t0
         peak = max(self.rss_seen, peak_rss_mb() if self.shared_peak else 0.0)
         dev_peak = (torch.cuda.max_memory_allocated(self.device) / 2**20
                     if self.device.type == "cuda" else 0.0)
-        mx = _allreduce([wall, *self.phases.values(), self.rss_before, peak, dev_peak],
-                        dist.ReduceOp.MAX, self.device)
-        total_bytes = _allreduce([float(staged_bytes)], dist.ReduceOp.SUM, self.device)[0]
+        mx = _allreduce([wall, *self.phases.values(), self.rss_before, peak, dev_peak,
+                         *maxes.values()], dist.ReduceOp.MAX, self.device)
+        sm = _allreduce([float(staged_bytes), *sums.values()], dist.ReduceOp.SUM, self.device)
+        n = len(_PHASES)
+        fields = dict(zip(_PHASES, mx[1:1 + n], strict=True))
+        fields.update(zip(maxes, mx[4 + n:], strict=True))
+        fields.update({k: int(v) for k, v in zip(sums, sm[1:], strict=True)})
         return SwitchReport(method=method, old_plan=old.describe(), new_plan=new.describe(),
-                            wall_s=mx[0], **dict(zip(_PHASES, mx[1:5], strict=True)),
-                            staged_bytes=int(total_bytes), staging=staging,
-                            rss_before_mb=mx[5], rss_peak_mb=mx[6], device_peak_mb=mx[7])
+                            wall_s=mx[0], staged_bytes=int(sm[0]), staging=staging,
+                            rss_before_mb=mx[1 + n], rss_peak_mb=mx[2 + n],
+                            device_peak_mb=mx[3 + n], **fields, **extra)
 
 
 # ------------------------------------------------------------------------------------ switches
 
-def switch_engine(engine, plan: ParallelPlan, build: Callable[[ParallelPlan], Any], *,
-                  fallback_root: str | Path | None = None,
-                  prefer_shm: bool = True) -> tuple[Any, SwitchReport]:
+ENGINE_PATHS = ("auto", "direct", "dcp")
+
+
+def switch_engine(engine, plan: ParallelPlan, build: Callable[..., Any], *,
+                  fallback_root: str | Path | None = None, prefer_shm: bool = True,
+                  path: str = "auto", cap_bytes: int | None = None) -> tuple[Any, SwitchReport]:
     """Move `engine`'s model and optimizer state into a new engine for `plan`, in place.
 
     Collective: every rank calls it at the same optimizer-step boundary with the same `plan`.
-    `build(plan)` returns the new `Engine` (mesh from the shared `MeshCache`); `engine` is
-    closed and must not be used afterwards. Returns (new engine, report). The staging folder is
-    removed on success and kept on failure (it then holds the only copy of the state).
+    `build(plan, allocate=True)` returns the new `Engine` (mesh from the shared `MeshCache`);
+    `engine` is closed and must not be used afterwards. Returns (new engine, report).
+
+    `path`: "direct" (`redistribute`: shards move between the layouts in memory, method
+    "direct"), "dcp" (staging through DCP files, method "in-process"), or "auto": direct, and
+    DCP staging when the direct path cannot apply (the reason, identical on every rank, is in
+    `report.fallback_reason`). A DCP staging folder is removed on success and kept on failure
+    (it then holds the only copy of the state).
     """
+    if path not in ENGINE_PATHS:
+        raise ValueError(f"path={path!r} is invalid; allowed: {', '.join(ENGINE_PATHS)}")
     old_plan, device = engine.plan, engine.device
     if plan.layout == old_plan.layout:
         raise ValueError(f"switch_engine: layout {plan.layout} is unchanged; allowed: a new "
                          "(dp, tp, pp) (same layout: Engine.set_plan)")
     meter = _Meter(device)
     rng = _capture_rng(device)
+    reason = ""
+    if path != "dcp":
+        new = build(plan, allocate=False)
+        meter.lap("build_s")
+        from copus.runtime.redistribute import redistribute
+
+        stats = redistribute(engine, new, cap_bytes=cap_bytes)
+        if not isinstance(stats, str):
+            meter.phases["plan_s"] += stats.describe_s
+            meter.phases["move_s"] += stats.move_s
+            meter.phases["build_s"] += stats.finish_s
+            meter.last = time.perf_counter()
+            meter.rss_seen = max(meter.rss_seen, rss_mb())
+            _teardown(engine, device)
+            meter.lap("teardown_s")
+            _restore_rng(rng, device)
+            mib = 2.0 ** 20
+            return new, meter.report(
+                "direct", old_plan, plan, 0, "",
+                sums={"moved_bytes": stats.bytes_sent, "local_bytes": stats.bytes_local},
+                maxes={"state_mb": max(stats.old_bytes, stats.new_bytes) / mib,
+                       "state_peak_mb": stats.tracked_peak_bytes / mib},
+                buckets=stats.buckets, collectives=stats.collectives, cap_bytes=stats.cap_bytes)
+        if path == "direct":
+            raise ValueError(f"path='direct' cannot apply: {stats}; allowed: path='auto' or "
+                             "'dcp'")
+        reason = stats
+        new.close()
+        del new
+        meter.lap("plan_s")
+    new, staged, staging = _switch_through_dcp(engine, plan, build, meter, fallback_root,
+                                               prefer_shm)
+    _restore_rng(rng, device)
+    return new, meter.report("in-process", old_plan, plan, staged, staging,
+                             fallback_reason=reason)
+
+
+def _teardown(engine, device: torch.device) -> None:
+    """Free the old layout's tensors now and close its engine (module docstring, 2)."""
+    _, stuck = release_tensors(engine.model, engine.optimizer)
+    engine.close()
+    if stuck:
+        gc.collect()          # some storages could not be shrunk: free them the slow way
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _switch_through_dcp(engine, plan: ParallelPlan, build: Callable[..., Any], meter: _Meter,
+                        fallback_root: str | Path | None, prefer_shm: bool
+                        ) -> tuple[Any, int, str]:
+    """Stage → teardown → build → load through a DCP folder; (new engine, bytes, staging)."""
+    device = engine.device
     model_sd, optim_sd = engine.state_dicts()
     stage, staging = make_stage_dir(fallback_root, device, prefer_shm,
                                     state_bytes(model_sd, optim_sd))
@@ -334,13 +414,8 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[[ParallelPlan], An
     staged = _folder_bytes(stage) if _rank() == 0 else 0   # rank 0 sees every rank's files
     del model_sd, optim_sd
     meter.lap("stage_s")
-    _, stuck = release_tensors(engine.model, engine.optimizer)
-    engine.close()
+    _teardown(engine, device)
     del engine
-    if stuck:
-        gc.collect()          # some storages could not be shrunk: free them the slow way
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     meter.lap("teardown_s")
     new = build(plan)
     meter.lap("build_s")
@@ -349,12 +424,11 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[[ParallelPlan], An
     dcp.load(state, checkpoint_id=str(stage), no_dist=True)   # every rank plans its own reads
     new.load_state(state["model"], state["optim"])
     del state, model_sd, optim_sd
-    _restore_rng(rng, device)
     meter.lap("load_s")
     dist.barrier()
     if _rank() == 0:
         shutil.rmtree(stage, ignore_errors=True)
-    return new, meter.report("in-process", old_plan, plan, staged, staging)
+    return new, staged, staging
 
 
 def timed_switch(method: str, old: ParallelPlan, new: ParallelPlan, device: torch.device,

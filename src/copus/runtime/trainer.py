@@ -138,12 +138,12 @@ class Trainer:
             for path in rc.remove_stale_stages(root):
                 self.log(f"removed staging folder {path} left by a killed worker")
 
-    def _make_engine(self, plan: ParallelPlan):
+    def _make_engine(self, plan: ParallelPlan, allocate: bool = True):
         from copus.runtime.engine import Engine, settings_from_config
 
         settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
-                      seed=self.cfg.train.seed)
+                      seed=self.cfg.train.seed, allocate=allocate)
 
     def _make_writer(self):
         from copus.runtime.metrics import RunWriter
@@ -332,9 +332,12 @@ class Trainer:
         return True
 
     def reconfigure(self, plan: ParallelPlan) -> dict:
-        """New (dp, tp, pp) by controller.switch: "in-process" (`reconfigure.switch_engine`, state
-        staged in /dev/shm or the run folder) or "checkpoint"; returns the SwitchReport dict."""
+        """New (dp, tp, pp) by controller.switch: "in-process" (`reconfigure.switch_engine`: shards
+        moved directly between the layouts, or staged through DCP in /dev/shm or the run folder
+        when that cannot apply) or "checkpoint"; returns the SwitchReport dict."""
         from copus.runtime import reconfigure as rc
+
+        self.log(f"reconfigure {self.plan.describe()} -> {plan.describe()}: start")
 
         if self.cfg.controller.switch == "checkpoint":
             report = rc.timed_switch("checkpoint", self.plan, plan, self.device,

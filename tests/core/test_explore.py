@@ -67,7 +67,7 @@ def test_switches_to_a_layout_measured_faster_by_more_than_the_margin():
     probes = [d for d in decisions if d.purpose == "probe"]
     assert probes and all(d.reason.startswith("probe ") for d in probes)
     kept = [e for e in events if e["event"] == "probe_result" and e["verdict"] == "keep"]
-    assert len(kept) == 1 and "dp2·pp2" in kept[0]["plan"]
+    assert len(kept) == 1 and "dp2.tp1.pp2" in kept[0]["plan"]
     assert kept[0]["gain"] == pytest.approx(0.5, abs=0.1) and kept[0]["margin"] == 0.10
     assert plans[-1].layout == (2, 1, 2)                  # stays on the measured-faster layout
     json.dumps(events)                                    # decisions.jsonl rows are JSON

@@ -37,7 +37,7 @@ def test_published_rows_get_their_simulated_twins(comparison):
     assert list(rows) == [*FAKE.published_minutes, "goodput"]
     copus = comparison.run("goodput-copus")
     assert rows["COPUS"].simulated == tuple(copus.time_to_target_s[t] / 60 for t in (7.0, 6.0))
-    cbs = [r for r in comparison.results if r.name == "cbs DP8,TP1,PP1"]
+    cbs = [r for r in comparison.results if r.name == "cbs dp8.tp1.pp1"]
     assert cbs and cbs[0].timeline[0].plan.layout == (8, 1, 1)
     assert rows["CBS (DP8,TP1,PP1)"].simulated[0] == pytest.approx(cbs[0].time_to_target_s[7.0] / 60)
     assert rows["goodput"].published is None and rows["goodput"].simulated is not None

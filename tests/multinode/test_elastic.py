@@ -148,9 +148,15 @@ def _check_lineage(run_dir: Path, log: str, world_before: int, world_after: int)
     found = re.search(r"resumed from step-(\d+)", log)
     assert found, log[-4000:]
     ckpt_step = int(found.group(1))  # 4 unless the first attempt outran the change past step 8
-    assert ckpt_step >= CKPT_EVERY and ckpt_step % CKPT_EVERY == 0
+    assert ckpt_step >= CKPT_EVERY   # a multiple of CKPT_EVERY, or the step a graceful stop saved
     rows = _rows(run_dir)
-    cut = next((i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]), None)
+    def world(r: dict) -> int:
+        return r["dp"] * r["tp"] * r["pp"]
+
+    # the resumed attempt starts where a step repeats or (after a graceful stop saved the last
+    # step) where the world size changes
+    cut = next((i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]
+                or world(rows[i]) != world(rows[i - 1])), None)
     assert cut is not None, "metrics.jsonl shows no restart"
     first, resumed = rows[:cut], rows[cut:]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))

@@ -26,8 +26,8 @@ def test_probes_and_audits_are_tables_and_not_counted_as_decisions(tmp_path):
     (run / "decisions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = write_report([load_run(run)], tmp_path / "out", [2.5]).read_text()
     assert "| r | goodput | 8 |" in md
-    assert "reconfigure (probe) → pp4" in md and "reconfigure (revert) → dp4" in md
+    assert "reconfigure (probe) -> dp1.tp1.pp4" in md and "reconfigure (revert) -> dp4.tp1.pp1" in md
     assert "| 2 | 4 | pp4 mb2×4 (B=8) | 0.200 | 0.300 | dp4 mb2×1 (B=8) | 0.250 | -16.7% | revert |" in md
-    assert "| 4 | 7 | batch | dp4 (B=8) → dp4 (B=16) | 0.400 | 0.900 | +125% | -35.0% | undo |" in md
+    assert "| 4 | 7 | batch | dp4 (B=8) -> dp4 (B=16) | 0.400 | 0.900 | +125% | -35.0% | undo |" in md
     from copus.reporting.report import summary_rows
     assert summary_rows([load_run(run)], [])[0]["num_decisions"] == 2

@@ -44,7 +44,9 @@ def test_four_rank_run_probes_a_layout_in_process(tmp_path):
     cfg = load_config(None, [*BASE, "parallel.nproc=4", "train.max_steps=6",
                              "batch.warmup_steps=0", "controller.explore_max_probes=1",
                              "controller.explore_steps=1", "controller.explore_interval_steps=0",
-                             "controller.explore_top_k=1"])
+                             "controller.explore_top_k=1",
+                             # a switch prior too dear to amortise: only the probe moves the layout
+                             "controller.reconfig_cost_s=1000"])
     run = tmp_path / "run"
     _launch(cfg, run)
     steps, rows = _rows(run, "metrics.jsonl"), _rows(run, "decisions.jsonl")
@@ -54,7 +56,7 @@ def test_four_rank_run_probes_a_layout_in_process(tmp_path):
     results = [d for d in rows if d.get("event") == "probe_result"]
     assert len(probes) == 1 and len(results) == 1                # bounded: one probe
     probe = probes[0]
-    assert probe["applied"] and probe["switch"]["method"] == "in-process"
+    assert probe["applied"] and probe["switch"]["method"] == "direct"
     assert probe["reason"].startswith("probe 1/1: ") and probe["step"] == 2
     probed = (probe["dp"], probe["tp"], probe["pp"])
     assert layouts[:2] == [(4, 1, 1)] * 2 and layouts[2:4] == [probed] * 2 and probed != (4, 1, 1)

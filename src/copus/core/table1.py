@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from copus.core.simulator import Comparison, SimResult
+from copus.core.layout_names import parse_layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,8 +31,9 @@ def _minutes(run: SimResult | None, targets: list[float]) -> tuple[float | None,
                  for t in targets)
 
 
-def _layout_of(name: str) -> str:
-    return name.split()[1] if name.startswith("cbs ") else ""
+def _layout_of(name: str) -> tuple[int, int, int] | None:
+    """The (dp, tp, pp) of a simulated run named "cbs <layout>" (any spelling parse_layout reads)."""
+    return tuple(parse_layout(name.split()[1])) if name.startswith("cbs ") else None
 
 
 def simulated_run_for(label: str, cmp_: Comparison, copus_run: str = "goodput-copus") -> SimResult | None:
@@ -42,7 +44,7 @@ def simulated_run_for(label: str, cmp_: Comparison, copus_run: str = "goodput-co
         name = copus_run if copus_run in names else (names[0] if names else None)
         return cmp_.run(name) if name else None
     if label.startswith("CBS ("):
-        layout = label[len("CBS ("):-1]
+        layout = tuple(parse_layout(label[len("CBS ("):-1]))
         return next((r for r in cmp_.results if fams[r.name] == "cbs" and _layout_of(r.name) == layout), None)
     if label.startswith("Static GBS="):
         batch = int(label.split("=")[1])

@@ -23,12 +23,12 @@ def audit_table(run: Run) -> list[str]:
     out = [f"## Decisions of {run.name} checked against what they delivered", "",
            "*realised/left*: realised goodput of the new plan relative to the plan it left, at "
            "the noise scale of the check; below −margin the decision is undone.", "",
-           "| decided at | checked at | kind | from → to | predicted s/step | realised s/step | "
+           "| decided at | checked at | kind | from -> to | predicted s/step | realised s/step | "
            "error | realised/left | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for d in rows:
         err, rel = d.get("step_error"), d.get("realised_vs_before")
         out.append(f"| {d.get('decision_step')} | {d.get('step')} | {d.get('kind')} | "
-                   f"{d.get('before')} → {d.get('after')} | {_f(d.get('predicted_step_s'))} | "
+                   f"{d.get('before')} -> {d.get('after')} | {_f(d.get('predicted_step_s'))} | "
                    f"{_f(d.get('realised_step_s'))} | {_f(err, '+.0%')} | {_f(rel, '+.1%')} | "
                    f"{d.get('verdict')} |")
     return out + [""]

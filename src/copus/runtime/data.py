@@ -367,15 +367,10 @@ class GlobalSampler:
         return offset // self.num_samples
 
     def ids(self, offset: int, count: int) -> np.ndarray:
-        if offset < 0 or count < 0:
-            raise ValueError(f"offset={offset}, count={count}: allowed: integers >= 0")
-        out, pos, end = [], offset, offset + count
-        while pos < end:
-            epoch, start = divmod(pos, self.num_samples)
-            take = min(end - pos, self.num_samples - start)
-            out.append(self.permutation(epoch)[start:start + take])
-            pos += take
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        from copus.runtime.sampler import epoch_walk
+
+        return epoch_walk(offset, count, self.num_samples,
+                          lambda epoch, start, stop: self.permutation(epoch)[start:stop])
 
 
 def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:

@@ -11,7 +11,25 @@ to a bijection of [0, n) (Black & Rogaway 2002). Each round function is splitmix
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+
+def epoch_walk(offset: int, count: int, num_samples: int,
+               ids_of: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+    """Sample ids of global positions [offset, offset + count): position p is element
+    p mod num_samples of epoch p // num_samples; `ids_of(epoch, start, stop)` gives one epoch's
+    slice. Shared by every sampler, so the offset arithmetic exists once."""
+    if offset < 0 or count < 0:
+        raise ValueError(f"offset={offset}, count={count}: allowed: integers >= 0")
+    out, pos, end = [], offset, offset + count
+    while pos < end:
+        epoch, start = divmod(pos, num_samples)
+        take = min(end - pos, num_samples - start)
+        out.append(ids_of(epoch, start, start + take))
+        pos += take
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 ROUNDS = 6
@@ -67,12 +85,5 @@ class FeistelSampler:
         return offset // self.num_samples
 
     def ids(self, offset: int, count: int) -> np.ndarray:
-        if offset < 0 or count < 0:
-            raise ValueError(f"offset={offset}, count={count}: allowed: integers >= 0")
-        out, pos, end = [], offset, offset + count
-        while pos < end:
-            epoch, start = divmod(pos, self.num_samples)
-            take = min(end - pos, self.num_samples - start)
-            out.append(self.permute(epoch, np.arange(start, start + take)))
-            pos += take
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return epoch_walk(offset, count, self.num_samples,
+                          lambda epoch, start, stop: self.permute(epoch, np.arange(start, stop)))

@@ -27,9 +27,11 @@ def read_jsonl(path: Path) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not (isinstance(row, dict) and row.get("superseded")):   # superseded by a resume
+            out.append(row)
     return out
 
 

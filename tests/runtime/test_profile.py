@@ -30,3 +30,17 @@ def test_profile_bad_arguments_exit_2(tmp_path):
                               str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
         assert res.returncode == 2, (argv, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_profile_out_inside_a_file_fails_before_profiling(tmp_path):
+    """An --out whose parent is a file used to crash with a traceback after all plans ran."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    res = subprocess.run([sys.executable, "-m", "copus", "profile", "--nproc", "2",
+                          "--global-batch", "4", "--micro-batch-sizes", "2", "--layouts", "2x1x1",
+                          "--out", str(blocker / "prof")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "--out=" in res.stderr and "a file" in res.stderr and "Traceback" not in res.stderr
+    assert "profiling" not in res.stdout          # nothing ran
+    assert blocker.read_text() == "not a folder"

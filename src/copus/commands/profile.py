@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -69,6 +70,19 @@ def select_plans(args: argparse.Namespace, shape):
     return sorted(plans, key=lambda p: (p.layout, p.global_batch_size, p.micro_batch_size))
 
 
+def check_out_folder(out: Path, given: str) -> None:
+    """Fail before profiling (minutes of work) when `out` cannot become a folder: it, or the
+    nearest part of its path that exists, is a file, or that part is not writable."""
+    here = out
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        what = "exists and is not a folder" if here == out else f"is inside {str(here)!r}, a file"
+        raise ValueError(f"--out={given!r} {what}; allowed: a folder path")
+    if not os.access(here, os.W_OK):
+        raise ValueError(f"--out={given!r}: {str(here)!r} is not writable; allowed: a writable folder")
+
+
 def write_table(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(rows, indent=1))
@@ -90,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     plans = select_plans(args, shape)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out={args.out!r} exists and is not a folder; allowed: a folder path")
+    check_out_folder(out, args.out)
     print(f"profiling {len(plans)} plans of {shape.name} on {args.nproc} ranks")
     from copus.runtime.launch import launch
     from copus.runtime.profile import profile_worker, write_request

@@ -199,37 +199,12 @@ def reshard(engine) -> None:
 
 
 def train_one_step(trainer, plan: ParallelPlan, on_samples: SampleHook | None = None) -> StepRecord:
-    """One optimizer step at `plan` from the trainer's sample offset, as `Trainer.train_step`
-    (same sampler, slice, LR and GNS update) but written nowhere: a branch step."""
-    from copus.runtime.data import local_slice
-    from copus.runtime.trainer import _max_over_ranks
-
-    p, B, seq = trainer.progress, plan.global_batch_size, trainer.shape.seq_len
-    global_ids = trainer.sampler.ids(p.samples, B)
-    if on_samples is not None:
-        on_samples(global_ids)
-    local = local_slice(global_ids, trainer.engine.dp_rank, plan.dp)
-    tokens = torch.from_numpy(trainer.train_set.batch(local).astype(np.int64)).to(trainer.device)
-    lr = trainer.lr.lr(p.tokens)
-    t0 = time.perf_counter()
-    out = trainer.engine.train_step(tokens, lr)
-    step_s = _max_over_ranks(time.perf_counter() - t0, trainer.device)
-    p.step += 1
-    p.samples += B
-    p.tokens += B * seq
-    p.train_s += step_s
-    if out.finite:
-        trainer.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
-    else:
-        p.num_skipped += 1
-    g = trainer.gns
-    return StepRecord(
-        step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=step_s,
-        loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
-        small_batch=float(out.small_batch), num_small=int(out.num_small),
-        big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
-        grad_sqnorm=g.grad_sqnorm, grad_trace_cov=g.grad_trace_cov, b_noise=g.b_noise,
-        b_noise_rel_err=g.rel_err, skipped=not out.finite)
+    """One optimizer step at `plan` from the trainer's sample offset: `Trainer.step_once`
+    (same sampler, slice, LR and GNS update as the run's steps), written nowhere: a branch step."""
+    assert trainer.plan == plan, (trainer.plan, plan)
+    hook = None if on_samples is None else (lambda global_ids, _local: on_samples(global_ids))
+    record, _grad_norm = trainer.step_once(hook)
+    return record
 
 
 def run_branch(trainer, staged: StagedState, spec: BranchSpec, *, marks: Sequence[int],

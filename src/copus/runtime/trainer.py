@@ -209,14 +209,20 @@ class Trainer:
 
         return local_slice(global_ids, self.engine.dp_rank, self.plan.dp)
 
-    def train_step(self) -> StepRecord:
-        """One optimizer step on the next global batch; returns its StepRecord."""
+    def step_once(self, on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None
+                  ) -> tuple[StepRecord, float]:
+        """One optimizer step on the next global batch, written nowhere: the B sample ids at the
+        progress's offset, this rank's slice, the LR at the token count, the timed engine step
+        (slowest rank), the progress counters and, on a finite step, the GNS update. The run
+        (`train_step`) and a calibration branch (`runtime.branching`) both take this step.
+        `on_ids(global_ids, local_ids)` sees the ids before the step. Returns the record and
+        the gradient norm (logged beside it)."""
         p, plan = self.progress, self.plan
         B, seq = plan.global_batch_size, self.shape.seq_len
         global_ids = self.sampler.ids(p.samples, B)
         local = self.local_ids(global_ids)
-        if self.on_batch is not None:
-            self.on_batch(p.step + 1, global_ids, local)
+        if on_ids is not None:
+            on_ids(global_ids, local)
         tokens = torch.from_numpy(self.train_set.batch(local).astype(np.int64)).to(self.device)
         lr = self.lr.lr(p.tokens)
         t0 = time.perf_counter()
@@ -228,19 +234,28 @@ class Trainer:
         p.train_s += step_s
         finite = bool(out.finite)
         if finite:
-            p.nonfinite_streak = 0
             self.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
         else:
             p.num_skipped += 1
-            p.nonfinite_streak += 1
-        record = StepRecord(
+        g = self.gns
+        return StepRecord(
             step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=step_s,
             loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
             small_batch=float(out.small_batch), num_small=int(out.num_small),
             big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
-            grad_sqnorm=self.gns.grad_sqnorm, grad_trace_cov=self.gns.grad_trace_cov,
-            b_noise=self.gns.b_noise, b_noise_rel_err=self.gns.rel_err, skipped=not finite)
-        self.writer.log_step(record, grad_norm=float(out.grad_norm),
+            grad_sqnorm=g.grad_sqnorm, grad_trace_cov=g.grad_trace_cov, b_noise=g.b_noise,
+            b_noise_rel_err=g.rel_err, skipped=not finite), float(out.grad_norm)
+
+    def train_step(self) -> StepRecord:
+        """One optimizer step of the run (`step_once`), logged, with the non-finite guard."""
+        p = self.progress
+        hook = None
+        if self.on_batch is not None:
+            step = p.step + 1
+            hook = lambda global_ids, local: self.on_batch(step, global_ids, local)  # noqa: E731
+        record, grad_norm = self.step_once(hook)
+        p.nonfinite_streak = p.nonfinite_streak + 1 if record.skipped else 0
+        self.writer.log_step(record, grad_norm=grad_norm,
                              small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
                              num_small=record.num_small, small_batch=record.small_batch)
         if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:

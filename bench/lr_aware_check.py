@@ -24,14 +24,13 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttt_replay import read_jsonl  # noqa: E402  (skips rows a resume superseded)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
-        if path.exists() else []
 
 
 def tokens_to(tokens: list[float], losses: list[float], target: float) -> float:

@@ -61,6 +61,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttt_replay import plan_key, read_jsonl  # noqa: E402  (the one reader of run folders)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUEST = "ttt_request.json"
 ALL_POLICIES = ("static-8", "static-16", "static-32", "static-64", "static-128", "ramp",
@@ -239,20 +242,6 @@ def run_seed(args, specs: dict[str, list[str]], seed: int, order: list[str], roo
 
 
 # --------------------------------------------------------------------------- analysis (pure)
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(row, dict) and row.get("superseded")):   # superseded by a resume
-            out.append(row)
-    return out
-
-
 def eval_curve(run_dir: Path) -> tuple[list[float], list[float], float]:
     """(training wall times excluding evaluation, val losses, total eval seconds) of one run."""
     step_wall = {int(r["step"]): float(r["wall_s"]) for r in read_jsonl(run_dir / "metrics.jsonl")}
@@ -404,11 +393,6 @@ def analyse(roots: list[Path], targets: list[float] | None, times_at: list[float
 
 
 # --------------------------------------------------------------------------- why (diagnostics)
-def _plan_key(row: dict) -> tuple:
-    return tuple(int(row.get(k) or 0) for k in ("dp", "tp", "pp", "micro_batch_size",
-                                                "global_batch_size"))
-
-
 def train_wall_at(run_dir: Path, steps: list[dict], step: int) -> float:
     """wall_s at `step` minus the evaluations before it."""
     wall = {int(r["step"]): float(r["wall_s"]) for r in steps}
@@ -425,12 +409,12 @@ def noise_floor(roots: list[Path]) -> dict:
     for (_, seed), run in run_dirs(roots).items():
         steps = read_jsonl(run / "metrics.jsonl")
         if steps:
-            by_seed.setdefault(seed, {}).setdefault(_plan_key(steps[0]), []).append((run, steps))
+            by_seed.setdefault(seed, {}).setdefault(plan_key(steps[0]), []).append((run, steps))
     for seed, groups in sorted(by_seed.items()):
         for key, runs in groups.items():
             if len(runs) < 2:
                 continue
-            common = min(next((int(r["step"]) - 1 for r in st if _plan_key(r) != key),
+            common = min(next((int(r["step"]) - 1 for r in st if plan_key(r) != key),
                               int(st[-1]["step"])) for _, st in runs)
             if common < 2:
                 continue

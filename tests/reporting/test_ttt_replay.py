@@ -114,3 +114,32 @@ def test_bench_goodput_runs_with_library_defaults_only():
     assert not [s for s in specs["goodput"] if s.startswith(("gns.", "controller."))]
     diff = set(specs["goodput-copus"]) ^ set(specs["goodput"])
     assert diff == {"batch.policy='goodput'", "batch.policy='goodput-copus'"}
+
+
+def test_time_to_target_analyse_on_made_up_runs_skips_superseded_rows(tmp_path):
+    """bench/time_to_target.py reads run folders with ttt_replay's reader: wall time without
+    evaluation, replay time from the profile, and rows a resume superseded left out."""
+    ttt = _load("time_to_target")
+    assert ttt.read_jsonl is replay.read_jsonl and ttt.plan_key is replay.plan_key
+    root = tmp_path / "root"
+    for name, step_s, loss_end in (("static-8", 1.0, 2.0), ("goodput", 0.5, 1.9)):
+        steps, wall = [], 0.0
+        for i in range(1, 5):
+            wall += step_s + (2.0 if i == 3 else 0.0)          # a 2 s evaluation after step 2
+            steps.append({"step": i, "step_s": step_s, "wall_s": wall, "tokens": 1024 * i,
+                          **_plan(8)})
+        evals = [{"step": 2, "val_loss": 3.0, "tokens": 2048, "wall_s": 2 * step_s + 2.0},
+                 {"step": 4, "val_loss": loss_end, "tokens": 4096, "wall_s": wall}]
+        stale = {"step": 4, "step_s": 99.0, "wall_s": 999.0, "tokens": 4096, "superseded": True,
+                 **_plan(8)}
+        _write(root / "seed0" / name, [*steps, stale], evals=evals)
+    res = ttt.analyse([root], [2.5], [1.0], medians={(1, 1, 4, 2, 8): 0.25})
+    tt = res["time_to_target_s"]["2.5"]
+    # static-8: evaluations at 2 s and 4 s of training (the 2 s evaluation excluded), 3.0 -> 2.0
+    assert tt["static-8"][0] == pytest.approx(3.0)
+    assert tt["goodput"][0] == pytest.approx(1.0 + 1.0 * 0.5 / 1.1)
+    # replay: every step at the profiled 0.25 s, whatever the wall clock said
+    rt = res["replay_time_to_target_s"]["2.5"]
+    assert rt["static-8"][0] == pytest.approx(0.75)
+    assert rt["goodput"][0] == pytest.approx(0.5 + 0.5 * 0.5 / 1.1)
+    assert res["runs"]["static-8/seed0"]["train_wall_s"] == pytest.approx(4.0)  # not 999 - 2

@@ -103,32 +103,32 @@ def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
     return {"base": base, "rows": rows}
 
 
-def ceiling(steps: list[dict], profile: list[dict], base: int, c: float,
-            fractions: tuple[float, ...] = (0.5, 0.8, 1.0)) -> dict:
-    """The most ANY batch schedule could save over static B0 per the E(B) model: replay the
-    tracking estimator (core.gns_tracking) on the base run's logged gradient statistics,
-    φ = c·b_noise, and price the same progress (B0 samples × E(B0) per base step) at
-    throughput T(B)·E(B) — static B0 vs the best static B vs the per-step best B (an oracle
-    with free switches), T(B) = the fastest profiled plan's samples/s at B."""
+def replay_b_noise(steps: list[dict], base: int) -> list[float]:
+    """The tracking estimator (core.gns_tracking) replayed on a run's logged gradient
+    statistics: b_noise after every step."""
     from copus.core.gns_tracking import TrackingGnsEstimator
 
-    best: dict[int, float] = {}
-    for r in profile:
-        b = int(r["global_batch_size"])
-        best[b] = max(best.get(b, 0.0), float(r["samples_per_s"]))
-    est, phis = TrackingGnsEstimator(base), []
+    est, out = TrackingGnsEstimator(base), []
     for r in steps:
         est.update(r["small_sqnorm"], r["small_batch"], r["big_sqnorm"], r["global_batch_size"])
-        phis.append(est.b_noise)
+        out.append(est.b_noise)
+    return out
+
+
+def schedule_ceiling(phis: list[float], rate_at: dict[int, float], base: int, c: float,
+                     fractions: tuple[float, ...] = (0.5, 0.8, 1.0)) -> dict:
+    """Seconds to make the base run's progress (B0 samples × E(B0) per base step, E(B) =
+    (φ+1)/(φ+B), φ = c·b_noise) at static B vs at the per-step best B (an oracle with free
+    switches), with `rate_at[B]` samples/s; the first 20 steps (estimator warm-up) left out."""
     out = {}
     for f in fractions:
-        t_static, t_oracle = dict.fromkeys(best, 0.0), 0.0
+        t_static, t_oracle = dict.fromkeys(rate_at, 0.0), 0.0
         for phi in phis[20:int(len(phis) * f)]:
             phi = c * (phi if math.isfinite(phi) else 1e12)
             prog = base * (phi + 1) / (phi + base)
-            rate = {b: s * (phi + 1) / (phi + b) for b, s in best.items()}
+            rate = {b: s * (phi + 1) / (phi + b) for b, s in rate_at.items()}
             t_oracle += prog / max(rate.values())
-            for b in best:
+            for b in rate_at:
                 t_static[b] += prog / rate[b]
         bs = min(t_static, key=t_static.get)
         out[f"{f:g}"] = {"best_static": bs,
@@ -136,6 +136,54 @@ def ceiling(steps: list[dict], profile: list[dict], base: int, c: float,
                          "oracle_saves_vs_base": 1 - t_oracle / t_static[base],
                          "oracle_saves_vs_best_static": 1 - t_oracle / t_static[bs]}
     return out
+
+
+def ceiling(steps: list[dict], profile: list[dict], base: int, c: float,
+            fractions: tuple[float, ...] = (0.5, 0.8, 1.0)) -> dict:
+    """The most ANY batch schedule could save over static B0 per the E(B) model
+    (`schedule_ceiling`) at this machine's throughput: T(B) = the fastest profiled plan's
+    samples/s at B."""
+    best: dict[int, float] = {}
+    for r in profile:
+        b = int(r["global_batch_size"])
+        best[b] = max(best.get(b, 0.0), float(r["samples_per_s"]))
+    return schedule_ceiling(replay_b_noise(steps, base), best, base, c, fractions)
+
+
+def throughput_scan(steps: list[dict], base: int, c: float,
+                    halves: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512),
+                    batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)) -> dict:
+    """The same ceiling on other hardware: a step of B samples takes t0 + B·t1 (a fixed
+    per-step cost t0: launches, the gradient sync, the optimizer, pipeline fill), so
+    T(B) ∝ B/(B_half + B) with B_half = t0/t1 — flat at B_half ≪ B0, linear in B at
+    B_half ≫ B. Whatever B_half, the schedule can only exploit how far b_noise moves."""
+    phis = replay_b_noise(steps, base)
+    return {f"{h}": schedule_ceiling(phis, {b: b / (h + b) for b in batches}, base, c, (1.0,))["1"]
+            for h in halves}
+
+
+def extrapolated_scan(steps: list[dict], base: int, c: float,
+                      factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                      halves: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                      batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+                      ) -> dict:
+    """An EXTRAPOLATION, labelled as such: b_noise as a line through the origin (least squares
+    over the replayed estimate; it rises about linearly in tokens here), floored at 1, continued
+    for `factor` × the run's steps; per factor the largest oracle-vs-best-static saving over the
+    t0 + B·t1 throughput family (`throughput_scan`) and the B_half where it occurs."""
+    phis = replay_b_noise(steps, base)
+    pts = [(i, p) for i, p in enumerate(phis) if i >= 20 and math.isfinite(p)]
+    slope = sum(i * p for i, p in pts) / sum(i * i for i, _ in pts)
+    n = len(phis)
+    out = {}
+    for f in factors:
+        line = [max(slope * i, 1.0) for i in range(n * f)]
+        scan = {h: schedule_ceiling(line, {b: b / (h + b) for b in batches}, base, c,
+                                    (1.0,))["1"]["oracle_saves_vs_best_static"] for h in halves}
+        h = max(scan, key=scan.get)
+        out[f"{f}"] = {"b_noise_end": line[-1], "max_oracle_saves_vs_best_static": scan[h],
+                       "at_b_half": h}
+    return {"slope_per_step": slope, "by_factor": out}
 
 
 def markdown(res: dict) -> str:
@@ -171,6 +219,18 @@ def markdown(res: dict) -> str:
                           f"vs static-{res['base']}, {100 * v['oracle_saves_vs_best_static']:.1f}% "
                           f"vs best static ({v['best_static']})" for f, v in by_f.items())
         lines.append(f"- ceiling of any batch schedule, E(B) with c={c}: {parts}")
+    for c, by_h in (res.get("throughput_scan") or {}).items():
+        parts = ", ".join(f"B_half={h}: {100 * v['oracle_saves_vs_best_static']:.1f}% "
+                          f"(best static {v['best_static']})" for h, v in by_h.items())
+        lines.append(f"- the same ceiling vs the best static batch if a step took t0 + B·t1 "
+                     f"(T(B) ∝ B/(B_half+B), B = 8…512), E(B) with c={c}: {parts}")
+    for c, ex in (res.get("extrapolated") or {}).items():
+        parts = ", ".join(f"{f}× ({v['b_noise_end']:.0f}): "
+                          f"{100 * v['max_oracle_saves_vs_best_static']:.1f}%"
+                          for f, v in ex["by_factor"].items())
+        lines.append(f"- EXTRAPOLATED (b_noise = max(1, slope·step), fitted through the origin: "
+                     f"{ex['slope_per_step']:.3f}/step): the best ceiling over B_half vs the "
+                     f"best static for runs k× as long (b_noise at the end), c={c}: {parts}")
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                           if (Path(r) / f"seed{args.seed}" / f"static-{args.base}").exists())
         res["ceiling"] = {f"{c:g}": ceiling(base_steps, prof, args.base, c)
                           for c in (0.5, 1.0, 2.0)}
+        res["throughput_scan"] = {f"{c:g}": throughput_scan(base_steps, args.base, c)
+                                  for c in (1.0, 2.0)}
+        res["extrapolated"] = {f"{c:g}": extrapolated_scan(base_steps, args.base, c)
+                               for c in (1.0, 2.0)}
     res["command"] = "python bench/lr_aware_check.py " + " ".join(argv or [])
     out = Path(args.out)
     out.write_text(json.dumps(res, indent=1, default=lambda x: None))

@@ -98,6 +98,18 @@ def test_ceiling_is_zero_on_flat_throughput_and_large_on_linear():
     assert lin["oracle_saves_vs_best_static"] == pytest.approx(0, abs=1e-3)
 
 
+def test_schedule_ceiling_needs_a_moving_noise_scale():
+    """Constant φ: one static batch is already the per-step best (the oracle gains 0). φ rising
+    1 → 1000 with T(B) ∝ B/(64+B): no static batch is right throughout, the oracle gains."""
+    rate = {b: b / (64 + b) for b in (8, 16, 32, 64, 128, 256, 512)}
+    flat = lra.schedule_ceiling([50.0] * 300, rate, 8, 1.0, (1.0,))["1"]
+    assert flat["oracle_saves_vs_best_static"] == pytest.approx(0, abs=1e-12)
+    rising = [10 ** (3 * i / 299) for i in range(300)]
+    r = lra.schedule_ceiling(rising, rate, 8, 1.0, (1.0,))["1"]
+    assert 0.10 < r["oracle_saves_vs_best_static"] < r["oracle_saves_vs_base"]
+    assert r["best_static"] not in (8, 512)
+
+
 def test_bench_goodput_runs_with_library_defaults_only():
     """The head-to-head's `goodput` leg sets no [gns]/[controller] key (nothing bench-specific);
     `goodput-copus` differs from it only by the policy name."""

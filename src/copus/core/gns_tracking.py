@@ -143,6 +143,10 @@ class TrackingGnsEstimator:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; the level count and B0 must match the configuration."""
+        if state.get("kind") is None and state.get("version") == 1:
+            raise ValueError("GNS state kind='ema' (one EMA: copus 0.1, or gns.estimator='ema') is "
+                             "invalid for gns.estimator='tracking'; allowed: resume it with "
+                             "--set gns.estimator=ema, or start a new run")
         if state.get("version") != STATE_VERSION or state.get("kind") != "tracking":
             raise ValueError(f"GNS state kind={state.get('kind')!r} version="
                              f"{state.get('version')!r} is invalid; allowed: tracking, "

@@ -5,7 +5,8 @@ Two models, the second the CPU prior (`core.fit.prior_model` when world > cores)
 `SharedCoreStepTimeModel` (the first version, kept for comparison in bench/throughput_model.py)
 takes `StepTimeModel`'s terms and adds the shared-core bound below. `GlooCpuStepTimeModel`
 replaces the communication terms by the collectives copus's runtime actually issues, each priced
-per *call*, which is what dominates on an oversubscribed CPU (docs/explore.md, "CPU model").
+per *call*, which is what dominates on an oversubscribed CPU (docs/cost-model.md, "Step time
+on CPU + gloo": hypothesis, counts, fitted values, benchmark).
 
 Shared-core bound (both models). `StepTimeModel` prices the critical path as if every rank had its
 own processor. With more ranks than cores the ranks time-share the cores: a rank that waits (a
@@ -39,14 +40,14 @@ Collectives per micro-batch on one rank of the last (head) stage, counted on the
 
 Per-call pricing (α per call, not per ring step): a gloo collective on a host with more ranks
 than cores costs a few milliseconds per call (the calling rank sleeps in its gloo worker, is
-woken when every peer has entered, and waits for a core; about one scheduler slice) whatever
-the group size; the fitted α per call is the same for 2- and 4-rank groups within the data's
-noise, whereas (dp−1) ring steps per call mispredicted dp4 against dp2·tp2 (held-out MAPE 10.7
-vs 8.1 %). Terms, all in seconds on one rank:
+woken when every peer has entered, and waits for a core; about one scheduler slice), nearly
+whatever the group size: one α per call for the 2- and 4-rank FSDP groups fits the 4-rank
+profile better than (dp−1) ring steps per call, which mispriced dp4 against dp2·tp2
+(held-out MAPE 8.1 vs 10.7 %). Terms, all in seconds on one rank:
 
     compute   = α_c·units + β_c·flops_stage(b)·b / tp                          (StepTimeModel)
     tp_s      = (n_ar + n_ag)·α_tp + [n_ar·2(tp−1)/tp·b·s·h + n_ag·(tp−1)/tp·b·s·V]·e·β_tp
-    ag_s      = n_ag_fsdp·α_dp + k·(dp−1)/dp · P_stage/tp · e_p · β_dp     k = all-gathers per unit
+    ag_s      = k·units·α_dp + k·(dp−1)/dp · P_stage/tp · e_p · β_dp      k = all-gathers per unit
     p2p_s     = 2·(α_pp + b·s·h·e·β_pp)
     t_mb      = compute + tp_s + ag_s + p2p_s                           (γ = 1: no idle core to
                                                                           overlap a collective on)

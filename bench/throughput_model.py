@@ -5,10 +5,16 @@
 
 Profiles every valid plan of the tiny model at 4 CPU ranks (`copus profile`), fits
 `copus.core.fit.fit_model` on a random 30% of them and scores the other 70% (held out), over
-`--splits` random splits (medians reported), for two models side by side:
+`--splits` random splits (medians reported), for three models side by side:
 - "one core per rank": `StepTimeModel` (the "cpu" prior);
 - "shared cores": `SharedCoreStepTimeModel` (core/cpu_model.py), ranks time-sharing `--cores`
-  cores (the profile's machine; default: this machine's).
+  cores (the profile's machine; default: this machine's), StepTimeModel's communication terms;
+- "gloo calls, shared cores": `GlooCpuStepTimeModel` (core/cpu_model.py, the CPU prior): the
+  collectives copus's runtime issues, counted, priced per call, and the same shared-core bound.
+Two references for what any model can reach on this data: the measurement noise of a plan's
+median (half the mean |median(repeats 1-2) / median(repeats 3-4) − 1|: the expected |error| of
+a 4-step median, were steps independent) and the in-sample MAPE of a descriptive 15-parameter
+fit, step = a + c·m + d·m·b separately per layout.
 Metrics: MAPE of the step time; Spearman's ρ between predicted and measured step times; and,
 per global batch, the measured slowdown of the plan the model predicts fastest against the
 measured fastest (what a controller choosing by the model loses). Targets: MAPE ≤ 5%,
@@ -29,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from copus.core.cpu_model import SharedCoreStepTimeModel
+from copus.core.cpu_model import GlooCpuStepTimeModel, SharedCoreStepTimeModel
 from copus.core.fit import fit_model, prior_model
 from copus.core.models import get_model_shape
 from copus.core.plan import ParallelPlan
@@ -111,6 +117,35 @@ def per_layout_errors(model, rows: list[dict]) -> dict[str, float]:
     return {k: 100 * statistics.fmean(v) for k, v in sorted(out.items())}
 
 
+def measurement_noise_pct(rows: list[dict]) -> float:
+    """Expected |error| (%) of a plan's 4-step median from its repeats: half the mean
+    |median(first half) / median(second half) − 1| (the difference of two half-medians has
+    about four times the variance of the full median)."""
+    dev = []
+    for r in rows:
+        times = r["step_s_all"]
+        half = len(times) // 2
+        if half >= 1:
+            dev.append(abs(statistics.median(times[:half]) / statistics.median(times[half:]) - 1))
+    return 100 * statistics.fmean(dev) / 2 if dev else float("nan")
+
+
+def per_layout_affine_mape_pct(rows: list[dict]) -> float:
+    """In-sample MAPE (%) of step = a + c·m + d·m·b fitted per layout (relative least squares)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dp"], r["tp"], r["pp"]), []).append(r)
+    errors = []
+    for group in groups.values():
+        m = np.array([r["num_microbatches"] for r in group], float)
+        b = np.array([r["micro_batch_size"] for r in group], float)
+        y = np.array([r["step_s"] for r in group])
+        basis = np.stack([np.ones_like(m), m, m * b], axis=1)
+        coef = np.linalg.lstsq(basis / y[:, None], np.ones_like(y), rcond=None)[0]
+        errors += list(np.abs(basis @ coef / y - 1))
+    return 100 * float(np.mean(errors))
+
+
 METRICS = ("mape_heldout_median_pct", "mape_heldout_max_pct", "mape_fit_median_pct",
            "mape_fit_all_plans_pct", "spearman_heldout_median", "spearman_heldout_min",
            "best_plan_slowdown_median_pct", "best_plan_slowdown_mean_pct",
@@ -138,12 +173,22 @@ def main() -> None:
     base = prior_model(shape, None, world)
     shared = SharedCoreStepTimeModel(base.params, shape, None, cores=args.cores, world_size=world,
                                      dtype_bytes=base.dtype_bytes)
+    gloo = GlooCpuStepTimeModel(base.params, shape, None, cores=args.cores, world_size=world,
+                                dtype_bytes=base.dtype_bytes)
     models = {"one core per rank": score(base, rows, args.fit_fraction, args.splits),
               f"shared cores ({world} ranks, {args.cores} cores)":
-                  score(shared, rows, args.fit_fraction, args.splits)}
+                  score(shared, rows, args.fit_fraction, args.splits),
+              f"gloo calls, shared cores ({world} ranks, {args.cores} cores)":
+                  score(gloo, rows, args.fit_fraction, args.splits)}
+    for name, model in zip(models, (base, shared, gloo)):
+        models[name]["fitted_params"] = sorted(set(model.params.names()) - set(
+            getattr(model, "unused_params", ())))
     result = {"profile": str(path), "num_plans": len(rows), "world_size": world,
               "cores": args.cores, "fit_fraction": args.fit_fraction, "splits": args.splits,
               "targets": {"mape_pct": 5.0, "best_plan_slowdown_pct": 5.0}, "models": models,
+              "measurement_noise_pct": measurement_noise_pct(rows),
+              "per_layout_affine_fit_mape_pct": per_layout_affine_mape_pct(rows),
+              "command": "python " + " ".join(["bench/throughput_model.py"] + sys.argv[1:]),
               "load_average": list(os.getloadavg())}
     (RESULTS / "throughput_model.json").write_text(json.dumps(result, indent=1))
     names = list(models)
@@ -152,6 +197,8 @@ def main() -> None:
     print("| metric | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for k in METRICS:
         print(f"| {k} | " + " | ".join(f"{models[n][k]:.3f}" for n in names) + " |")
+    print(f"references: measurement noise of a plan's median {result['measurement_noise_pct']:.1f} %, "
+          f"per-layout affine fit (15 parameters, in-sample) {result['per_layout_affine_fit_mape_pct']:.1f} %")
     print("per-layout mean error (fit on all plans), %:")
     for n in names:
         print(f"  {n}: " + ", ".join(f"{k} {v:+.1f}" for k, v in models[n]["per_layout_error_pct"].items()))

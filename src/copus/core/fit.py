@@ -9,7 +9,8 @@ over log θ (every coefficient > 0) and γ ∈ [1, 10]; ρ = soft-L1 (robust to 
 θ⁰ is the prior (the analytic model from a `HardwareProfile`, or the "cpu" profile when none is
 given) rescaled so its median prediction matches the data; the weak ridge λ keeps coefficients the
 data cannot identify at their prior instead of letting them drift. Coefficients of terms absent
-from every observed plan (no tp > 1 seen: the tp terms, etc.) are pinned, as adaptdl does.
+from every observed plan (no tp > 1 seen: the tp terms, etc.) are pinned, as adaptdl does, and
+so are those the model's equation does not use (`base.unused_params`, e.g. γ of the CPU model).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTime
     # rescale the prior so that its median prediction matches the data
     k = float(np.exp(np.median(log_obs - np.log(base.predict(*cols)))))
     prior = base.params.scaled_time(k)
-    free = [n for n in names if n not in pinned_names(plans) | set(fixed)]
+    unused = set(getattr(base, "unused_params", ()))    # terms the model's equation has not
+    free = [n for n in names if n not in pinned_names(plans) | set(fixed) | unused]
     if not free:
         return base.with_params(prior)
     x0 = np.array([_to_x(n, getattr(prior, n)) for n in free])
@@ -121,16 +123,17 @@ def fit_step_time(observations: Iterable[tuple[ParallelPlan, float]], shape: Mod
 def prior_model(shape: ModelShape, hardware: HardwareProfile | str | None, world_size: int | None = None,
                 *, cores: int | None = None, **options) -> StepTimeModel:
     """The analytic model of `hardware`; with None, the "cpu" coefficients on a one-tier topology,
-    and, when `world_size` ranks share fewer `cores`, `SharedCoreStepTimeModel` (core.cpu_model)."""
+    and, when `world_size` ranks share fewer `cores`, `GlooCpuStepTimeModel` (core.cpu_model:
+    counted gloo collectives priced per call, shared-core bound)."""
     if hardware is None:
         cpu = get_hardware("cpu")
         params = StepTimeParams.analytic(cpu)
         options.setdefault("dtype_bytes", cpu.dtype_bytes)
         if cores is not None and world_size is not None and world_size > cores:
-            from copus.core.cpu_model import SharedCoreStepTimeModel
+            from copus.core.cpu_model import GlooCpuStepTimeModel
 
-            return SharedCoreStepTimeModel(params, shape, None, cores=cores,
-                                           world_size=world_size, **options)
+            return GlooCpuStepTimeModel(params, shape, None, cores=cores,
+                                        world_size=world_size, **options)
         return StepTimeModel(params, shape, None, world_size=world_size, **options)
     return StepTimeModel.analytic(shape, hardware, world_size, **options)
 

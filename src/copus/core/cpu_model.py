@@ -68,10 +68,14 @@ import numpy as np
 
 from copus.core.hardware import HardwareProfile
 from copus.core.models import ModelShape
-from copus.core.throughput import GRAD_BYTES, StepTimeModel, StepTimeParams
+from copus.core.throughput import (
+    GRAD_BYTES,
+    TP_ALLREDUCES_PER_BLOCK,
+    TP_RECOMPUTE_PER_BLOCK,
+    StepTimeModel,
+    StepTimeParams,
+)
 
-TP_ALLREDUCES_PER_BLOCK = 7      # 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
-TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
 
 
 def _f(x) -> np.ndarray:

@@ -6,8 +6,11 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
     units      = ceil(L/pp) + 1                       blocks of the largest stage + embeddings/head
     t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux)
     t_tp       = n_tp · [2(tp−1)·α_tp + 2(tp−1)/tp · b_m·s·h·e · β_tp · slow(tier_tp)]
-                 ring all-reduce (Thakur et al. 2005), n_tp = (4 + 2·AC)·ceil(L/pp) + 2 per
-                 micro-batch: Megatron TP has 2 all-reduces forward + 2 backward per block
+                 ring all-reduce (Thakur et al. 2005), n_tp = (7 + 2·AC)·ceil(L/pp) + 2 per
+                 micro-batch: copus's DTensor TP issues 2 all-reduces forward (wo, w2) and 5
+                 backward (the input gradient of each column-wise wq, wk, wv, w1, w3), counted on
+                 the runtime (tests/runtime/test_cpu_collectives.py); Megatron, which fuses QKV
+                 and w1·w3, has 2 + 2 (`core.megatron_cost`)
     t_p2p      = 2 · [α_pp + b_m·s·h·e · β_pp · slow(tier_pp)]     activation out, gradient back
     t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e_p · β_dp · slow(tier_dp)]
                  FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward;
@@ -43,6 +46,8 @@ from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan
 
 GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
+TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
+TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,7 +210,8 @@ class StepTimeModel:
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
         compute = p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f) * b / tp_f
-        n_tp = (4.0 + 2.0 * self.activation_checkpointing) * layers + 2.0
+        n_tp = (TP_ALLREDUCES_PER_BLOCK + TP_RECOMPUTE_PER_BLOCK * self.activation_checkpointing) \
+            * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                        + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier])
         p2p = np.where(pp_f > 1, 2.0 * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)

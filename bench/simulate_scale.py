@@ -27,6 +27,7 @@ from copus.core.simulator import (COPUS_FAITHFUL, POLICY_FAMILIES, Scenario, Sim
 from copus.core.trajectory import TrajectoryParams
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_scale.json"
+FIT_OUT = OUT.with_name("truth_fit.json")   # written as truth_fit_<grid>.json
 
 
 def scale_run() -> dict:
@@ -82,57 +83,54 @@ def presets(seeds: int) -> dict:
     return out
 
 
-def calibrate() -> dict:
-    """Refit each preset's loss curve (E_0, α, B*) to the *static* rows of COPUS Table 1.
+def calibrate(grid: str = "full") -> dict:
+    """Refit each preset's ground truth to the *static and CBS* rows of COPUS Table 1.
 
-    Each static batch runs on its fastest plan under the current analytic step-time model;
-    time to loss L at batch B is (step_s/B)·E(L) + step_s·∫ dE / B_crit(L(E)) (McCandlish's
-    E = E_min(1 + B/B_crit), integrated). Least squares on log time; L_inf fixed at 1.0.
-    Prints the numbers to paste into core/presets.py (they are not applied automatically).
+    Both truths (core.trajectory LR_TUNED and SQRT_LR) over a grid of their LR-model
+    parameters (SQRT_LR: x0, p; both: B_crit/b_noise); for each, the loss curve (E_0, α, B*)
+    is refitted to the static rows (core.truth_fit.fit_loss_curve) and the two CBS rows are
+    simulated. The COPUS rows are never used: the goodput speed-ups printed beside each
+    candidate are the prediction. Writes bench/results/truth_fit.json and prints the numbers to
+    paste into core/presets.py (they are not applied automatically).
     """
-    import math
+    from copus.commands.simulate import default_variant
+    from copus.core.trajectory import LR_TUNED, SQRT_LR
+    from copus.core.truth_fit import fit_truth, preset_cbs_errors, preset_static_rows
 
-    from scipy.optimize import least_squares
-
-    from copus.core.simulator import Planner
-    from copus.core.trajectory import Trajectory
-
-    fits = {}
+    x0s = {"full": (0.3, 0.45, 0.6, 0.75, 0.9), "quick": (0.6,),
+           "fine": tuple(round(0.5 + 0.05 * i, 2) for i in range(10))}[grid]
+    exponents = (0.5,) if grid == "fine" else (0.5, 1.0)   # p = 1 lost everywhere on "full"
+    candidates = [{"lr_model": LR_TUNED, "gns_calibration": c} for c in (2.0, 4.0)]
+    candidates += [{"lr_model": SQRT_LR, "lr_fraction_x0": x0, "lr_opt_exponent": p,
+                    "lr_warmup_tokens": 8e6, "gns_calibration": c}
+                   for p in exponents for c in (2.0, 4.0) for x0 in x0s]
+    out = {}
     for name, preset in PRESETS.items():
-        planner = Planner(preset_scenario(preset))
-        shape = planner.scenario.shape
-        data = []
-        for label, minutes in preset.published_minutes.items():
-            if not label.startswith("Static"):
-                continue
-            batch = int(label.split("=")[1])
-            plan = planner.fastest_plan(batch)
-            step_s = float(planner.step_time_model.predict(*(np.array([v]) for v in (
-                plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)))[0])
-            data += [(batch, step_s, loss, m * 60) for loss, m in zip(preset.target_losses, minutes)
-                     if m is not None]
-
-        def resid(x, data=data, preset=preset, shape=shape):
-            params = TrajectoryParams(initial_loss=preset.trajectory.initial_loss, final_loss=1.0,
-                                      progress_scale_samples=math.exp(x[0]), loss_exponent=x[1],
-                                      bcrit_star_tokens=math.exp(x[2]))
-            traj = Trajectory(params, shape.seq_len)
-            out = []
-            for batch, step_s, loss, t in data:
-                e_end = traj.progress_for_loss(loss)
-                grid = np.linspace(0.0, e_end, 2000)
-                inv = np.array([1.0 / traj.critical_batch(traj.loss(e)) for e in grid])
-                model_t = step_s / batch * e_end + step_s * np.trapezoid(inv, grid)
-                out.append(math.log(model_t / t))
-            return np.array(out)
-
-        res = least_squares(resid, [math.log(50.0), 0.25, math.log(2e8)],
-                            bounds=([0.0, 0.05, math.log(1e6)], [math.log(1e8), 3.0, math.log(1e11)]))
-        fits[name] = {"progress_scale_samples": math.exp(res.x[0]), "loss_exponent": res.x[1],
-                      "bcrit_star_tokens": math.exp(res.x[2]),
-                      "rms_log_err": float(np.sqrt(np.mean(res.fun ** 2)))}
-        print(name, {k: float(f"{v:.4g}") for k, v in fits[name].items()})
-    return fits
+        rows, cbs = preset_static_rows(preset), preset_cbs_errors(preset)
+        fits = fit_truth(preset.trajectory, 2048, rows, preset.target_losses, candidates, cbs)
+        out[name] = []
+        for f in fits:
+            sc = preset_scenario(preset, trajectory=f.params,
+                                 variants=(COPUS_FAITHFUL, default_variant()))
+            cmp_ = compare_policies(sc)
+            q = f.params
+            row = {"lr_model": q.lr_model, "x0": q.lr_fraction_x0, "p": q.lr_opt_exponent,
+                   "gns_calibration": q.gns_calibration, "warmup_tokens": q.lr_warmup_tokens,
+                   "progress_scale_samples": q.progress_scale_samples,
+                   "loss_exponent": q.loss_exponent, "bcrit_star_tokens": q.bcrit_star_tokens,
+                   "static_rms": f.static_rms, "cbs_rms": f.cbs_rms, "rms": f.rms,
+                   "sim_goodput_copus_avg_pct": cmp_.average_speedup_pct("goodput-copus"),
+                   "sim_goodput_avg_pct": cmp_.average_speedup_pct("goodput")}
+            out[name].append(row)
+            print(f"{name:12s} {q.lr_model:8s} x0={q.lr_fraction_x0:<4g} p={q.lr_opt_exponent:<3g} "
+                  f"c={q.gns_calibration:<3g} E0={q.progress_scale_samples:.4g} "
+                  f"a={q.loss_exponent:.4g} B*={q.bcrit_star_tokens:.4g} | RMS static "
+                  f"{f.static_rms:.3f} CBS {f.cbs_rms:.3f} all {f.rms:.3f} | sim goodput-copus "
+                  f"{row['sim_goodput_copus_avg_pct']:+.1f}% goodput {row['sim_goodput_avg_pct']:+.1f}%"
+                  f" (published {preset.published_avg_speedup_pct:+.1f}%)", flush=True)
+    FIT_OUT.with_name(f"truth_fit_{grid}.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {FIT_OUT.with_name(f'truth_fit_{grid}.json')}")
+    return out
 
 
 def _layouts(result) -> list[str]:
@@ -148,10 +146,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--calibrate", action="store_true",
-                    help="only refit the presets' loss curves to Table 1's static rows")
+                    help="only refit the presets' ground truths to Table 1's static and CBS rows")
+    ap.add_argument("--grid", choices=("full", "fine", "quick"), default="full",
+                    help="--calibrate: x0 in 0.3..0.9 with p in {1, 1/2}; 0.5..0.95 at p = 1/2; "
+                         "one x0 (a smoke run)")
     args = ap.parse_args()
     if args.calibrate:
-        calibrate()
+        calibrate(args.grid)
         return
     scale = scale_run()
     print(f"1,024 x H100, {scale['model']}, all policies: {scale['wall_s']:.2f} s wall "

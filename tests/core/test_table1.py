@@ -64,3 +64,22 @@ def test_simulate_preset_prints_both_tables(capsys, monkeypatch):
     assert "published | simulated" in out and "Static GBS=64" in out and "   –|" in out
     assert "layout timeline, Table 2 (COPUS) | simulated COPUS" in out
     assert "avg +9.1% |" in out
+
+
+def test_simulate_preset_truth_option_and_oracle_ceiling(capsys, monkeypatch):
+    from copus.core import presets
+    from copus.core.trajectory import SQRT_LR
+
+    sqrt_truth = dataclasses.replace(FAKE.trajectory, lr_model=SQRT_LR, lr_fraction_x0=0.7,
+                                     lr_opt_exponent=0.5)
+    fake = dataclasses.replace(FAKE, truths={"lr-tuned": FAKE.trajectory, "sqrt-lr": sqrt_truth})
+    monkeypatch.setitem(presets.PRESETS, "fake-3b", fake)
+    assert main(["simulate", "--preset", "fake-3b", "--policies", "static,cbs,goodput",
+                 "--truth", "sqrt-lr"]) == 0
+    out = capsys.readouterr().out
+    assert "truth sqrt-lr)" in out and "oracle ceiling" in out
+    assert main(["simulate", "--preset", "fake-3b", "--policies", "static,goodput"]) == 0
+    assert "truth lr-tuned)" in capsys.readouterr().out      # the default: `trajectory`
+    monkeypatch.setitem(presets.PRESETS, "fake-3b", FAKE)  # no named truths
+    assert main(["simulate", "--preset", "fake-3b", "--truth", "sqrt-lr"]) == 2
+    assert "truth 'sqrt-lr' is invalid" in capsys.readouterr().err

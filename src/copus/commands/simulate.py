@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated noise")
     p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
+    p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
+                   help="--preset: the ground truth (default: each preset's best-fitting one)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="PNG", help="write loss/batch curves here")
 
@@ -95,7 +97,8 @@ def _preset(preset, args):
     from copus.core.simulator import COPUS_FAITHFUL, preset_scenario
 
     return preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig,
-                           variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)))
+                           variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)),
+                           trajectory=preset.truth(args.truth))
 
 
 def _custom(args):
@@ -170,7 +173,7 @@ def _print_preset(preset, cmp_) -> None:
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
     print(f"\n== {preset.description}: minutes to target loss, published | simulated "
-          f"(seed {sc.sim.seed}) ==")
+          f"(seed {sc.sim.seed}, truth {_truth_label(preset, sc.sim.trajectory)}) ==")
     rows = table1_rows(preset, cmp_)
     width = max(len(r.label) for r in rows) + 2
     print("method".ljust(width) + "".join(f"{t:>14g}" for t in targets))
@@ -191,6 +194,10 @@ def _print_preset(preset, cmp_) -> None:
             print(f"  {name}".ljust(width) + "".join(
                 f"{'':>7}|{_pct(q['speedup_pct']):<6}" for q in cmp_.speedups(run=name))
                 + f"   avg {_pct(cmp_.average_speedup_pct(name))}")
+    ceiling = oracle_speedups(cmp_)
+    print("  oracle ceiling".ljust(width) + "".join(
+        f"{'':>7}|{_pct(q):<6}" for q in ceiling) + f"   avg {_pct(_mean(ceiling))}"
+        + "   (truth known, switches free: no policy can beat it)")
     for name in cmp_.goodput_runs():
         run = cmp_.run(name)
         label = "COPUS" if name == "goodput-copus" else name
@@ -200,6 +207,28 @@ def _print_preset(preset, cmp_) -> None:
             print(f"  {pub:32s}| {sim}")
 
 
+def _truth_label(preset, params) -> str:
+    return next((n for n, t in preset.truths.items() if t == params), "custom")
+
+
+def oracle_speedups(cmp_) -> list[float | None]:
+    """Per target (descending): the oracle's speed-up over the fastest simulated baseline."""
+    from copus.core.oracle import scenario_oracle_minutes, speedup_pct
+
+    sc = cmp_.scenario
+    minutes = dict(zip(sc.sim.target_losses, scenario_oracle_minutes(sc)))
+    out = []
+    for target in sorted(sc.sim.target_losses, reverse=True):
+        base = cmp_.best(target, ("static", "cbs"))[1]
+        out.append(speedup_pct(None if base is None else base / 60.0, minutes[target]))
+    return out
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:+.1f}%"
 
@@ -207,16 +236,21 @@ def _pct(x: float | None) -> str:
 def _print_summary(out) -> None:
     print("\n== COPUS Table 1 summary: average time-to-target speed-up over the fastest baseline ==")
     names = [n for n in out[0][1].goodput_runs()]
-    print(f"{'config':16s}{'published':>11s}" + "".join(f"{'sim ' + n:>20s}" for n in names))
+    print(f"{'config':16s}{'truth':>10s}{'published':>11s}"
+          + "".join(f"{'sim ' + n:>20s}" for n in names) + f"{'oracle ceiling':>16s}")
     for preset, cmp_ in out:
-        print(f"{preset.name:16s}{_pct(preset.published_avg_speedup_pct):>11s}"
-              + "".join(f"{_pct(cmp_.average_speedup_pct(n)):>20s}" for n in names))
+        print(f"{preset.name:16s}{_truth_label(preset, cmp_.scenario.sim.trajectory):>10s}"
+              f"{_pct(preset.published_avg_speedup_pct):>11s}"
+              + "".join(f"{_pct(cmp_.average_speedup_pct(n)):>20s}" for n in names)
+              + f"{_pct(_mean(oracle_speedups(cmp_))):>16s}")
 
 
 def _json(preset, cmp_) -> dict:
     d = cmp_.to_dict()
     if preset is not None:
         d["preset"] = preset.name
+        d["truth"] = _truth_label(preset, cmp_.scenario.sim.trajectory)
+        d["oracle_speedup_pct"] = oracle_speedups(cmp_)
         d["published"] = {"minutes": {k: list(v) for k, v in preset.published_minutes.items()},
                           "speedup_pct": list(preset.published_speedup_pct),
                           "average_speedup_pct": preset.published_avg_speedup_pct}

@@ -8,7 +8,8 @@ A run is a sequence of optimizer steps (pure: numpy only, no torch). Each step:
 2. **statistics** — the ground truth (`copus.core.trajectory`) gives the loss, |G|² and tr(Σ);
    the raw two-batch inputs s̄ (per-micro-batch) and q (global batch) are drawn with the
    estimator's own sampling noise and fed to a real `core.gns.GnsEstimator`.
-3. **progress** — effective samples grow by B·B_crit/(B_crit + B) (McCandlish et al. 2018).
+3. **progress** — effective samples grow by B·B_crit/(B_crit + B) (McCandlish et al. 2018),
+   times 2x − x² under the sqrt-scaled-LR truth (`core.lr_progress`).
 4. **decision** — a `StepRecord` goes to `policy.observe(record)`; a `Decision` is applied at
    the next step. A parallelism change ("reconfigure") adds its cost to wall time and is
    reported to the policy via `record_switch_cost(seconds)`.
@@ -190,7 +191,7 @@ def simulate(policy: Policy, initial_plan: ParallelPlan, shape: ModelShape,
         num_small = plan.dp * plan.num_microbatches
         step_s = times(plan) * math.exp(settings.step_time_noise * rng.standard_normal())
         small_sqnorm, big_sqnorm = traj.sample_grad_stats(rng, loss, batch, num_small)
-        progress += traj.progress_per_step(batch, loss)
+        progress += traj.progress_per_step(batch, loss, samples * shape.seq_len)
         loss = traj.loss(progress)
         step += 1
         samples += batch
@@ -554,14 +555,16 @@ def _layout(plan: ParallelPlan) -> str:
 
 def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
                     variants: tuple[GoodputVariant, ...] = (COPUS_FAITHFUL,),
-                    **sim_overrides) -> Scenario:
+                    trajectory: TrajectoryParams | None = None, **sim_overrides) -> Scenario:
     """The `Scenario` of a `core.presets.Preset` (COPUS §6.1 settings): its published CBS
-    layouts, and the goodput `variants` (default: COPUS_FAITHFUL alone)."""
+    layouts, and the goodput `variants` (default: COPUS_FAITHFUL alone). `trajectory`: the
+    ground truth (default: the preset's, `Preset.trajectory`)."""
     from copus.core.models import get_model_shape
 
     budget = int(preset.token_budget * preset.sim_budget_factor)
     sim = SimSettings(target_losses=preset.target_losses, token_budget=budget,
-                      trajectory=preset.trajectory, seed=seed, reconfig_mode=reconfig_mode,
+                      trajectory=trajectory or preset.trajectory, seed=seed,
+                      reconfig_mode=reconfig_mode,
                       **sim_overrides)
     return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
                     world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,

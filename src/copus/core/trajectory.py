@@ -8,7 +8,12 @@ at a given batch size, and the true gradient statistics |G|² and tr(Σ) at each
   buy the progress of `E_min` samples at a tiny batch). One optimizer step at batch B therefore
   adds `ΔE = B · B_crit / (B_crit + B)`, assuming the learning rate is tuned for B (Adam with
   the square-root rule is close to that; the LR-aware factor of COPUS Eq. 8 is the
-  *controller's* assumption, not this model's).
+  *controller's* assumption, not this model's). This is the truth `LR_TUNED`.
+- **Untuned, sqrt-scaled LR** (truth `SQRT_LR`, `core.lr_progress`): COPUS runs every method
+  at η = η0·sqrt(B/16) from one base LR, constant after an 8M-token warm-up. At x = η/ε_opt(B)
+  the quadratic model gives ΔE = B·B_crit/(B_crit + B)·(2x − x²) (McCandlish Eqs. 2.5–2.7),
+  with x = x0·w·sqrt(B/16)·[(1 + B_crit/B)/(1 + B_crit/16)]^p (B_noise of Eq. 2.6 taken as
+  B_crit, McCandlish §2.3) and x0 = η0/ε_opt(16) the one fitted parameter.
 - **Loss** is a saturating power law in effective samples,
   `L(E) = L_inf + (L_0 − L_inf) · (1 + E/E_0)^(−α)` (Kaplan et al. 2020, "Scaling Laws for
   Neural Language Models", §4–5, L(D) and L(S) power laws; `L_0` is the loss at
@@ -33,6 +38,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from copus.core.lr_progress import sqrt_lr_progress_factor
+
+LR_TUNED = "lr-tuned"    # progress E(B): the LR re-tuned for every batch (McCandlish Eq. 2.11)
+SQRT_LR = "sqrt-lr"      # η0·sqrt(B/16), untuned: E(B)·(2x − x²) (core.lr_progress)
+LR_MODELS = (LR_TUNED, SQRT_LR)
 KAPLAN_BCRIT_STAR_TOKENS = 2.0e8
 KAPLAN_BCRIT_EXPONENT = 0.21
 
@@ -53,14 +63,28 @@ class TrajectoryParams:
     min_bcrit_samples: float = 1.0        # floor on B_crit, keeps early steps finite
     grad_sqnorm_scale: float = 1.0        # |G|² = scale · (L − L_inf)² (any scale: ratios matter)
     noise_dim: float = 64.0               # effective gradient dimension d of the noise model
+    # How the LR meets the batch (module docstring): LR_TUNED or SQRT_LR; the fields below
+    # matter only for SQRT_LR.
+    lr_model: str = LR_TUNED
+    lr_fraction_x0: float = 1.0           # x0 = η0/ε_opt(B_ref): base LR over its optimum
+    lr_opt_exponent: float = 1.0          # p of ε_opt ∝ (1 + B_noise/B)^(−p): 1 SGD, ½ Adam
+    lr_ref_batch: float = 16.0            # B_ref of η0·sqrt(B/B_ref) (COPUS §6.1)
+    lr_warmup_tokens: float = 0.0         # linear warm-up (COPUS: 8M tokens); 0 = none
 
     def __post_init__(self) -> None:
+        if self.lr_model not in LR_MODELS:
+            raise ValueError(f"lr_model={self.lr_model!r} is invalid; allowed: "
+                             f"{', '.join(LR_MODELS)}")
+        if not (math.isfinite(self.lr_warmup_tokens) and self.lr_warmup_tokens >= 0):
+            raise ValueError(f"lr_warmup_tokens={self.lr_warmup_tokens!r} is invalid; "
+                             "allowed: a finite number >= 0")
         if not self.initial_loss > self.final_loss >= 0:
             raise ValueError(f"initial_loss={self.initial_loss}, final_loss={self.final_loss} are "
                              "invalid; allowed: initial_loss > final_loss >= 0")
         for name in ("progress_scale_samples", "loss_exponent", "bcrit_star_tokens",
                      "bcrit_exponent", "gns_calibration", "min_bcrit_samples",
-                     "grad_sqnorm_scale", "noise_dim"):
+                     "grad_sqnorm_scale", "noise_dim", "lr_fraction_x0", "lr_opt_exponent",
+                     "lr_ref_batch"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number > 0")
@@ -111,10 +135,21 @@ class Trajectory:
         """True per-sample tr(Σ) = b_noise · |G|²."""
         return self.b_noise(loss) * self.grad_sqnorm(loss)
 
-    def progress_per_step(self, global_batch_size: float, loss: float) -> float:
-        """ΔE = B·B_crit/(B_crit + B): one step's effective samples (McCandlish 2018, Eq. 2.11)."""
+    def progress_per_step(self, global_batch_size: float, loss: float,
+                          tokens: float = math.inf) -> float:
+        """One step's effective samples after `tokens` tokens of training.
+
+        LR_TUNED: ΔE = B·B_crit/(B_crit + B) (McCandlish 2018, Eq. 2.11).
+        SQRT_LR:  the same times 2x − x², x = `lr_progress.lr_fraction`.
+        """
         bcrit = self.critical_batch(loss)
-        return global_batch_size * bcrit / (bcrit + global_batch_size)
+        tuned = global_batch_size * bcrit / (bcrit + global_batch_size)
+        p = self.params
+        if p.lr_model == LR_TUNED:
+            return tuned
+        return tuned * sqrt_lr_progress_factor(
+            global_batch_size, bcrit, p.lr_fraction_x0, ref_batch=p.lr_ref_batch,
+            exponent=p.lr_opt_exponent, tokens=tokens, warmup_tokens=p.lr_warmup_tokens)
 
     def sample_grad_stats(self, rng: np.random.Generator, loss: float, global_batch_size: int,
                           num_small: int) -> tuple[float, float]:

@@ -238,6 +238,9 @@ class ControllerConfig:
     explore_interval_steps: int = _opt(10, _int(0))
     explore_top_k: int = _opt(2, _int(1))
     audit_steps: int = _opt(3, _int(0))
+    # z of the throughput side's confidence bound: switch only when the predicted gain exceeds
+    # margin + z·u, u = the step times' measured uncertainty (core.step_uncertainty); 0 = COPUS
+    step_confidence: float = _opt(1.645, _real(0.0))
 
 
 @dataclass(**_FROZEN)

@@ -46,6 +46,7 @@ from copus.core.models import ModelShape
 from copus.core.plan import ParallelPlan
 from copus.core.records import Decision, StepRecord
 from copus.core.search import evaluate
+from copus.core.step_uncertainty import median_error, model_error, relative_spread
 from copus.core.throughput import StepTimeModel
 
 STATE_VERSION = 1
@@ -64,7 +65,8 @@ class Controller:
                  refit_interval_steps: int = 20, refit_tolerance: float = 0.05,
                  explore: ExploreSettings | None = None, audit_steps: int = 0,
                  memory_capacity_bytes: float | None = None,
-                 confidence: float = 0.0, recovery_steps: int = 0) -> None:
+                 confidence: float = 0.0, recovery_steps: int = 0,
+                 step_confidence: float = 0.0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -83,6 +85,8 @@ class Controller:
         self.max_rel_err = max_rel_err
         self.calibration = calibration
         self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
+        self.step_confidence = float(step_confidence)
+        self.step_misses: list[float] = []   # realised/predicted − 1 of checked predictions
         self._batch_change_step: int | None = None
         self.prior_reconfig_cost_s = reconfig_cost_s
         self.refit_interval_steps = refit_interval_steps
@@ -119,6 +123,23 @@ class Controller:
         so that a slow drift of the machine's load does not decide for them."""
         times = self.fitter.times.get(plan) if self.fitter is not None else None
         return float(np.median(times[-last:] if last else times)) if times else float("nan")
+
+    def step_uncertainty(self, current: ParallelPlan) -> tuple[np.ndarray | None, float]:
+        """(relative standard error of every candidate's step time, the current plan's):
+        measured plans from their kept times, the rest the model's checked out-of-sample
+        error (`core.step_uncertainty`); (None, 0) without a fitter or with z = 0."""
+        if self.fitter is None or self.step_confidence == 0:
+            return None, 0.0
+        times = self.fitter.times
+        floor = relative_spread(times.get(current, ()))
+        floor = floor if math.isfinite(floor) else 0.0
+        u = np.full(len(self.candidates), model_error(self.step_misses))
+        for plan, t in times.items():
+            i = self.candidates.index_of(plan)
+            if i is not None:
+                u[i] = median_error(t, noise_floor=floor)
+        u_cur = median_error(times.get(current, ()), noise_floor=floor)
+        return u, (u_cur if math.isfinite(u_cur) else model_error(self.step_misses))
 
     def drain_events(self) -> list[dict]:
         """Probe results and audits since the last call (rows for decisions.jsonl)."""
@@ -169,10 +190,13 @@ class Controller:
         self._maybe_refit()
         b_used = self.calibration * lower_bound(record.b_noise, record.b_noise_rel_err,
                                                 self.confidence)
+        u, u_cur = self.step_uncertainty(record.plan)
         result = evaluate(self.candidates, self.decision_model(), b_used, record.plan,
                           reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
                           useful_s=self.useful_s, step=record.step,
-                          step_s=self.predicted_step_s(), **self.search_options)
+                          step_s=self.predicted_step_s(), uncertainty=u,
+                          current_uncertainty=u_cur, step_confidence=self.step_confidence,
+                          **self.search_options)
         self.last_decision_step = record.step
         self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
                                  "b_noise_rel_err": record.b_noise_rel_err,
@@ -218,6 +242,10 @@ class Controller:
             return None
         if self.fitter is not None and row.get("verdict") != "not applied":
             self.fitter.refit()
+        realised = row.get("realised_step_s", row.get("measured_step_s"))
+        predicted = row.get("predicted_step_s")
+        if realised and predicted and predicted > 0 and row.get("verdict") != "not applied":
+            self.step_misses.append(float(realised) / float(predicted) - 1.0)
         self.events.append(row)
         self.last_explanation = {**row, "action": decision.purpose if decision else "none"}
         if decision is not None:
@@ -301,7 +329,8 @@ class Controller:
                 "switch_costs": list(self.switch_costs), "history": list(self.history),
                 "last_decision_step": self.last_decision_step,
                 "fitter": self.fitter.state_dict() if self.fitter is not None else None,
-                "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict()}
+                "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict(),
+                "step_misses": list(self.step_misses)}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -319,6 +348,7 @@ class Controller:
             self.explorer.load_state_dict(state["explorer"])
         if state.get("auditor") is not None:
             self.auditor.load_state_dict(state["auditor"])
+        self.step_misses = [float(x) for x in state.get("step_misses", [])]
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
@@ -351,7 +381,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
                     batch_grid: str = "multiples", online_fit: bool = True,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
-                    audit_steps: int = 0, cores: int | None = None) -> Controller:
+                    audit_steps: int = 0, cores: int | None = None,
+                    step_confidence: float = 0.0) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -405,4 +436,5 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       explore=explore, audit_steps=audit_steps,
                       memory_capacity_bytes=memory_capacity_bytes,
                       confidence=float(getattr(settings, "confidence", 0.0)),
-                      recovery_steps=int(getattr(settings, "recovery_steps", 0)))
+                      recovery_steps=int(getattr(settings, "recovery_steps", 0)),
+                      step_confidence=step_confidence)

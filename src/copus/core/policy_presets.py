@@ -7,8 +7,9 @@ defaults of `copus.config`, which differ from the paper where measurement or the
 so (docs/statistics.md): c = 1 instead of 2 (§4: it fits the static-B token ratios best), no
 LR-aware sqrt(B) factor (§4: it counts the LR benefit twice, and mispredicts the ratios), the
 tracking GNS estimator with a sample-tied decay instead of one per-step EMA 0.95 → 0.99,
-decisions on the lower confidence bound of the noise scale, and a recovery hold after each
-batch change.
+decisions on the lower confidence bound of the noise scale, a recovery hold after each
+batch change, and switches only when the gain clears the margin plus the step times' measured
+uncertainty (`core.step_uncertainty`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ POLICY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                 "max_rel_err": 0.5,            # ... once it is this accurate (copus's gate)
                 "recovery_steps": 0},          # no hold after a batch change
         "controller": {"lr_aware": True,       # goodput × sqrt(B) (COPUS Eqs. 7-8)
-                       "margin": 0.10},        # 10 % switching margin (§6.1)
+                       "margin": 0.10,         # 10 % switching margin (§6.1) ...
+                       "step_confidence": 0.0},  # ... and nothing for the step times' noise
         "train": {"lr_rule": "sqrt"},          # LR ∝ sqrt(B) (COPUS Eq. 9)
         "batch": {"max_growth": 2.0},          # ≤ 2× per decision (§6.1)
     },

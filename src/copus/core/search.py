@@ -19,6 +19,7 @@ import numpy as np
 from copus.core.goodput import CandidateSet, StepTimePredictor, efficiency, goodput, rank
 from copus.core.plan import ParallelPlan
 from copus.core.records import Candidate, Decision, decision_kind
+from copus.core.step_uncertainty import required_gain
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +107,13 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
              useful_s: float | None = None, horizon_s: float | None = None,
              allow_reconfigure: bool = True, lr_aware: bool = True, ref_batch: float = 1.0,
              lr_ref_batch: float | None = None, step: int = 0, top_k: int = 5,
-             step_s: np.ndarray | None = None) -> SearchResult:
+             step_s: np.ndarray | None = None, uncertainty: np.ndarray | None = None,
+             current_uncertainty: float = 0.0, step_confidence: float = 0.0) -> SearchResult:
     """Rank the allowed candidates and decide whether to switch (see module docstring).
+
+    `uncertainty` (relative standard error of every candidate's step time) and
+    `current_uncertainty` (the current plan's) raise the gain a switch needs to
+    margin + step_confidence · sqrt(u_current² + u_best²) (`core.step_uncertainty`).
 
     Only the candidates allowed by the growth cap, batch range and layout lock are predicted,
     unless `step_s` (the model's prediction for every candidate, e.g. cached by the caller
@@ -158,11 +164,16 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     expl["gain"] = _num(gain)
     if best == current_plan:
         return _stay(expl, f"current plan {current_plan.describe()} is the best")
-    if gain <= margin:
-        return _stay(expl, f"best {best.describe()} gains {gain:+.1%} <= margin {margin:.0%}")
+    u_best = float(uncertainty[idx[best_j]]) if uncertainty is not None else 0.0
+    need = required_gain(margin, current_uncertainty, u_best, step_confidence)
+    expl.update(required_gain=need, u_current=_num(current_uncertainty), u_best=_num(u_best))
+    bar = f"margin {margin:.0%}" if need == margin else \
+        f"margin {margin:.0%} + {step_confidence:g}·u {need - margin:.0%}"
+    if gain <= need:
+        return _stay(expl, f"best {best.describe()} gains {gain:+.1%} <= {bar}")
     kind = decision_kind(current_plan, best)
     reason = (f"{kind}: {best.describe()} goodput {best_good:.4g} vs current "
-              f"{current_plan.describe()} {cur_good:.4g} ({gain:+.1%} > margin {margin:.0%}); "
+              f"{current_plan.describe()} {cur_good:.4g} ({gain:+.1%} > {bar}); "
               f"step {step_s[best_j]:.4g}s vs {cur_step:.4g}s; b_noise={b_noise:.4g}")
     if kind == "reconfigure":
         reason += f"; amortisation {factor:.3f} (c_reconfig={reconfig_cost_s:.3g}s)"

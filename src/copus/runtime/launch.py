@@ -102,6 +102,7 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
                   allow_reconfigure=c.allow_reconfigure and not fixed,
                   refit_interval_steps=c.refit_interval_steps, hardware=hardware,
                   explore=explore_settings(cfg), audit_steps=c.audit_steps,
+                  step_confidence=c.step_confidence,
                   cores=job_cores(world_size) if hardware is None else None)
         if cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9

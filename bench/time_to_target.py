@@ -285,12 +285,17 @@ def loss_at(times: list[float], losses: list[float], when: float) -> float:
 
 def auto_targets(curves: dict, n: int = 5) -> list[float]:
     """n targets evenly from the median loss at a fifth of each run down to the best loss of
-    the best static batch (the static run with the lowest loss; the median best loss when
+    the best static batch (per seed the lowest loss of any static run; the highest of those
+    over seeds, so that every seed's best static run reaches it; the median best loss when
     there is no static run): spread over the whole run, the last one reached by the best
     static batch only at its end."""
     hi = statistics.median(loss_at(t, v, t[-1] * 0.2) for t, v in curves.values() if len(t) > 1)
-    static = [min(v) for (p, _), (_, v) in curves.items() if p.startswith("static-") and v]
-    lo = min(static) if static else statistics.median(min(v) for _, v in curves.values() if v)
+    per_seed: dict[int, float] = {}
+    for (p, seed), (_, v) in curves.items():
+        if p.startswith("static-") and v:
+            per_seed[seed] = min(per_seed.get(seed, math.inf), min(v))
+    lo = max(per_seed.values()) if per_seed else \
+        statistics.median(min(v) for _, v in curves.values() if v)
     return [round(hi + (lo - hi) * k / (n - 1), 3) for k in range(n)]
 
 

@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fit-fraction", type=float, default=0.3)
     ap.add_argument("--splits", type=int, default=20)
+    ap.add_argument("--out", default=str(RESULTS / "throughput_model.json"), help="JSON path")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = Path(args.profile) if args.profile else profile(args)
@@ -190,7 +191,7 @@ def main() -> None:
               "per_layout_affine_fit_mape_pct": per_layout_affine_mape_pct(rows),
               "command": "python " + " ".join(["bench/throughput_model.py"] + sys.argv[1:]),
               "load_average": list(os.getloadavg())}
-    (RESULTS / "throughput_model.json").write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     names = list(models)
     print(f"\nplans {len(rows)}, fitted on {args.fit_fraction:.0%}, {args.splits} random splits; "
           f"world {world}, cores {args.cores}")

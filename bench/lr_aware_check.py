@@ -28,20 +28,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttt_replay import first_crossing as tokens_to  # noqa: E402
 from ttt_replay import read_jsonl  # noqa: E402  (skips rows a resume superseded)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def tokens_to(tokens: list[float], losses: list[float], target: float) -> float:
-    """First crossing of `target` in tokens, linear between evaluations (NaN: never)."""
-    for i, (t, v) in enumerate(zip(tokens, losses)):
-        if v <= target:
-            if i == 0:
-                return t
-            t0, v0 = tokens[i - 1], losses[i - 1]
-            return t0 + (t - t0) * (v0 - target) / (v0 - v)
-    return math.nan
 
 
 def smoothed(losses: list[float], alpha: float = 0.5) -> list[float]:

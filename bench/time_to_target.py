@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttt_replay import first_crossing as time_to_target  # noqa: E402
 from ttt_replay import plan_key, read_jsonl  # noqa: E402  (the one reader of run folders)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -261,17 +262,6 @@ def eval_tokens(run_dir: Path) -> tuple[list[float], list[float]]:
     rows = [e for e in read_jsonl(run_dir / "eval.jsonl")
             if e.get("val_loss") is not None and math.isfinite(e["val_loss"])]
     return [float(e["tokens"]) for e in rows], [float(e["val_loss"]) for e in rows]
-
-
-def time_to_target(times: list[float], losses: list[float], target: float) -> float:
-    """First crossing of `target`, linear between the bracketing evaluations (NaN: never)."""
-    for i, (t, v) in enumerate(zip(times, losses)):
-        if v <= target:
-            if i == 0:
-                return t
-            t0, v0 = times[i - 1], losses[i - 1]
-            return t0 + (t - t0) * (v0 - target) / (v0 - v)
-    return math.nan
 
 
 def loss_at(times: list[float], losses: list[float], when: float) -> float:

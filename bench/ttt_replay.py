@@ -35,6 +35,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def first_crossing(xs: list[float], losses: list[float], target: float) -> float:
+    """First x (seconds or tokens) where the loss reaches `target`, linear between the
+    bracketing evaluations (NaN: never)."""
+    for i, (x, v) in enumerate(zip(xs, losses)):
+        if v <= target:
+            if i == 0:
+                return x
+            x0, v0 = xs[i - 1], losses[i - 1]
+            return x0 + (x - x0) * (v0 - target) / (v0 - v)
+    return math.nan
+
+
 def plan_key(row: dict) -> tuple[int, ...]:
     return tuple(int(row.get(k) or 0) for k in PLAN_KEYS)
 

@@ -13,7 +13,8 @@ Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
    point estimate once `b_noise_rel_err ≤ max_rel_err`: COPUS §1.2 with c = 2), holding for
    `recovery_steps` after a batch change (COPUS App. E transient), and calls
    `core.search.evaluate` (hysteresis, growth cap, amortised reconfiguration cost; the batch
-   does not shrink unless `allow_shrink`);
+   does not shrink unless `allow_shrink`); with `step_confidence` > 0 a switch must clear the
+   margin plus the step times' measured uncertainty (`core.step_uncertainty`);
 3. `record_switch_cost(seconds)` feeds the measured cost of each parallelism change back:
    `c_reconfig` = mean of the measured costs (the prior before the first one), and
    T_useful = T_elapsed − Σ costs.
@@ -133,13 +134,14 @@ class Controller:
         times = self.fitter.times
         floor = relative_spread(times.get(current, ()))
         floor = floor if math.isfinite(floor) else 0.0
-        u = np.full(len(self.candidates), model_error(self.step_misses))
+        unmeasured = model_error(self.step_misses)
+        u = np.full(len(self.candidates), unmeasured)
         for plan, t in times.items():
             i = self.candidates.index_of(plan)
             if i is not None:
                 u[i] = median_error(t, noise_floor=floor)
         u_cur = median_error(times.get(current, ()), noise_floor=floor)
-        return u, (u_cur if math.isfinite(u_cur) else model_error(self.step_misses))
+        return u, (u_cur if math.isfinite(u_cur) else unmeasured)
 
     def drain_events(self) -> list[dict]:
         """Probe results and audits since the last call (rows for decisions.jsonl)."""

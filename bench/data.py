@@ -38,7 +38,7 @@ import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1",
                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 from copus.config import load_config
-from copus.runtime.trainer import worker
+from copus.runtime.train.launch import worker
 cfg = load_config(None, [f"data.source='{sys.argv[1]}'", "train.max_steps=" + sys.argv[4],
       "eval.interval_steps=0", "log.progress=false", "log.tensorboard=false",
       "checkpoint.interval_steps=0", "batch.policy='constant'", "train.lr_schedule='constant'"])
@@ -78,7 +78,7 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
 
 
 def bench_prepare(corpus: Path, tok: Path, work: Path, workers: int, repeats: int) -> dict:
-    from copus.runtime.prepare import prepare
+    from copus.runtime.data.prepare import prepare
 
     times, meta = [], None
     for r in range(repeats):
@@ -96,7 +96,7 @@ def bench_prepare(corpus: Path, tok: Path, work: Path, workers: int, repeats: in
 
 
 def run_child(source: str, run_dir: Path, steps: int) -> dict:
-    from copus.runtime.launch import free_port
+    from copus.runtime.train.launch import free_port
 
     out = subprocess.run([sys.executable, "-c", CHILD, source, str(run_dir), str(free_port()),
                           str(steps)], capture_output=True, text=True, timeout=1800,
@@ -107,8 +107,8 @@ def run_child(source: str, run_dir: Path, steps: int) -> dict:
 
 
 def loader_rate(folder: Path, batch: int = 64, seconds: float = 3.0) -> float:
-    from copus.runtime.sampler import FeistelSampler
-    from copus.runtime.shards import open_split
+    from copus.runtime.data.sampler import FeistelSampler
+    from copus.runtime.data.shards import open_split
 
     ds = open_split(folder, "train", 128)
     sampler = FeistelSampler(len(ds), 0)
@@ -129,9 +129,9 @@ def main() -> None:
                     help="corpus size for the memory/loader part (byte tokenizer; default --mb)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data.json"))
     args = ap.parse_args()
-    from copus.runtime.prepare import prepare
-    from copus.runtime.sources import documents
-    from copus.runtime.tokenizer import train_bpe_tokenizer
+    from copus.runtime.data.prepare import prepare
+    from copus.runtime.data.sources import documents
+    from copus.runtime.data.tokenizer import train_bpe_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="copus-bench-data-"))
     try:

@@ -236,7 +236,7 @@ def loss_continuity(rows: list[dict]) -> tuple[int, int, float]:
 
 def verify_all(ckpt_root: Path) -> tuple[list[int], list[str]]:
     """(valid steps, problems) of every step-N folder."""
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     good, bad = [], []
     for step, path in ckpt.step_dirs(ckpt_root):
@@ -250,7 +250,7 @@ def verify_all(ckpt_root: Path) -> tuple[list[int], list[str]]:
 
 def offsets_match(ckpt_root: Path, traj: dict[int, dict]) -> bool:
     """Each checkpoint's saved sample offset equals the trajectory's at that step."""
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     for step, path in ckpt.step_dirs(ckpt_root):
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())

@@ -47,16 +47,16 @@ class _NoStats:
 
 
 def bench_worker(cfg, run_dir: str, resume: bool) -> dict:
-    """Entry on every rank (spawned by copus.runtime.launch)."""
+    """Entry on every rank (spawned by copus.runtime.train.launch)."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    from copus.core.models import get_model_shape
-    from copus.runtime.data import GlobalSampler, build_datasets, local_slice
-    from copus.runtime.dist import MeshCache, init_distributed, shutdown
-    from copus.runtime.engine import Engine, EngineSettings
-    from copus.runtime.trainer import initial_plan
+    from copus.core.specs.resolve import get_model_shape
+    from copus.runtime.data.stream import GlobalSampler, build_datasets, local_slice
+    from copus.runtime.engine.dist import MeshCache, init_distributed, shutdown
+    from copus.runtime.engine.engine import Engine, EngineSettings
+    from copus.runtime.train.trainer import initial_plan
 
     opts = json.loads(Path(run_dir, "bench_opts.json").read_text())
     device = init_distributed(backend=cfg.parallel.backend)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from copus.config import load_config
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     cfg = load_config(None, [f"parallel.nproc={args.nproc}", f"model.name='{args.model}'",
                              f"batch.initial={args.batch}", "batch.min=1",

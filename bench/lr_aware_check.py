@@ -96,7 +96,7 @@ def analyse(curves: dict[int, dict], base: int, fractions: list[float]) -> dict:
 def replay_b_noise(steps: list[dict], base: int) -> list[float]:
     """The tracking estimator (core.gns_tracking) replayed on a run's logged gradient
     statistics: b_noise after every step."""
-    from copus.core.gns_tracking import TrackingGnsEstimator
+    from copus.core.stats.gns_tracking import TrackingGnsEstimator
 
     est, out = TrackingGnsEstimator(base), []
     for r in steps:

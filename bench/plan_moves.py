@@ -14,7 +14,7 @@ median over rounds compares plans side by side. Each round times `--steps` steps
 
 For each global batch B the table shows the best micro-batch of every layout and the fastest
 plan, with and without a per-rank memory budget (`parallel.memory_budget_gb`, priced by
-`copus.core.memory.MemoryModel` in the fp32 regime the CPU runtime uses); then, for a few
+`copus.core.cost.memory.MemoryModel` in the fp32 regime the CPU runtime uses); then, for a few
 gradient-noise scales, the goodput-best (B, plan): goodput = samples_per_s · E(B),
 E(B) = (b_noise + 1)/(b_noise + B) (COPUS Eq. 6, `core.efficiency.statistical_efficiency`).
 
@@ -64,11 +64,11 @@ def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
-    from copus.core.models import get_model_shape
-    from copus.core.plan import ParallelPlan
-    from copus.runtime.dist import MeshCache, init_distributed, shutdown
-    from copus.runtime.engine import Engine
-    from copus.runtime.engine import settings_from_config
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.plan.plan import ParallelPlan
+    from copus.runtime.engine.dist import MeshCache, init_distributed, shutdown
+    from copus.runtime.engine.engine import Engine
+    from copus.runtime.engine.engine import settings_from_config
 
     req = json.loads((Path(run_dir) / REQUEST).read_text())
     device = init_distributed(backend=cfg.parallel.backend)
@@ -134,7 +134,7 @@ def _label(row: dict) -> str:
 
 def memory_bytes(shape, reshard_after_forward: bool, pp_schedule: str, row: dict) -> float:
     """Peak bytes per rank of a plan (MemoryModel, fp32: what the CPU runtime keeps)."""
-    from copus.core.memory import MemoryModel
+    from copus.core.cost.memory import MemoryModel
 
     mm = MemoryModel(shape=shape, mixed_precision=False,
                      reshard_after_forward=reshard_after_forward, pp_schedule=pp_schedule)
@@ -189,7 +189,7 @@ def fastest_per_batch(rows: list[dict], budget_bytes: float = 0.0,
 def goodput_best(rows: list[dict], b_noises: list[float], budget_bytes: float = 0.0,
                  key: str = "step_s") -> list[dict]:
     """For each b_noise: the (B, plan) maximising B/step · E(B) (COPUS Eq. 6)."""
-    from copus.core.efficiency import statistical_efficiency
+    from copus.core.stats.efficiency import statistical_efficiency
 
     ok = [r for r in rows if budget_bytes <= 0 or r["memory_bytes"] <= budget_bytes]
     out = []
@@ -244,7 +244,7 @@ def markdown(result: dict) -> str:
 
 def analyse(result: dict) -> dict:
     """Add memory and CPU-time columns, the per-batch tables and whether the plan moves."""
-    from copus.core.models import get_model_shape
+    from copus.core.specs.resolve import get_model_shape
 
     shape = get_model_shape(result["model"])
     cores = int(result.get("cores") or 2)
@@ -268,8 +268,8 @@ def analyse(result: dict) -> dict:
 def measure(args) -> dict:
     from copus.commands.profile import select_plans
     from copus.config import load_config
-    from copus.core.models import get_model_shape
-    from copus.runtime.launch import launch
+    from copus.core.specs.resolve import get_model_shape
+    from copus.runtime.train.launch import launch
 
     cfg = load_config(None, [*args.set, f"model.name={args.model!r}", f"parallel.nproc={args.nproc}"])
     shape = get_model_shape(cfg.model.name)

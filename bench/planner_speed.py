@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from copus.core.goodput import build_candidates, goodput, rank
-from copus.core.hardware import get_hardware
-from copus.core.memory import MemoryModel
-from copus.core.models import get_model_shape
-from copus.core.search import evaluate
-from copus.core.throughput import StepTimeModel
+from copus.core.plan.goodput import build_candidates, goodput, rank
+from copus.core.specs.hardware import get_hardware
+from copus.core.cost.memory import MemoryModel
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.search import evaluate
+from copus.core.cost.throughput import StepTimeModel
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_speed.json"
 TARGET_MS = 10.0

@@ -4,7 +4,7 @@ All three move the same model + AdamW state from layout X to layout Y on `--npro
 (gloo on CPU, NCCL on GPU: the device follows `init_distributed`) started by torch's elastic
 launcher, the launcher `copus train` uses.
 
-- direct (`switch_engine(path="direct")`, runtime/redistribute.py): shards move between the
+- direct (`switch_engine(path="direct")`, runtime/state/redistribute.py): shards move between the
   layouts in memory. Phases: build (meta model, wrappers, then optimizer), plan (describe both
   layouts: one all_gather_object), move (per bucket: materialise, all_to_all_single, free),
   teardown. Bytes moved between ranks and copied within ranks are counted.
@@ -61,7 +61,7 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 
 
 def make_plan(layout: str, batch: int, nproc: int):
-    from copus.core.plan import ParallelPlan
+    from copus.core.plan.plan import ParallelPlan
 
     dp, tp, pp = parse_layout(layout)
     if dp * tp * pp != nproc or batch % dp:
@@ -78,7 +78,7 @@ def synthetic_shape(gb: float):
     """A Llama-like shape whose weights + 2 AdamW moments (fp32, 12 B/parameter) total about
     `gb` GB: dim 1024, ffn 4096 (16.8M parameters per block, ~201 MB of state); for < 0.3 GB
     dim 512, ffn 2048 (~50 MB per block). At least 2 blocks (pp2)."""
-    from copus.core.models import ModelShape
+    from copus.core.specs.models import ModelShape
 
     dim, ffn = (1024, 4096) if gb >= 0.3 else (512, 2048)
     per_block = 12 * (4 * dim * dim + 3 * dim * ffn)
@@ -88,7 +88,7 @@ def synthetic_shape(gb: float):
 
 
 def model_shape(name: str):
-    from copus.core.models import get_model_shape
+    from copus.core.specs.resolve import get_model_shape
 
     return synthetic_shape(float(name.split(":", 1)[1])) if name.startswith("synthetic:") \
         else get_model_shape(name)
@@ -100,8 +100,8 @@ def _setup(args: dict, layout: str):
     import torch
     import torch.distributed as dist
 
-    from copus.runtime.dist import MeshCache, init_distributed
-    from copus.runtime.engine import Engine, EngineSettings
+    from copus.runtime.engine.dist import MeshCache, init_distributed
+    from copus.runtime.engine.engine import Engine, EngineSettings
 
     device = init_distributed()
     shape = model_shape(args["model"])
@@ -184,8 +184,8 @@ def in_process_worker(args: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from copus.runtime.dist import shutdown
-    from copus.runtime.reconfigure import state_bytes, switch_engine
+    from copus.runtime.engine.dist import shutdown
+    from copus.runtime.state.reconfigure import state_bytes, switch_engine
 
     first = args["transitions"][0].split(">")[0]
     build, step, plan = _setup(args, first)
@@ -226,8 +226,8 @@ def restart_save_worker(args: dict) -> dict:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from copus.runtime import checkpoint as ckpt
-    from copus.runtime.dist import shutdown
+    from copus.runtime.state import checkpoint as ckpt
+    from copus.runtime.engine.dist import shutdown
 
     build, step, plan = _setup(args, args["src"])
     engine = build(plan)
@@ -248,8 +248,8 @@ def restart_load_worker(args: dict) -> dict:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from copus.runtime import checkpoint as ckpt
-    from copus.runtime.dist import shutdown
+    from copus.runtime.state import checkpoint as ckpt
+    from copus.runtime.engine.dist import shutdown
 
     t_entry = time.time()
     build, step, plan = _setup(args, args["dst"])
@@ -271,7 +271,7 @@ def launch(entry, args: dict, nproc: int) -> dict:
     """Run `entry(args)` on `nproc` spawned ranks (elastic agent as in copus train); rank 0's."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from copus.runtime.launch import free_port
+    from copus.runtime.train.launch import free_port
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"bench-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from copus.core.models import get_model_shape
-from copus.core.presets import PRESETS
-from copus.core.simulator import (COPUS_FAITHFUL, POLICY_FAMILIES, Scenario, SimSettings,
+from copus.core.specs.resolve import get_model_shape
+from copus.core.sim.presets import PRESETS
+from copus.core.sim.simulator import (COPUS_FAITHFUL, POLICY_FAMILIES, Scenario, SimSettings,
                                   compare_policies, preset_scenario)
-from copus.core.trajectory import TrajectoryParams
+from copus.core.sim.trajectory import TrajectoryParams
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_scale.json"
 FIT_OUT = OUT.with_name("truth_fit.json")   # written as truth_fit_<grid>.json
@@ -91,11 +91,11 @@ def calibrate(grid: str = "full") -> dict:
     is refitted to the static rows (core.truth_fit.fit_loss_curve) and the two CBS rows are
     simulated. The COPUS rows are never used: the goodput speed-ups printed beside each
     candidate are the prediction. Writes bench/results/truth_fit.json and prints the numbers to
-    paste into core/presets.py (they are not applied automatically).
+    paste into core/sim/presets.py (they are not applied automatically).
     """
     from copus.commands.simulate import default_variant
-    from copus.core.trajectory import LR_TUNED, SQRT_LR
-    from copus.core.truth_fit import fit_truth, preset_cbs_errors, preset_static_rows
+    from copus.core.sim.trajectory import LR_TUNED, SQRT_LR
+    from copus.core.sim.truth_fit import fit_truth, preset_cbs_errors, preset_static_rows
 
     x0s = {"full": (0.3, 0.45, 0.6, 0.75, 0.9), "quick": (0.6,),
            "fine": tuple(round(0.5 + 0.05 * i, 2) for i in range(10))}[grid]

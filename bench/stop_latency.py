@@ -1,4 +1,4 @@
-"""Stop latency of `copus train` on SIGINT / SIGTERM (runtime/stop.py).
+"""Stop latency of `copus train` on SIGINT / SIGTERM (runtime/train/stop.py).
 
 Each trial starts a 2-rank `copus train` (tiny model, constant batch, no interval checkpoints),
 waits until `--after` steps are logged, sends the signal to the `copus train` process and
@@ -46,7 +46,7 @@ def _rows(path: Path) -> list[dict]:
 
 def trial(root: Path, sig: int, after: int) -> dict:
     """One run stopped by `sig` after `after` logged steps; the measured times."""
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     run = root / f"run-{signal.Signals(sig).name}-{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

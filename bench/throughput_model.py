@@ -4,12 +4,12 @@
     python bench/throughput_model.py --profile prof.json --cores 2   # reuse a `copus profile` table
 
 Profiles every valid plan of the tiny model at 4 CPU ranks (`copus profile`), fits
-`copus.core.fit.fit_model` on a random 30% of them and scores the other 70% (held out), over
+`copus.core.cost.fit.fit_model` on a random 30% of them and scores the other 70% (held out), over
 `--splits` random splits (medians reported), for three models side by side:
 - "one core per rank": `StepTimeModel` (the "cpu" prior);
-- "shared cores": `SharedCoreStepTimeModel` (core/cpu_model.py), ranks time-sharing `--cores`
+- "shared cores": `SharedCoreStepTimeModel` (core/cost/cpu_model.py), ranks time-sharing `--cores`
   cores (the profile's machine; default: this machine's), StepTimeModel's communication terms;
-- "gloo calls, shared cores": `GlooCpuStepTimeModel` (core/cpu_model.py, the CPU prior): the
+- "gloo calls, shared cores": `GlooCpuStepTimeModel` (core/cost/cpu_model.py, the CPU prior): the
   collectives copus's runtime issues, counted, priced per call, and the same shared-core bound.
 Two references for what any model can reach on this data: the measurement noise of a plan's
 median (half the mean |median(repeats 1-2) / median(repeats 3-4) − 1|: the expected |error| of
@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from copus.core.cpu_model import GlooCpuStepTimeModel, SharedCoreStepTimeModel
-from copus.core.fit import fit_model, prior_model
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
+from copus.core.cost.cpu_model import GlooCpuStepTimeModel, SharedCoreStepTimeModel
+from copus.core.cost.fit import fit_model, prior_model
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

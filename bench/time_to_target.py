@@ -76,7 +76,7 @@ STATIC_GROUP, CBS_GROUP = "static", "cbs"
 def _token_eval_trainer():
     """Trainer that evaluates at every multiple of `eval_every_tokens` (a common token grid:
     eval.interval_steps counts steps, which cover more tokens as the batch grows)."""
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.train.trainer import Trainer
 
     class TokenEvalTrainer(Trainer):
         eval_every_tokens = 0
@@ -94,11 +94,11 @@ def _token_eval_trainer():
 
 def _free_layout_policy(cfg, plan, world_size: int, shape):
     """The configured policy, but goodput may leave the start layout: copus pins the layout when
-    a degree is set in [parallel] (launch.make_run_policy), and the bench sets them only to give
+    a degree is set in [parallel] (setup.make_run_policy), and the bench sets them only to give
     every policy the same start plan."""
     from dataclasses import replace
 
-    from copus.runtime.launch import make_run_policy
+    from copus.runtime.train.setup import make_run_policy
 
     free = replace(cfg, parallel=replace(cfg.parallel, dp=0, tp=0, pp=0))
     return make_run_policy(free, plan, world_size, shape)
@@ -107,7 +107,7 @@ def _free_layout_policy(cfg, plan, world_size: int, shape):
 def _worker(cfg, run_dir: str, resume: bool = False) -> dict:
     """Run every training in the request back to back in these processes (Trainer.run each)."""
     from copus.config import load_config
-    from copus.runtime.dist import init_distributed, shutdown
+    from copus.runtime.engine.dist import init_distributed, shutdown
 
     req = json.loads((Path(run_dir) / REQUEST).read_text())
     device = init_distributed(backend=cfg.parallel.backend)
@@ -181,7 +181,7 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     specs["gns-start"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(start)]
     specs["gns-large"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(large)]
     # goodput: the library's defaults, nothing bench-specific; goodput-copus: the paper's
-    # settings (core/policy_presets.py)
+    # settings (core/control/policy_presets.py)
     specs["goodput"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
     specs["goodput-copus"] = [*common, "batch.policy='goodput-copus'", *adaptive,
                               *plan_overrides(start)]
@@ -217,7 +217,7 @@ def profile(args, out: Path) -> list[dict]:
 def run_seed(args, specs: dict[str, list[str]], seed: int, order: list[str], root: Path) -> None:
     """All policies of one seed in one worker set, in `order`, after a discarded warm-up."""
     from copus.config import load_config
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     seed_dir = root / f"seed{seed}"
     seed_dir.mkdir(parents=True, exist_ok=True)
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     root = roots[0]
     prof_rows = [r for f in args.profile.split(",") if f for r in json.loads(Path(f).read_text())]
     if not args.from_:
-        from copus.core.models import get_model_shape
+        from copus.core.specs.resolve import get_model_shape
 
         seq_len = get_model_shape(args.model).seq_len
         rows = prof_rows or profile(args, root / "profile")

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from copus.adapt import AdaptiveBatch
-from copus.core.models import get_model_shape
-from copus.runtime.data import ByteTokenizer, GlobalSampler, TokenDataset, load_text, local_slice
-from copus.runtime.model import build_model, materialize
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.data.stream import ByteTokenizer, GlobalSampler, TokenDataset, load_text, local_slice
+from copus.runtime.engine.model import build_model, materialize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--policy", default="norm-test")

@@ -7,12 +7,12 @@ import inspect
 
 MODULES = {
     "copus.adapt": ["AdaptiveBatch"],
-    "copus.core.gns": ["two_batch_estimate", "DecaySchedule", "GnsEstimator"],
-    "copus.core.efficiency": None,
-    "copus.core.batch_tests": None,
-    "copus.core.plan": ["ParallelPlan", "plan_problems", "layouts", "enumerate_plans"],
-    "copus.core.records": ["StepRecord", "Decision", "Candidate"],
-    "copus.core.policies": ["PolicySettings", "make_policy", "POLICY_NAMES"],
+    "copus.core.stats.gns": ["two_batch_estimate", "DecaySchedule", "GnsEstimator"],
+    "copus.core.stats.efficiency": None,
+    "copus.core.stats.batch_tests": None,
+    "copus.core.plan.plan": ["ParallelPlan", "plan_problems", "layouts", "enumerate_plans"],
+    "copus.core.plan.records": ["StepRecord", "Decision", "Candidate"],
+    "copus.core.control.policies": ["PolicySettings", "make_policy", "POLICY_NAMES"],
 }
 
 

@@ -15,9 +15,9 @@ your optimizer. Per optimizer step::
 
 Statistics (design.md §3, McCandlish et al. 2018 App. A): the gradient of each micro-batch on
 each rank is a "small" gradient g_j of `micro_batch_size` samples, seen by a tensor hook before
-it is accumulated (`copus.runtime.grad_stats.GradStats`, the collector the trainer uses); the
+it is accumulated (`copus.runtime.engine.grad_stats.GradStats`, the collector the trainer uses); the
 synchronised gradient after the last backward is ḡ over the global batch. One all-reduce of
-three scalars per step. Decisions come from `copus.core.policies` (the same objects the trainer
+three scalars per step. Decisions come from `copus.core.control.policies` (the same objects the trainer
 and the simulator use); rank 0's decision is broadcast so all ranks apply the same batch.
 """
 
@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from copus.core.efficiency import lr_scale
-from copus.core.gns import DecaySchedule, GnsEstimator
-from copus.core.plan import ParallelPlan
-from copus.core.policies import PolicySettings, make_policy
-from copus.core.records import Decision, StepRecord
-from copus.runtime.grad_stats import GradStats, weighted_sqnorm
+from copus.core.stats.efficiency import lr_scale
+from copus.core.stats.gns import DecaySchedule, GnsEstimator
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import PolicySettings, make_policy
+from copus.core.plan.records import Decision, StepRecord
+from copus.runtime.engine.grad_stats import GradStats, weighted_sqnorm
 
 __all__ = ["AdaptiveBatch"]
 
@@ -59,7 +59,7 @@ class AdaptiveBatch:
         micro_batch_size: samples per forward per rank (fixed; the number of micro-batches
             changes with the batch).
         lr_rule: `none`, `linear`, `sqrt` or `adascale`; `lr_factor` is relative to
-            `initial_batch` (`copus.core.efficiency.lr_scale`).
+            `initial_batch` (`copus.core.stats.efficiency.lr_scale`).
         seq_len: tokens per sample (for token counts and the GNS decay schedule).
         settings: a full `PolicySettings` to override the policy's other knobs.
     """

@@ -83,6 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # user mistakes: one line, exit 2, no traceback
         print(f"copus {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C outside a run's graceful stop (runtime/stop.py)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's graceful stop (runtime/train/stop.py)
         print(f"copus {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,6 +1,6 @@
 """Run configuration: TOML sections → frozen dataclasses, `--set section.key=value` overrides.
 
-Pure (stdlib only + `copus.core.models`): `copus plan` and `copus simulate` load it without torch.
+Pure (stdlib only + `copus.core.specs.models`): `copus plan` and `copus simulate` load it without torch.
 Keys, defaults and meanings: docs/internals.md "Configuration". Config files are TOML only, so a
 config file can never run code. Every user mistake raises `ValueError` with one line:
 `<section>.<key>=<value!r>: <what is allowed>`.
@@ -17,9 +17,9 @@ from typing import Any
 
 import tomli_w
 
-from copus.core.layout_map import SYNTAX, LayoutMapError, parse_layout_map
-from copus.core.models import MODELS
-from copus.core.policy_presets import apply_policy_preset
+from copus.core.plan.layout_map import SYNTAX, LayoutMapError, parse_layout_map
+from copus.core.specs.models import MODELS
+from copus.core.control.policy_presets import apply_policy_preset
 
 POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput",
                 "goodput-copus")
@@ -81,7 +81,7 @@ def _real_or_auto() -> Check:
 
 def _probe_multipliers() -> Check:
     """`gns.probe_multipliers`: core.critical_batch.parse_probe_multipliers syntax."""
-    from copus.core.critical_batch import parse_probe_multipliers
+    from copus.core.stats.critical_batch import parse_probe_multipliers
 
     def check(v: Any) -> str | None:
         try:
@@ -124,12 +124,12 @@ _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
 
 def _model_name() -> Check:
-    """A named shape or a readable Hugging Face config.json (core/hf_config.py)."""
+    """A named shape or a readable Hugging Face config.json (core/specs/hf_config.py)."""
     def check(v: Any) -> str | None:
         if not isinstance(v, str) or not (v in MODELS or v.endswith(".json")):
             return "one of " + ", ".join(repr(n) for n in MODELS) + " or a config.json path"
         if v.endswith(".json"):
-            from copus.core.hf_config import load_shape
+            from copus.core.specs.hf_config import load_shape
             try:
                 load_shape(v)
             except ValueError as err:
@@ -289,7 +289,7 @@ def allowed_keys(section: str) -> list[str]:
 
 def model_shape(cfg: Any):
     """The `ModelShape` a config trains: `model.name` (or config.json) at `model.seq_len`."""
-    from copus.core.models import get_model_shape
+    from copus.core.specs.resolve import get_model_shape
 
     return get_model_shape(cfg.model.name, cfg.model.seq_len)
 

@@ -1,4 +1,4 @@
-"""Decision audits (core/audit.py): a decision whose realised step time misses its prediction
+"""Decision audits (core/control/audit.py): a decision whose realised step time misses its prediction
 badly enough is undone (shrinking the batch if need be); one that delivers is kept; both are
 logged with the comparison."""
 
@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from copus.core.audit import Auditor, PendingAudit, audit_row
-from copus.core.controller import make_controller
-from copus.core.fit import prior_model
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.core.policies import PolicySettings
-from copus.core.records import Candidate, Decision, StepRecord
+from copus.core.control.audit import Auditor, PendingAudit, audit_row
+from copus.core.control.controller import make_controller
+from copus.core.cost.fit import prior_model
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import PolicySettings
+from copus.core.plan.records import Candidate, Decision, StepRecord
 
 SHAPE = get_model_shape("tiny")
 B8 = ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core.batch_tests import (
+from copus.core.stats.batch_tests import (
     BatchTestResult,
     augmented_test,
     decide,

@@ -6,13 +6,13 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.controller import make_controller
-from copus.core.memory import MemoryModel
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan, plan_problems
-from copus.core.policies import PolicySettings
-from copus.core.records import StepRecord
-from copus.core.throughput import StepTimeModel
+from copus.core.control.controller import make_controller
+from copus.core.cost.memory import MemoryModel
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, plan_problems
+from copus.core.control.policies import PolicySettings
+from copus.core.plan.records import StepRecord
+from copus.core.cost.throughput import StepTimeModel
 
 SHAPE = get_model_shape("llama-3.2-3b")
 HW = "h100-nvlink-pairs"

@@ -1,4 +1,4 @@
-"""Step time of ranks sharing cores (core/cpu_model.py): the shared-core bound, the counted gloo
+"""Step time of ranks sharing cores (core/cost/cpu_model.py): the shared-core bound, the counted gloo
 collectives of GlooCpuStepTimeModel, and their recovery by the fit."""
 
 from dataclasses import replace
@@ -6,11 +6,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from copus.core.cpu_model import GlooCpuStepTimeModel, SharedCoreStepTimeModel
-from copus.core.fit import fit_model, prior_model
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan, enumerate_plans
-from copus.core.throughput import StepTimeParams, plan_columns
+from copus.core.cost.cpu_model import GlooCpuStepTimeModel, SharedCoreStepTimeModel
+from copus.core.cost.fit import fit_model, prior_model
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, enumerate_plans
+from copus.core.cost.throughput import StepTimeParams, plan_columns
 
 SHAPE = get_model_shape("tiny")
 BASE = prior_model(SHAPE, None, 4)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from copus.core.critical_batch import (
+from copus.core.stats.critical_batch import (
     ema_smooth,
     fit_b_noise,
     fit_b_noise_pair,
@@ -127,7 +127,7 @@ def test_measured_calibration():
 
 
 def test_summarize_branches_known_answer():
-    from copus.core.critical_batch import summarize_branches
+    from copus.core.stats.critical_batch import summarize_branches
 
     B, b_noise, C, start = 8.0, 24.0, 2.0, 3.0
     # two repeats: the model's losses ± 0.005 (gap 0.01 → ε = 0.02)
@@ -145,8 +145,8 @@ def test_summarize_branches_known_answer():
 
 def test_probe_multipliers_and_auto_calibration_config():
     from copus.config import load_config
-    from copus.core.critical_batch import parse_probe_multipliers
-    from copus.core.policies import AUTO_CALIBRATION_PRIOR, PolicySettings
+    from copus.core.stats.critical_batch import parse_probe_multipliers
+    from copus.core.control.policies import AUTO_CALIBRATION_PRIOR, PolicySettings
 
     assert parse_probe_multipliers("4,1,2") == [1.0, 2.0, 4.0]
     for bad in ("2,4", "1", "1,-2", "1,x"):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core.efficiency import (
+from copus.core.stats.efficiency import (
     LR_RULES,
     adascale_gain,
     lr_aware_factor,

@@ -1,4 +1,4 @@
-"""In-run exploration (core/explore.py): probes are bounded and logged, decided on
+"""In-run exploration (core/control/explore.py): probes are bounded and logged, decided on
 measurements, never over the memory budget, and off when a [parallel] degree is fixed."""
 
 import json
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from copus.config import load_config
-from copus.core.controller import make_controller
-from copus.core.explore import ExploreSettings, probe_candidate, probe_verdict
-from copus.core.goodput import build_candidates
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.core.policies import PolicySettings
-from copus.core.records import StepRecord
-from copus.runtime.launch import make_run_policy
+from copus.core.control.controller import make_controller
+from copus.core.control.explore import ExploreSettings, probe_candidate, probe_verdict
+from copus.core.plan.goodput import build_candidates
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import PolicySettings
+from copus.core.plan.records import StepRecord
+from copus.runtime.train.setup import make_run_policy
 
 SHAPE = get_model_shape("tiny")
 DP4 = ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=8, num_microbatches=1)   # B = 32

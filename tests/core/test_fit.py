@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from copus.core.fit import (
+from copus.core.cost.fit import (
     OnlineFitter,
     ProfiledStepTime,
     fit_model,
@@ -14,9 +14,10 @@ from copus.core.fit import (
     pinned_names,
     prior_model,
 )
-from copus.core.models import ModelShape, get_model_shape
-from copus.core.plan import ParallelPlan, enumerate_plans
-from copus.core.throughput import StepTimeModel, StepTimeParams, plan_columns
+from copus.core.specs.models import ModelShape
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, enumerate_plans
+from copus.core.cost.throughput import StepTimeModel, StepTimeParams, plan_columns
 
 SEVEN_B = get_model_shape("llama-2-7b")
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.gns import DecaySchedule, GnsEstimator, two_batch_estimate
+from copus.core.stats.gns import DecaySchedule, GnsEstimator, two_batch_estimate
 
 
 def _problem(d=16, seed=0):

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.gns import DecaySchedule, GnsEstimator, lower_bound
-from copus.core.gns_tracking import TrackingGnsEstimator, make_estimator
-from copus.core.plan import ParallelPlan
-from copus.core.policies import GnsPolicy, PolicySettings
-from copus.core.records import StepRecord
+from copus.core.stats.gns import DecaySchedule, GnsEstimator, lower_bound
+from copus.core.stats.gns_tracking import TrackingGnsEstimator, make_estimator
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import GnsPolicy, PolicySettings
+from copus.core.plan.records import StepRecord
 
 
 def _falling_stream(seed, cv=0.05, big=64, small=8, steady=100, fall=100):

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copus.core.goodput import batch_values, build_candidates, goodput, rank
-from copus.core.models import get_model_shape
-from copus.core.plan import enumerate_plans, plan_problems
+from copus.core.plan.goodput import batch_values, build_candidates, goodput, rank
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import enumerate_plans, plan_problems
 
 
 class ToyMemory:

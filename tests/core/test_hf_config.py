@@ -6,8 +6,8 @@ import pytest
 
 from copus.cli import main
 from copus.config import load_config, model_shape
-from copus.core.hf_config import load_shape, shape_from_dict
-from copus.core.models import get_model_shape
+from copus.core.specs.hf_config import load_shape, shape_from_dict
+from copus.core.specs.resolve import get_model_shape
 
 # transformers' config.json of meta-llama/Llama-3.2-3B (the fields copus reads, as published)
 LLAMA_32_3B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",

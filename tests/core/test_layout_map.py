@@ -2,16 +2,16 @@
 
 import pytest
 
-from copus.core.layout_map import (
+from copus.core.plan.layout_map import (
     LayoutMap,
     LayoutMappedPolicy,
     check_layout_map,
     parse_layout_map,
     plan_in_layout,
 )
-from copus.core.models import MODELS
-from copus.core.plan import ParallelPlan
-from copus.core.policies import PolicySettings, RampPolicy
+from copus.core.specs.models import MODELS
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import PolicySettings, RampPolicy
 from tests.core.test_policies import Feed
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from copus.core.layout_names import layout_name, parse_layout
-from copus.core.plan import ParallelPlan
+from copus.core.plan.layout_names import layout_name, parse_layout
+from copus.core.plan.plan import ParallelPlan
 
 
 def test_layouts_and_plans_are_written_one_way_in_ascii():
@@ -40,8 +40,8 @@ def test_the_layout_map_and_profile_take_any_spelling():
     import argparse
 
     from copus.commands.profile import select_plans
-    from copus.core.layout_map import parse_layout_map
-    from copus.core.models import get_model_shape
+    from copus.core.plan.layout_map import parse_layout_map
+    from copus.core.specs.resolve import get_model_shape
 
     assert parse_layout_map("1x1x4@8, dp2·pp2@32, dp4.tp1.pp1@64") == \
         parse_layout_map("pp4@8,dp2.pp2@32,dp4@64")

@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.lr_progress import (LR_EXPONENT_ADAM, LR_EXPONENT_SGD, lr_fraction,
+from copus.core.stats.lr_progress import (LR_EXPONENT_ADAM, LR_EXPONENT_SGD, lr_fraction,
                                     optimal_lr, progress_factor, sqrt_lr_progress_factor,
                                     warmup_factor)
-from copus.core.trajectory import LR_TUNED, SQRT_LR, Trajectory, TrajectoryParams
-from copus.core.truth_fit import StaticRow, fit_loss_curve, fit_truth, static_minutes
+from copus.core.sim.trajectory import LR_TUNED, SQRT_LR, Trajectory, TrajectoryParams
+from copus.core.sim.truth_fit import StaticRow, fit_loss_curve, fit_truth, static_minutes
 
 
 def test_progress_factor_is_the_quadratic_law_2x_minus_x2():
@@ -108,7 +108,7 @@ def test_fit_on_synthetic_rows_recovers_the_loss_curve_and_x0():
 
 
 def test_oracle_is_never_slower_than_any_fixed_candidate_and_equals_a_lone_one():
-    from copus.core.oracle import oracle_minutes, speedup_pct
+    from copus.core.sim.oracle import oracle_minutes, speedup_pct
 
     batches, step_s = np.array([16, 64, 256]), np.array([0.6, 1.6, 5.5])  # 256: x > 2 early
     fixed = [static_minutes(TRUE, 2048, StaticRow(int(b), float(t), (None,) * 3), TARGETS)

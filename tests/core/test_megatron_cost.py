@@ -1,14 +1,14 @@
-"""The Megatron structure of the step-time and memory models (core/megatron_cost.py)."""
+"""The Megatron structure of the step-time and memory models (core/cost/megatron_cost.py)."""
 
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from copus.core.hardware import get_hardware, with_overrides
-from copus.core.memory import MemoryModel
-from copus.core.models import get_model_shape
-from copus.core.throughput import StepTimeModel
+from copus.core.specs.hardware import get_hardware, with_overrides
+from copus.core.cost.memory import MemoryModel
+from copus.core.specs.resolve import get_model_shape
+from copus.core.cost.throughput import StepTimeModel
 
 SHAPE = get_model_shape("llama-3.2-3b")   # tied embeddings
 HW = get_hardware("h100-nvlink-pairs")

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copus.core.memory import MemoryModel
-from copus.core.models import get_model_shape
+from copus.core.cost.memory import MemoryModel
+from copus.core.specs.resolve import get_model_shape
 
 TINY = get_model_shape("tiny")          # L=4, h=192, a=6, kv=2 (head_dim 32), ffn=512, V=256, s=128
 SEVEN_B = get_model_shape("llama-2-7b")
@@ -166,7 +166,7 @@ def test_activation_bytes_match_what_the_runtime_block_saves(mixed):
     """Cross-check against copus's runtime block: per-sample saved bytes = the model's activations
     (within 3 %); under autocast the b-independent part is the bf16 weight copies (2 B/param)."""
     torch = pytest.importorskip("torch")
-    from copus.runtime.model import build_model
+    from copus.runtime.engine.model import build_model
 
     shape = get_model_shape("small")
     model = build_model(shape, "cpu")

@@ -2,8 +2,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core.models import MODELS, get_model_shape
-from copus.core.plan import ParallelPlan, enumerate_plans, layouts, plan_problems
+from copus.core.specs.models import MODELS
+
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, enumerate_plans, layouts, plan_problems
 
 
 def test_global_batch_and_world():

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from copus.cli import main
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan, plan_problems
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, plan_problems
 
 KEYS = ["dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_size", "step_s",
         "samples_per_s", "memory_bytes", "goodput"]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from copus.core.batch_tests import norm_test_terms
-from copus.core.plan import ParallelPlan
-from copus.core.policies import (
+from copus.core.stats.batch_tests import norm_test_terms
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import (
     POLICY_NAMES,
     ConstantPolicy,
     GnsPolicy,
@@ -20,7 +20,7 @@ from copus.core.policies import (
     RampPolicy,
     make_policy,
 )
-from copus.core.records import StepRecord
+from copus.core.plan.records import StepRecord
 
 D = 8
 
@@ -93,9 +93,9 @@ def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
     with pytest.raises(ValueError, match="policy='best'.*constant, ramp, norm-test"):
         make_policy("best", s, p)
     calls = []
-    fake = types.ModuleType("copus.core.controller")
+    fake = types.ModuleType("copus.core.control.controller")
     fake.make_controller = lambda *a, **kw: calls.append((a, kw)) or "controller"
-    monkeypatch.setitem(sys.modules, "copus.core.controller", fake)
+    monkeypatch.setitem(sys.modules, "copus.core.control.controller", fake)
     assert make_policy("goodput", s, p, 4, None, margin=0.2) == "controller"
     assert calls == [((s, p, 4, None), {"margin": 0.2})]
     assert make_policy("goodput-copus", s, p, 4, None) == "controller"   # same controller

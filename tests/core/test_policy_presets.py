@@ -1,5 +1,5 @@
 from copus.config import load_config
-from copus.core.policy_presets import POLICY_PRESETS, apply_policy_preset
+from copus.core.control.policy_presets import POLICY_PRESETS, apply_policy_preset
 
 
 def test_goodput_copus_is_the_papers_settings_and_goodput_is_not():

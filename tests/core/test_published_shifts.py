@@ -4,13 +4,13 @@ COPUS §3.3 / Table 1 / Table 2 (copus-notes §2.3, §3.3): on each cluster the 
 layout at B = 16 (the "pessimistic" CBS baseline, COPUS's start) and at the large batches that
 dominate training (the "optimistic" CBS baseline, COPUS's end) were *measured*. Goal (issue 15):
 `copus plan` ranks each of them first or within 3 % of the first (step time at a fixed batch).
-Nothing here is fitted per test: one hardware profile per cluster (core/hardware.py) prices all
+Nothing here is fitted per test: one hardware profile per cluster (core/specs/hardware.py) prices all
 of them; docs/cost-model.md lists every factor and its source.
 """
 
 from copus.cli import main
 from copus.commands.plan import plan_rows
-from copus.core.presets import get_preset
+from copus.core.sim.presets import get_preset
 
 TOLERANCE = 0.03
 

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.fit import prior_model
-from copus.core.goodput import build_candidates
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.core.replan import FixedDegrees, batch_pool, replan
+from copus.core.cost.fit import prior_model
+from copus.core.plan.goodput import build_candidates
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.replan import FixedDegrees, batch_pool, replan
 
 SHAPE = get_model_shape("tiny")
 SAVED = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=2)   # B = 8

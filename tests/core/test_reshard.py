@@ -1,4 +1,4 @@
-"""core/reshard.py: shard boxes, the pieces a layout switch moves, memory order and buckets."""
+"""core/plan/reshard.py: shard boxes, the pieces a layout switch moves, memory order and buckets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copus.core.reshard import (
+from copus.core.plan.reshard import (
     Piece,
     UnsupportedLayout,
     buckets,
@@ -108,7 +108,7 @@ def test_buckets_are_consecutive_and_capped():
 
 
 def test_direct_switch_cost_prior_grows_with_the_state():
-    from copus.core.reshard import DIRECT_SWITCH_CONSTANT_S, direct_switch_cost_s
+    from copus.core.plan.reshard import DIRECT_SWITCH_CONSTANT_S, direct_switch_cost_s
 
     assert direct_switch_cost_s(0.0) == DIRECT_SWITCH_CONSTANT_S
     assert direct_switch_cost_s(4e9, 2e9, constant_s=0.1) == pytest.approx(2.1)

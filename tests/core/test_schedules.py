@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core.schedules import BatchSchedule, constant, linear_ramp, stepwise_ramp
+from copus.core.control.schedules import BatchSchedule, constant, linear_ramp, stepwise_ramp
 
 
 def test_constant():

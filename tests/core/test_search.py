@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copus.core.goodput import build_candidates
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan, plan_problems
-from copus.core.search import amortisation, evaluate, ranked, search
+from copus.core.plan.goodput import build_candidates
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, plan_problems
+from copus.core.plan.search import amortisation, evaluate, ranked, search
 
 SHAPE = get_model_shape("llama-3.2-3b")
 

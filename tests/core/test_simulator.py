@@ -4,10 +4,10 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.core.presets import PRESETS
-from copus.core.simulator import (
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.core.sim.presets import PRESETS
+from copus.core.sim.simulator import (
     Planner,
     Scenario,
     SimSettings,
@@ -17,7 +17,7 @@ from copus.core.simulator import (
     reconfig_cost_s,
     simulate,
 )
-from copus.core.trajectory import TrajectoryParams
+from copus.core.sim.trajectory import TrajectoryParams
 
 SHAPE = get_model_shape("llama-3.2-3b")
 # Fixed here (not taken from a preset, whose fit follows the step-time model): B_crit grows

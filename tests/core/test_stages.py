@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core.stages import split_layers, stage_sizes
+from copus.core.plan.stages import split_layers, stage_sizes
 
 
 @given(st.integers(1, 64), st.integers(1, 16))

@@ -1,12 +1,12 @@
-"""The throughput side's confidence bound (core/step_uncertainty.py) and its use in decisions."""
+"""The throughput side's confidence bound (core/stats/step_uncertainty.py) and its use in decisions."""
 
 import math
 
 import numpy as np
 import pytest
 
-from copus.core.search import search
-from copus.core.step_uncertainty import (
+from copus.core.plan.search import search
+from copus.core.stats.step_uncertainty import (
     PRIOR_MODEL_ERROR,
     median_error,
     model_error,
@@ -54,8 +54,8 @@ def test_the_controller_learns_its_models_miss_from_audits_and_keeps_it():
     unmeasured candidate then carries it as its uncertainty, and it survives a state round trip."""
     from test_audit import B8, SETTINGS, SHAPE, _drive
 
-    from copus.core.controller import make_controller
-    from copus.core.fit import prior_model
+    from copus.core.control.controller import make_controller
+    from copus.core.cost.fit import prior_model
 
     def make(z):
         return make_controller(SETTINGS, B8, 4, SHAPE, micro_batch_sizes=[2], audit_steps=3,

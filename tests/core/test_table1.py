@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from copus.cli import main
-from copus.core.presets import Preset
-from copus.core.simulator import COPUS_FAITHFUL, GoodputVariant, compare_policies, preset_scenario
-from copus.core.table1 import table1_rows, timeline_rows
-from copus.core.trajectory import TrajectoryParams
+from copus.core.sim.presets import Preset
+from copus.core.sim.simulator import COPUS_FAITHFUL, GoodputVariant, compare_policies, preset_scenario
+from copus.core.sim.table1 import table1_rows, timeline_rows
+from copus.core.sim.trajectory import TrajectoryParams
 
 # a made-up "paper" for a 3B run on 8 NVLink-pair H100s, short enough for a test
 FAKE = Preset(
@@ -56,7 +56,7 @@ def test_timeline_beside_table_2(comparison):
 
 
 def test_simulate_preset_prints_both_tables(capsys, monkeypatch):
-    from copus.core import presets
+    from copus.core.sim import presets
 
     monkeypatch.setitem(presets.PRESETS, "fake-3b", FAKE)
     assert main(["simulate", "--preset", "fake-3b", "--policies", "static,cbs,goodput"]) == 0
@@ -67,8 +67,8 @@ def test_simulate_preset_prints_both_tables(capsys, monkeypatch):
 
 
 def test_simulate_preset_truth_option_and_oracle_ceiling(capsys, monkeypatch):
-    from copus.core import presets
-    from copus.core.trajectory import SQRT_LR
+    from copus.core.sim import presets
+    from copus.core.sim.trajectory import SQRT_LR
 
     sqrt_truth = dataclasses.replace(FAKE.trajectory, lr_model=SQRT_LR, lr_fraction_x0=0.7,
                                      lr_opt_exponent=0.5)

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copus.core.hardware import HARDWARE, Topology, crosses, get_hardware
-from copus.core.models import get_model_shape
-from copus.core.plan import layouts
-from copus.core.throughput import StepTimeModel, StepTimeParams, _gamma_sum
+from copus.core.specs.hardware import HARDWARE, Topology, crosses, get_hardware
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import layouts
+from copus.core.cost.overlap import gamma_sum
+from copus.core.cost.throughput import StepTimeModel, StepTimeParams
 
 SEVEN_B = get_model_shape("llama-2-7b")
 TINY = get_model_shape("tiny")
@@ -76,9 +77,9 @@ def test_single_rank_compute_matches_model_flops():
 
 def test_gamma_sum_limits():
     a, b = np.array([3.0, 0.0, 2.0]), np.array([4.0, 0.0, 0.0])
-    np.testing.assert_allclose(_gamma_sum(a, b, 1.0), [7.0, 0.0, 2.0])
-    np.testing.assert_allclose(_gamma_sum(a, b, 2.0), [5.0, 0.0, 2.0])
-    assert _gamma_sum(a, b, 60.0)[0] == pytest.approx(4.0, rel=1e-2)
+    np.testing.assert_allclose(gamma_sum(a, b, 1.0), [7.0, 0.0, 2.0])
+    np.testing.assert_allclose(gamma_sum(a, b, 2.0), [5.0, 0.0, 2.0])
+    assert gamma_sum(a, b, 60.0)[0] == pytest.approx(4.0, rel=1e-2)
 
 
 def test_data_parallel_sync_hides_behind_compute_with_large_gamma():

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from copus.core import hardware
-from copus.core.topology import (NodeTopology, crosses_nodes, crossing_dims, groups,
+from copus.core.specs import hardware
+from copus.core.specs.topology import (NodeTopology, crosses_nodes, crossing_dims, groups,
                                  launched_hardware, node_topology_from_env, nodes_spanned,
                                  profile_overrides)
 
@@ -112,8 +112,8 @@ def test_profile_overrides_keep_a_valid_profile():
 
 
 def test_launched_hardware_prices_cross_node_tp_with_the_network():
-    from copus.core.models import get_model_shape
-    from copus.core.throughput import StepTimeModel
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.cost.throughput import StepTimeModel
 
     h100 = hardware.get_hardware("h100-sxm")
     assert launched_hardware(h100, {}) is h100  # not launched: unchanged

@@ -3,9 +3,9 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.gns import two_batch_estimate
-from copus.core.presets import PRESETS, get_preset
-from copus.core.trajectory import Trajectory, TrajectoryParams
+from copus.core.stats.gns import two_batch_estimate
+from copus.core.sim.presets import PRESETS, get_preset
+from copus.core.sim.trajectory import Trajectory, TrajectoryParams
 
 
 def _traj(**kw) -> Trajectory:

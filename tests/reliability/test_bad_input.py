@@ -178,7 +178,7 @@ def _no_launch(*_args, **_kwargs):
 @pytest.fixture()
 def cli(monkeypatch, tmp_path, capsys):
     """`copus.cli.main` in-process; returns (exit code, stderr). Launching is a test failure."""
-    from copus.runtime import launch
+    from copus.runtime.train import launch
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch, "launch", _no_launch)
@@ -238,7 +238,7 @@ def test_real_processes_exit_2_without_traceback(files, tmp_path):
 
 def test_the_default_run_and_good_inputs_pass_validation(monkeypatch, tmp_path, capsys):
     """The control group: valid command lines reach the launcher (every default is valid)."""
-    from copus.runtime import launch
+    from copus.runtime.train import launch
 
     calls = []
     monkeypatch.chdir(tmp_path)

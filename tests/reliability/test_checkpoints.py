@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from copus.runtime import checkpoint as ckpt
+from copus.runtime.state import checkpoint as ckpt
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -258,7 +258,7 @@ def _rank0_finalize_fails(root: str) -> str:
     ENOSPC (the manifest write). Returns this rank's error text (every rank must get one)."""
     import torch.distributed as dist
 
-    from copus.runtime import checkpoint as ck
+    from copus.runtime.state import checkpoint as ck
 
     model, opt = _model_opt(dist.get_rank())
     ck.save(root, 1, _state(model, opt), {"step": 1})

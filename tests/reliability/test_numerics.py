@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from copus.core.fit import OnlineFitter
-from copus.core.gns import DecaySchedule, GnsEstimator
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.core.policies import POLICY_NAMES, PolicySettings, make_policy
-from copus.core.records import StepRecord
+from copus.core.cost.fit import OnlineFitter
+from copus.core.stats.gns import DecaySchedule, GnsEstimator
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.core.control.policies import POLICY_NAMES, PolicySettings, make_policy
+from copus.core.plan.records import StepRecord
 
 NAN, INF = float("nan"), float("inf")
 SHAPE = get_model_shape("tiny")
@@ -174,7 +174,7 @@ class _Poison:
     """Makes the engine's loss NaN on chosen optimizer steps (1-based, counted per process)."""
 
     def __init__(self, monkeypatch, steps) -> None:
-        from copus.runtime import engine
+        from copus.runtime.engine import engine
 
         self.steps, self.calls, self.active = steps, 0, False
         real_loss, real_step = engine.token_loss, engine.Engine.train_step
@@ -201,8 +201,8 @@ def one_rank(monkeypatch):
     """A one-rank gloo process group in this process (torch threads restored afterwards)."""
     import torch
 
-    from copus.runtime import launch
-    from copus.runtime.dist import init_distributed, shutdown
+    from copus.runtime.train import launch
+    from copus.runtime.engine.dist import init_distributed, shutdown
 
     threads = torch.get_num_threads()
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -216,8 +216,8 @@ def one_rank(monkeypatch):
 def test_non_finite_step_changes_no_weight_and_no_adam_state(one_rank, monkeypatch):
     import torch
 
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
 
     _Poison(monkeypatch, steps={2})
     plan = ParallelPlan(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=2)
@@ -289,7 +289,7 @@ def test_a_burst_of_nan_steps_stops_the_run_with_one_clear_line(tmp_path, monkey
     assert "train.max_nonfinite_steps=3" in err[-1] and "at step 5" in err[-1]
     rows = _lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]           # stopped, did not go on
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     # checkpoints exist only up to the burst's last step-boundary save; none after the stop
     assert max(s for s, _ in ckpt.step_dirs(run / "checkpoints")) <= 4

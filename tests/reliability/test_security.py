@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from copus.runtime import checkpoint as ckpt
+from copus.runtime.state import checkpoint as ckpt
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -149,7 +149,7 @@ def test_set_values_are_data(tmp_path, monkeypatch):
 
 def test_pickled_token_cache_is_ignored(tmp_path):
     """The BPE token cache is read with allow_pickle=False; a poisoned entry is re-encoded."""
-    from copus.runtime.data import encode_cached
+    from copus.runtime.data.stream import encode_cached
 
     class FakeBpe:
         kind, name = "bpe", "fake"

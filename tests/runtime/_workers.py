@@ -124,8 +124,8 @@ def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None,
     import torch
     import torch.nn.functional as F
 
-    from copus.runtime.engine import EngineSettings
-    from copus.runtime.model import build_model, materialize
+    from copus.runtime.engine.engine import EngineSettings
+    from copus.runtime.engine.model import build_model, materialize
 
     s = EngineSettings(**settings)
     model = materialize(build_model(shape, "cpu"), "cpu", seed)

@@ -16,11 +16,11 @@ def _api_vs_engine():
     from torch.distributed.fsdp import fully_shard
 
     from copus.adapt import AdaptiveBatch
-    from copus.core.models import get_model_shape
-    from copus.core.plan import ParallelPlan
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings, token_loss
-    from copus.runtime.model import build_model, materialize
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.plan.plan import ParallelPlan
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings, token_loss
+    from copus.runtime.engine.model import build_model, materialize
 
     shape = get_model_shape("tiny")
     rank = dist.get_rank()

@@ -1,4 +1,4 @@
-"""Branching from a staged state (runtime/branching.py), the auto probe (runtime/probe.py) and
+"""Branching from a staged state (runtime/train/branching.py), the auto probe (runtime/train/probe.py) and
 `copus calibrate`'s refusals. Tiny model, 2 gloo ranks, a few steps."""
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def branch_worker(run_dir: str) -> dict:
     k = 2 branch again (bit-identical?), and the state after a final restore (= staged?)."""
     import torch
 
-    from copus.runtime import branching as br
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.train import branching as br
+    from copus.runtime.train.trainer import Trainer
 
     trainer = Trainer(_cfg("parallel.nproc=2", "batch.policy='constant'", "train.max_steps=20"),
                       run_dir, torch.device("cpu"))
@@ -116,8 +116,8 @@ def probe_worker(run_dir: str) -> dict:
     probe with the chosen branch re-run from the same staged state."""
     import torch
 
-    from copus.runtime import branching as br
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.train import branching as br
+    from copus.runtime.train.trainer import Trainer
 
     cfg = _cfg("parallel.nproc=2", "train.max_steps=40", "gns.calibration='auto'",
                "gns.probe_tokens=2048", "gns.probe_multipliers='1,2,4'")
@@ -198,7 +198,7 @@ def _fake_checkpoint(run_dir: Path, step: int, model: str = "tiny", plan=None) -
     """A real (verifiable) DCP checkpoint folder with a small tensor and a trainer state."""
     import torch
 
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     plan = plan or {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 4, "num_microbatches": 1}
     state = {"plan": plan, "world_size": 2, "model": model,
@@ -218,7 +218,7 @@ def run_dir(tmp_path):
 def _no_launch(monkeypatch, request):
     """In the refusal tests a worker start is a failure: the input must be rejected up front."""
     if "refuses" in request.node.name:
-        from copus.runtime import launch
+        from copus.runtime.train import launch
 
         def refuse(*_a, **_k):
             raise AssertionError("a worker was about to start")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from copus.runtime import checkpoint as ckpt
+from copus.runtime.state import checkpoint as ckpt
 
 
 def _model_and_opt(seed: int):

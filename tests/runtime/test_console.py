@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from copus.core.plan import ParallelPlan
-from copus.core.records import StepRecord
+from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.records import StepRecord
 from copus.reporting.runs import latest_rows, load_run
-from copus.runtime.metrics import RunWriter, supersede_jsonl
+from copus.runtime.state.metrics import RunWriter, supersede_jsonl
 
 PLAN = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
 
@@ -177,7 +177,7 @@ def test_console_piped_keeps_val_lines_and_prints_plain_progress(tmp_path):
 
 @pytest.mark.parametrize("columns,usable", [(0, False), (100, True)])
 def test_a_terminal_reporting_0_columns_gets_plain_lines_not_a_bar(monkeypatch, columns, usable):
-    from copus.runtime import metrics
+    from copus.runtime.state import metrics
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))

@@ -1,7 +1,7 @@
-"""The collective counts of the CPU model (core/cpu_model.py) are the runtime's own.
+"""The collective counts of the CPU model (core/cost/cpu_model.py) are the runtime's own.
 
 One process on torch's fake process group (no peers, collectives are no-ops): the tiny model is
-parallelised by `runtime/parallelize.py` as a 4-rank job would be, two micro-batches run
+parallelised by `runtime/engine/parallelize.py` as a 4-rank job would be, two micro-batches run
 forward + backward under a dispatch mode that counts c10d ops, and the counts per micro-batch
 must equal `GlooCpuStepTimeModel.tp_calls` / `fsdp_calls`. A subprocess keeps the fake default
 group out of the test process.
@@ -14,19 +14,19 @@ import sys
 
 import numpy as np
 
-from copus.core.cpu_model import GlooCpuStepTimeModel
-from copus.core.fit import prior_model
-from copus.core.models import get_model_shape
+from copus.core.cost.cpu_model import GlooCpuStepTimeModel
+from copus.core.cost.fit import prior_model
+from copus.core.specs.resolve import get_model_shape
 
 COUNT = r'''
 import collections, json, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh
-from copus.core.models import get_model_shape
-from copus.runtime.model import build_model, materialize
-from copus.runtime.parallelize import parallelize
-from copus.runtime.pipeline import split_stage
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.engine.model import build_model, materialize
+from copus.runtime.engine.parallelize import parallelize
+from copus.runtime.engine.pipeline import split_stage
 
 class Count(TorchDispatchMode):
     def __init__(self):

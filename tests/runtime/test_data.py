@@ -1,4 +1,4 @@
-"""copus.runtime.data: text loading, tokenizers, windows, the global sample stream and dp slices."""
+"""copus.runtime.data.stream: text loading, tokenizers, windows, the global sample stream and dp slices."""
 
 import gzip
 import json
@@ -8,7 +8,7 @@ import pytest
 import tokenizers.trainers
 
 from copus.config import load_config
-from copus.runtime.data import (
+from copus.runtime.data.stream import (
     ByteTokenizer,
     GlobalSampler,
     TokenDataset,

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tests.runtime._workers import exact_stats, reference_train, run_ranks
 
-from copus.core.models import ModelShape
-from copus.core.plan import ParallelPlan
+from copus.core.specs.models import ModelShape
+from copus.core.plan.plan import ParallelPlan
 
 SHAPE = ModelShape(name="t", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                    vocab_size=64, seq_len=16)
@@ -37,8 +37,8 @@ def _out(o):
 
 
 def _two_rank_work():
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
 
     cache, res = MeshCache("cpu"), {}
     # (a) dp=2, microbatch mode + inner-product extras, 3 steps, then eval
@@ -90,7 +90,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def reference():
-    from copus.runtime.model import build_model, materialize
+    from copus.runtime.engine.model import build_model, materialize
 
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
     return {"train": reference_train(SHAPE, [batch(s) for s in range(3)], LR),
@@ -151,7 +151,7 @@ def test_eval_resume_batch_change_and_errors(results):
 
 
 def test_settings_validation():
-    from copus.runtime.engine import EngineSettings
+    from copus.runtime.engine.engine import EngineSettings
 
     with pytest.raises(ValueError, match="gns_small"):
         EngineSettings(gns_small="sample")

@@ -11,8 +11,8 @@ rtol 2e-3 across layouts.
 import pytest
 import torch
 
-from copus.core.gns import two_batch_estimate
-from copus.core.plan import ParallelPlan
+from copus.core.stats.gns import two_batch_estimate
+from copus.core.plan.plan import ParallelPlan
 from tests.runtime._workers import exact_stats, reference_train, run_ranks
 from tests.runtime.test_engine import LR, SHAPE, _local, _out, batch
 
@@ -27,8 +27,8 @@ RANK_MODE_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
 def _layout_work():
     import time
 
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
 
     cache, res = MeshCache("cpu"), {}
     for dp, tp, pp in LAYOUTS:
@@ -62,7 +62,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def reference():
-    from copus.runtime.model import build_model, materialize
+    from copus.runtime.engine.model import build_model, materialize
 
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
     return {"train": reference_train(SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR,

@@ -8,10 +8,10 @@ def _three_steps(reshard_after_forward):
     import torch
     import torch.distributed as dist
 
-    from copus.core.models import get_model_shape
-    from copus.core.plan import ParallelPlan
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.plan.plan import ParallelPlan
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
 
     shape = get_model_shape("tiny")
     plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=3)

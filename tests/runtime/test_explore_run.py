@@ -22,7 +22,7 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
 
 
 def _launch(cfg, run_dir, entry=None):
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     result = launch(cfg, str(run_dir), max_restarts=0, entry=entry)
     assert not result.get("error"), result
@@ -77,8 +77,8 @@ def wrong_prior_factory(cfg, plan, world, shape):
     rank), so B=32 takes several times longer: throughput is no higher while the statistical
     efficiency E(B) falls ((b+4)/(b+32) < 0.9 for any b_noise below ~250), and the audit must
     undo the growth. One micro-batch size and no layout changes: the batch is what differs."""
-    from copus.core.fit import prior_model
-    from copus.core.policies import PolicySettings, make_policy
+    from copus.core.cost.fit import prior_model
+    from copus.core.control.policies import PolicySettings, make_policy
 
     base = prior_model(shape, None, world)
     wrong = base.with_params(replace(base.params, step_overhead_s=100.0))
@@ -89,7 +89,7 @@ def wrong_prior_factory(cfg, plan, world, shape):
 
 
 def wrong_prior_worker(cfg, run_dir, resume):
-    from copus.runtime.trainer import worker
+    from copus.runtime.train.launch import worker
 
     return worker(cfg, run_dir, resume, policy_factory=wrong_prior_factory)
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from copus.core.models import ModelShape
-from copus.runtime import checkpoint as ckpt
-from copus.runtime import export as export_mod
-from copus.runtime.model import build_model, materialize
+from copus.core.specs.models import ModelShape
+from copus.runtime.state import checkpoint as ckpt
+from copus.runtime.state import export as export_mod
+from copus.runtime.engine.model import build_model, materialize
 
 TIED = ModelShape(name="tied-test", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
                   vocab_size=128, seq_len=32, tie_embeddings=True, rope_theta=500000.0,

@@ -1,9 +1,9 @@
 """A degree fixed in [parallel] fixes the layout for the goodput controller (as resume does)."""
 
 from copus.config import load_config
-from copus.core.models import get_model_shape
-from copus.core.plan import ParallelPlan
-from copus.runtime.launch import make_run_policy
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan
+from copus.runtime.train.setup import make_run_policy
 
 PLAN = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
 

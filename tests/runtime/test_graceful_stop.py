@@ -1,4 +1,4 @@
-"""Real SIGINT / SIGTERM to a 2-rank `copus train` (runtime/stop.py): the run stops at a step
+"""Real SIGINT / SIGTERM to a 2-rank `copus train` (runtime/train/stop.py): the run stops at a step
 with a checkpoint and exit 130 / 143, a second signal aborts without harming the last complete
 checkpoint, and `--resume` logs every step exactly once with the losses of an uninterrupted run."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from copus.runtime import checkpoint as ckpt
+from copus.runtime.state import checkpoint as ckpt
 
 STEPS = 8
 ARGS = ["--nproc", "2", "--policy", "constant", "--seed", "2",

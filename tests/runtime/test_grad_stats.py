@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from copus.core.models import ModelShape
-from copus.runtime.grad_stats import GradStats, replication_weight, weighted_sqnorm
-from copus.runtime.model import build_model, materialize
+from copus.core.specs.models import ModelShape
+from copus.runtime.engine.grad_stats import GradStats, replication_weight, weighted_sqnorm
+from copus.runtime.engine.model import build_model, materialize
 from tests.runtime._workers import exact_stats
 
 SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,

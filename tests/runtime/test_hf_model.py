@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from copus.core.models import get_model_shape
-from copus.runtime.model import build_model, materialize
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.engine.model import build_model, materialize
 
 
 def test_runtime_builds_the_config_json_shape(tmp_path):

@@ -1,4 +1,4 @@
-"""copus.runtime.metrics: the run folder files, NaN → null, timelines and the summary."""
+"""copus.runtime.state.metrics: the run folder files, NaN → null, timelines and the summary."""
 
 import json
 import math
@@ -7,10 +7,10 @@ import tomllib
 import numpy as np
 
 from copus.config import load_config
-from copus.core.plan import ParallelPlan
-from copus.core.records import Candidate, Decision, StepRecord
+from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.records import Candidate, Decision, StepRecord
 from copus.reporting.runs import load_run
-from copus.runtime.metrics import METRIC_KEYS, RunWriter, json_line
+from copus.runtime.state.metrics import METRIC_KEYS, RunWriter, json_line
 
 SEQ = 16
 

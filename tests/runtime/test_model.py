@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from copus.core.models import ModelShape, get_model_shape
-from copus.runtime.model import apply_rope, build_model, materialize, rope_cache
+from copus.core.specs.models import ModelShape
+
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.engine.model import apply_rope, build_model, materialize, rope_cache
 
 SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                    vocab_size=50, seq_len=16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from copus.runtime.parallelize import _plain_logits
+from copus.runtime.engine.parallelize import _plain_logits
 
 
 def test_a_view_becomes_a_non_view_on_the_same_storage_with_the_same_gradient():

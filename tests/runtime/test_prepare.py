@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from copus.config import load_config
-from copus.core.models import get_model_shape
-from copus.runtime import shards
-from copus.runtime.data import build_datasets, split_train_val
-from copus.runtime.prepare import prepare
-from copus.runtime.run_data import eval_note, eval_rows
-from copus.runtime.sampler import FeistelSampler
-from copus.runtime.tokenizer import ByteCodec, HfTokenizer, fit_vocab, train_bpe_tokenizer
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.data import shards
+from copus.runtime.data.stream import build_datasets, split_train_val
+from copus.runtime.data.prepare import prepare
+from copus.runtime.data.run_data import eval_note, eval_rows
+from copus.runtime.data.sampler import FeistelSampler
+from copus.runtime.data.tokenizer import ByteCodec, HfTokenizer, fit_vocab, train_bpe_tokenizer
 
 DOCS = [f"doc {i}: " + "the quick brown fox jumps. " * (i % 5 + 1) + "é∑" for i in range(120)]
 
@@ -85,7 +85,7 @@ def test_txt_and_parquet_inputs_with_byte_tokenizer(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from copus.runtime import sources
+    from copus.runtime.data import sources
 
     text = "\n\n".join(f"paragraph {i} " * 40 for i in range(400))
     (tmp_path / "t.txt").write_text(text)
@@ -128,7 +128,7 @@ def test_corrupted_shard_is_detected_with_the_file_named(tmp_path, damage):
 
 
 def test_interrupted_prepare_never_looks_complete_and_reruns_clean(tmp_path, monkeypatch):
-    from copus.runtime import prepare as prep
+    from copus.runtime.data import prepare as prep
 
     inputs, out = _inputs(tmp_path), tmp_path / "p"
 
@@ -235,8 +235,8 @@ def test_validation_is_sized_for_eval_num_samples_and_evaluation_adapts():
 def test_small_own_text_gets_validation_and_bpe_runs_on_tiny(tmp_path, monkeypatch):
     """412 KB of text with the default data.val_fraction (1% = 32 windows) still validates on
     eval.num_samples=64 windows; data.tokenizer=bpe on `tiny` grows the model's vocabulary."""
-    from copus.runtime.data import load_text
-    from copus.runtime.run_data import build_run_data
+    from copus.runtime.data.stream import load_text
+    from copus.runtime.data.run_data import build_run_data
 
     (tmp_path / "own").mkdir()
     (tmp_path / "own" / "book.txt").write_text(load_text("embedded", 412_000))
@@ -253,7 +253,7 @@ def test_small_own_text_gets_validation_and_bpe_runs_on_tiny(tmp_path, monkeypat
 
 
 def test_resume_with_another_tokenizer_is_refused(bpe_file):
-    from copus.runtime.run_data import check_resumed_tokenizer
+    from copus.runtime.data.run_data import check_resumed_tokenizer
 
     tok = HfTokenizer.from_file(bpe_file)
     check_resumed_tokenizer({"sha256": tok.sha256}, tok, "ckpt")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from copus.config import load_config
-from copus.core.models import get_model_shape
-from copus.runtime.data import load_text
-from copus.runtime.prepare import prepare
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.data.stream import load_text
+from copus.runtime.data.prepare import prepare
 from tests.runtime.test_trainer import recording_worker
 
 BASE = ["eval.interval_steps=0", "log.progress=false", "log.tensorboard=false",
@@ -40,7 +40,7 @@ def _cfg(folder: Path, *overrides: str):
 
 
 def _launch(cfg, run_dir, resume=False, entry=None):
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     result = launch(cfg, str(run_dir), resume=resume, max_restarts=0, entry=entry)
     assert not result.get("error"), result
@@ -50,8 +50,8 @@ def _launch(cfg, run_dir, resume=False, entry=None):
 def _check_export(run_dir: Path, step: int, out: Path, max_shard_bytes: int = 5 * 2**30) -> None:
     """Export step-N; transformers' logits equal copus's model with the same weights."""
     transformers = pytest.importorskip("transformers")
-    from copus.runtime.export import export, find_checkpoint, load_full_model_state
-    from copus.runtime.model import build_model, materialize
+    from copus.runtime.state.export import export, find_checkpoint, load_full_model_state
+    from copus.runtime.engine.model import build_model, materialize
 
     export(run_dir, out, step=step, max_shard_bytes=max_shard_bytes)
     config = json.loads((out / "config.json").read_text())
@@ -75,8 +75,8 @@ def test_prepared_folder_exactly_once_across_batch_and_dp_changes_and_dp2_export
                                                                                     tmp_path):
     """B 8 → 16 (step 2) → 24 mb3 (step 4) at dp2, resume at dp1: the consumed ids are the
     Feistel stream, each once; the dp2 checkpoint exports to a model transformers agrees with."""
-    from copus.runtime.sampler import FeistelSampler
-    from copus.runtime.shards import open_split
+    from copus.runtime.data.sampler import FeistelSampler
+    from copus.runtime.data.shards import open_split
 
     run = tmp_path / "run"
     _launch(_cfg(folder, "parallel.nproc=2", "train.max_steps=5", "checkpoint.interval_steps=0"),

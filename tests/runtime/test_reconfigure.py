@@ -1,4 +1,4 @@
-"""In-process layout switches (runtime/reconfigure.py, runtime/redistribute.py) on 4 gloo ranks.
+"""In-process layout switches (runtime/state/reconfigure.py, runtime/state/redistribute.py) on 4 gloo ranks.
 
 Engine level, one chain: dp4 → dp2·tp2 → dp2·pp2 → tp2·pp2 → dp4 by the DIRECT path (shards
 moved between the layouts in memory), then dp4 → dp2·tp2 by DCP staging in /dev/shm (path="dcp")
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from copus.core.models import ModelShape
-from copus.core.plan import ParallelPlan
+from copus.core.specs.models import ModelShape
+from copus.core.plan.plan import ParallelPlan
 
 from ._workers import run_ranks
 
@@ -85,9 +85,9 @@ def _unmappable_entry(engine) -> None:
 def _engine_switches(root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from copus.runtime.dist import MeshCache
-    from copus.runtime.engine import Engine, EngineSettings
-    from copus.runtime.reconfigure import switch_engine
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
+    from copus.runtime.state.reconfigure import switch_engine
 
     cache = MeshCache("cpu")
 
@@ -131,7 +131,7 @@ class ScriptedLayouts:
         self.plan, self.script, self.costs = plan, dict(script), []
 
     def observe(self, record):
-        from copus.core.records import Decision
+        from copus.core.plan.records import Decision
 
         if record.step not in self.script:
             return None
@@ -158,7 +158,7 @@ def _trainer_run(run_dir: str, switch: str) -> dict:
     import torch
 
     from copus.config import load_config
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.train.trainer import Trainer
 
     cfg = load_config(None, [
         "data.max_chars=40000", "eval.interval_steps=0", "log.progress=false",
@@ -275,7 +275,7 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.parametrize("switch", ["in-process", "checkpoint"])
 def test_trainer_switch_consumes_every_sample_once(four_ranks, switch):
     root, results = four_ranks
-    from copus.runtime.data import GlobalSampler
+    from copus.runtime.data.stream import GlobalSampler
 
     by_step = _by_step([x[switch]["seen"] for x in results])
     assert sorted(by_step) == [1, 2, 3]
@@ -311,7 +311,7 @@ def test_in_process_and_checkpoint_switches_give_the_same_losses(four_ranks):
 def test_release_tensors_frees_weights_grads_and_adam_state():
     import torch
 
-    from copus.runtime.reconfigure import release_tensors
+    from copus.runtime.state.reconfigure import release_tensors
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -331,7 +331,7 @@ def test_release_tensors_frees_weights_grads_and_adam_state():
 def test_same_layout_is_refused_before_any_work():
     from types import SimpleNamespace
 
-    from copus.runtime.reconfigure import switch_engine
+    from copus.runtime.state.reconfigure import switch_engine
 
     engine = SimpleNamespace(plan=DP4, device="cpu")
     with pytest.raises(ValueError, match=r"layout \(4, 1, 1\) is unchanged"):
@@ -341,7 +341,7 @@ def test_same_layout_is_refused_before_any_work():
 def test_stage_dir_needs_room_and_falls_back_to_the_shared_folder(tmp_path, monkeypatch):
     import torch
 
-    from copus.runtime import reconfigure as rc
+    from copus.runtime.state import reconfigure as rc
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(rc, "SHM_ROOT", tmp_path / "shm")
@@ -362,7 +362,7 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
 
     import torch
 
-    from copus.runtime import reconfigure as rc
+    from copus.runtime.state import reconfigure as rc
 
     monkeypatch.setattr(rc, "SHM_ROOT", tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -384,10 +384,10 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
 
 def test_controller_prior_is_the_direct_switch_cost_model_unless_configured():
     from copus.config import load_config
-    from copus.core.hardware import get_hardware
-    from copus.core.models import get_model_shape
-    from copus.core.reshard import direct_switch_cost_s
-    from copus.runtime.launch import make_run_policy, switch_cost_prior_s
+    from copus.core.specs.hardware import get_hardware
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.plan.reshard import direct_switch_cost_s
+    from copus.runtime.train.setup import make_run_policy, switch_cost_prior_s
 
     tiny = get_model_shape("tiny")
     auto = switch_cost_prior_s(-1.0, tiny, 4, None)

@@ -1,4 +1,4 @@
-"""One run per folder (runtime/run_folder.py): what `copus train --run-dir` refuses, with one
+"""One run per folder (runtime/state/run_folder.py): what `copus train --run-dir` refuses, with one
 line and exit 2, before any worker starts; and the plain helpers behind it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from copus.runtime.run_folder import check_run_dir, read_state, write_state
+from copus.runtime.state.run_folder import check_run_dir, read_state, write_state
 
 
 def test_new_empty_and_same_elastic_run_folders_are_accepted(tmp_path):

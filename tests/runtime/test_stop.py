@@ -1,4 +1,4 @@
-"""runtime/stop.py in one process: the first signal is a request, a duplicate delivery is
+"""runtime/train/stop.py in one process: the first signal is a request, a duplicate delivery is
 ignored, a second signal ends the process at once with 128 + the first signal."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from copus.runtime import stop
+from copus.runtime.train import stop
 
 
 def test_first_signal_is_only_a_request_and_handlers_are_restored():
@@ -35,7 +35,7 @@ def test_a_second_signal_exits_at_once_with_the_first_signals_code():
     src = str(Path(__file__).resolve().parents[2] / "src")
     code = textwrap.dedent("""
         import os, signal, time
-        from copus.runtime.stop import StopRequest, DUPLICATE_WINDOW_S
+        from copus.runtime.train.stop import StopRequest, DUPLICATE_WINDOW_S
         StopRequest().install()
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(DUPLICATE_WINDOW_S + 0.1)

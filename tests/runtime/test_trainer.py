@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from copus.config import load_config
-from copus.core.models import get_model_shape
-from copus.runtime.optim import LearningRate, LrSchedule
-from copus.runtime.trainer import default_micro_batch_size, initial_plan
+from copus.core.specs.resolve import get_model_shape
+from copus.runtime.engine.optim import LearningRate, LrSchedule
+from copus.runtime.train.trainer import default_micro_batch_size, initial_plan
 
 # ------------------------------------------------------------------------------ LR schedule
 
@@ -133,7 +133,7 @@ class ScriptedPolicy:
         self.plan, self.script, self.seen = plan, dict(script), 0
 
     def observe(self, record):
-        from copus.core.records import Decision
+        from copus.core.plan.records import Decision
 
         self.seen += 1
         if record.step in self.script:
@@ -157,7 +157,7 @@ def recording_worker(cfg, run_dir, resume):
     """Entry for spawned ranks: the trainer with a scripted policy and an id-recording hook."""
     import os
 
-    from copus.runtime.trainer import worker
+    from copus.runtime.train.launch import worker
 
     path = Path(run_dir) / f"ids-rank{os.environ['RANK']}-resume{int(resume)}.jsonl"
 
@@ -170,7 +170,7 @@ def recording_worker(cfg, run_dir, resume):
 
 
 def _launch(cfg, run_dir, resume=False, entry=None):
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     result = launch(cfg, str(run_dir), resume=resume, max_restarts=0, entry=entry)
     assert not result.get("error"), result
@@ -219,7 +219,7 @@ def test_every_sample_consumed_once_across_batch_and_dp_changes(tmp_path):
         tiled = sorted(i for local in entry["locals"] for i in local)
         assert tiled == sorted(entry["global"]), s          # dp slices partition the batch
     consumed = [i for s in range(1, 8) for i in by_step[s]["global"]]
-    from copus.runtime.data import GlobalSampler, build_datasets
+    from copus.runtime.data.stream import GlobalSampler, build_datasets
 
     cfg = _cfg()
     train, _, _ = build_datasets(cfg.data, 128, 256)
@@ -238,7 +238,7 @@ def test_every_sample_consumed_once_across_batch_and_dp_changes(tmp_path):
 def test_nonfinite_steps_stop_the_run_with_a_clear_error(tmp_path):
     """lr = 1e30 blows the weights up; after train.max_nonfinite_steps consecutive non-finite
     steps (skipped, not applied) the worker stops and reports why instead of raising."""
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     cfg = _cfg("parallel.nproc=1", "train.max_steps=30", "train.lr=1e30",
                "train.max_nonfinite_steps=3", "train.grad_clip=0.0", "batch.policy='constant'")
@@ -260,8 +260,8 @@ def test_nonfinite_steps_stop_the_run_with_a_clear_error(tmp_path):
 def test_eval_rows(dp, pp, mbs, nmb, rows):
     from types import SimpleNamespace
 
-    from copus.core.plan import ParallelPlan
-    from copus.runtime.trainer import Trainer
+    from copus.core.plan.plan import ParallelPlan
+    from copus.runtime.train.trainer import Trainer
 
     fake = SimpleNamespace(plan=ParallelPlan(dp=dp, tp=1, pp=pp, micro_batch_size=mbs,
                                              num_microbatches=nmb),
@@ -277,8 +277,8 @@ def resume_report_worker(cfg, run_dir, resume):
     state, progress, plan) and every step's sample ids."""
     import os
 
-    from copus.runtime.dist import init_distributed, shutdown
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.engine.dist import init_distributed, shutdown
+    from copus.runtime.train.trainer import Trainer
 
     rank = os.environ["RANK"]
     ids = Path(run_dir) / f"ids-rank{rank}-resume{int(resume)}.jsonl"
@@ -338,7 +338,7 @@ def test_resume_at_a_smaller_world_replans_and_keeps_samples_and_gns(tmp_path):
             assert by_step.setdefault(r["step"], r["global"]) == r["global"]
     assert sorted(by_step) == list(range(1, 8))
     consumed = [i for s in range(1, 8) for i in by_step[s]]
-    from copus.runtime.data import GlobalSampler, build_datasets
+    from copus.runtime.data.stream import GlobalSampler, build_datasets
 
     train, _, _ = build_datasets(_cfg().data, 128, 256)
     assert consumed == GlobalSampler(len(train), 0).ids(0, 7 * 8).tolist()
@@ -350,7 +350,7 @@ def test_auto_resume_only_continues_the_same_run():
     died or joined); one of another run only after a failure restart and without an id."""
     from types import SimpleNamespace
 
-    from copus.runtime.trainer import Trainer
+    from copus.runtime.train.trainer import Trainer
 
     def same(run_id, restarted, saved):
         return Trainer.same_run(SimpleNamespace(run_id=run_id, restarted=restarted),
@@ -363,7 +363,7 @@ def test_auto_resume_only_continues_the_same_run():
 
 
 def test_elastic_env_helpers():
-    from copus.runtime.launch import elastic_run_id, restart_count
+    from copus.runtime.train.setup import elastic_run_id, restart_count
 
     assert elastic_run_id({"TORCHELASTIC_RUN_ID": "my-run"}) == "my-run"
     assert elastic_run_id({"TORCHELASTIC_RUN_ID": "none"}) is None    # torchrun's default id
@@ -375,8 +375,8 @@ def test_run_hardware_prices_groups_across_launched_nodes():
     """CPU: no profile (the calibrated cpu prior). GPUs: the matching profile with the
     launcher's node shape: on 2 nodes x 8, tp=16 crosses nodes and is priced much slower than
     on one 16-GPU node; dp2·tp8 keeps tp inside nodes and slows down far less."""
-    from copus.core.fit import prior_model
-    from copus.runtime.launch import run_hardware
+    from copus.core.cost.fit import prior_model
+    from copus.runtime.train.setup import run_hardware
 
     env = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}
     assert run_hardware("cpu", "", env) is None
@@ -397,7 +397,7 @@ def test_run_hardware_prices_groups_across_launched_nodes():
 
 def _failing_saves(monkeypatch, fail_steps):
     """Make `checkpoint.save` fail (as on a full disk) at the given steps."""
-    from copus.runtime import checkpoint as ck
+    from copus.runtime.state import checkpoint as ck
 
     real = ck.save
 
@@ -412,7 +412,7 @@ def _failing_saves(monkeypatch, fail_steps):
 
 
 def test_a_failed_interval_save_is_skipped_and_training_goes_on(tmp_path, monkeypatch, capsys):
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     _failing_saves(monkeypatch, {2})
     cfg = _cfg("parallel.nproc=1", "train.max_steps=6", "checkpoint.interval_steps=2",
@@ -426,7 +426,7 @@ def test_a_failed_interval_save_is_skipped_and_training_goes_on(tmp_path, monkey
 
 
 def test_failed_saves_in_a_row_stop_the_run_with_a_clear_error(tmp_path, monkeypatch):
-    from copus.runtime.launch import launch
+    from copus.runtime.train.launch import launch
 
     _failing_saves(monkeypatch, {2, 4, 6, 8})
     cfg = _cfg("parallel.nproc=1", "train.max_steps=10", "checkpoint.interval_steps=2",

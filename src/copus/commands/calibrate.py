@@ -2,10 +2,10 @@
 
 From each chosen checkpoint of a run, branches train at `k·B` (the run's LR rule applied to the
 new batch: √k for the default "sqrt") on the same samples and for the same tokens, in the same
-processes (`runtime/branching.py`), and are scored on the same validation windows. Per
+processes (`runtime/train/branching.py`), and are scored on the same validation windows. Per
 checkpoint: the critical batch (Merrill et al. 2025, §3.1, ε from the measured noise floor of
 repeats), the McCandlish B_noise fit, the online b_noise and their ratio `c`
-(`core/critical_batch.py`). Writes `<out>/calibration.json`, `calibration.md` (the table) and
+(`core/stats/critical_batch.py`). Writes `<out>/calibration.json`, `calibration.md` (the table) and
 `calibration.png` (critical batch and c·b_noise against tokens); prints the table and the cost.
 
 Everything is checked before a worker starts: a folder without checkpoints, a checkpoint of
@@ -59,7 +59,7 @@ def parse_multipliers(text: str) -> list[float]:
 
 
 def _valid_checkpoints(run_dir: Path) -> dict[int, Path]:
-    from copus.runtime import checkpoint as ckpt
+    from copus.runtime.state import checkpoint as ckpt
 
     root = run_dir / "checkpoints"
     found = {step: path for step, path in ckpt.step_dirs(root) if ckpt.verify(path) is None}
@@ -89,10 +89,10 @@ def choose_checkpoints(found: dict[int, Path], steps: str | None) -> list[Path]:
 
 def check_checkpoint(path: Path, cfg, multipliers: list[float], tokens: int | None) -> int:
     """A checkpoint of the run's model whose k·B all have a plan; returns its world size."""
-    from copus.core.models import get_model_shape
-    from copus.runtime.branching import branch_plan
-    from copus.runtime.checkpoint import TRAINER_STATE
-    from copus.runtime.trainer import plan_from_dict
+    from copus.core.specs.resolve import get_model_shape
+    from copus.runtime.train.branching import branch_plan
+    from copus.runtime.state.checkpoint import TRAINER_STATE
+    from copus.runtime.train.progress import plan_from_dict
 
     state = json.loads((path / TRAINER_STATE).read_text())
     if state.get("model") != cfg.model.name:
@@ -136,7 +136,7 @@ def prepare(args: argparse.Namespace) -> tuple[object, list[Path], dict, Path]:
     world = worlds.pop()
     cfg = load_config(str(run_dir / "config.toml"),
                       [f"parallel.nproc={world}", "log.progress=false", "log.tensorboard=false"])
-    from copus.core.models import get_model_shape
+    from copus.core.specs.resolve import get_model_shape
 
     seq = get_model_shape(cfg.model.name).seq_len
     tokens = args.tokens if args.tokens is not None else DEFAULT_BASE_STEPS * cfg.batch.initial * seq
@@ -223,7 +223,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_outputs(rows: list[dict], run_dir: Path, out: Path, command: str) -> str:
-    from copus.runtime.metrics import json_safe
+    from copus.runtime.state.metrics import json_safe
 
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows)
@@ -241,8 +241,8 @@ def write_outputs(rows: list[dict], run_dir: Path, out: Path, command: str) -> s
 def run(args: argparse.Namespace) -> int:
     cfg, paths, request, out = prepare(args)
 
-    from copus.runtime import launch
-    from copus.runtime.branching import REQUEST, calibrate_worker
+    from copus.runtime.train import launch
+    from copus.runtime.train.branching import REQUEST, calibrate_worker
 
     print(f"copus calibrate: {len(paths)} checkpoint(s) {', '.join(p.name for p in paths)}; "
           f"k = {', '.join(f'{k:g}' for k in request['multipliers'])}; {request['tokens']:,} "

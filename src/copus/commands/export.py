@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from copus.runtime.export import export
+    from copus.runtime.state.export import export
 
     path = export(args.run_dir, args.out, step=args.step)
     print(f"copus export: {path} -> {args.out} (LlamaForCausalLM: "

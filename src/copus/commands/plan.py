@@ -8,9 +8,9 @@ With `--global-batch` alone the batch is fixed and the ranking is by throughput.
 `--max-batch`, every batch in [global-batch, max-batch] competes, scored by goodput =
 samples_per_s × E(B) × sqrt(B / global-batch) (COPUS Eqs. 6–8; `--no-lr-aware` drops the sqrt;
 `--b-noise` omitted means E = 1). Step times come from the analytic model of `--hardware`
-(core/throughput.py; the Megatron structure for COPUS's clusters, core/megatron_cost.py), memory
-from core/memory.py; plans over `--memory-gb` are pruned. `--model` takes a named shape or a
-Hugging Face config.json (core/hf_config.py); `--by-layout` keeps each layout's best row.
+(core/cost/throughput.py; the Megatron structure for COPUS's clusters, core/cost/megatron_cost.py), memory
+from core/cost/memory.py; plans over `--memory-gb` are pruned. `--model` takes a named shape or a
+Hugging Face config.json (core/specs/hf_config.py); `--by-layout` keeps each layout's best row.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import argparse
 import json
 import math
 
-from copus.core.goodput import build_candidates
-from copus.core.hardware import GB, HARDWARE, get_hardware
-from copus.core.memory import MemoryModel
-from copus.core.models import MODELS, get_model_shape
-from copus.core.search import RankedPlan, ranked
-from copus.core.throughput import StepTimeModel
+from copus.core.plan.goodput import build_candidates
+from copus.core.specs.hardware import GB, HARDWARE, get_hardware
+from copus.core.cost.memory import MemoryModel
+from copus.core.specs.models import MODELS
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.search import RankedPlan, ranked
+from copus.core.cost.throughput import StepTimeModel
 
 JSON_KEYS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_size",
              "step_s", "samples_per_s", "memory_bytes", "goodput")
@@ -119,7 +120,7 @@ def best_per_layout(rows: list[RankedPlan]) -> list[RankedPlan]:
 
 
 def memory_model(shape, hw) -> MemoryModel:
-    """The memory model of the stack `hw` describes (FSDP2 runtime or Megatron, core/memory.py)."""
+    """The memory model of the stack `hw` describes (FSDP2 runtime or Megatron, core/cost/memory.py)."""
     return MemoryModel(shape=shape, mixed_precision=hw.dtype_bytes == 2, stack=hw.stack,
                        distributed_optimizer=hw.distributed_optimizer)
 

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from copus.runtime.prepare import prepare
+    from copus.runtime.data.prepare import prepare
 
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                    val_fraction=args.val_fraction, workers=args.workers,

@@ -3,7 +3,7 @@
     copus profile --nproc 4 --global-batch 8,32,128 --micro-batch-sizes 1,2,4,8 --out profile/
 
 Writes `profile.json` (list of rows) and `profile.csv` in `--out`; the rows are what the
-step-time model is fitted on (`copus.core.fit`) and what `controller.profile` reads.
+step-time model is fitted on (`copus.core.cost.fit`) and what `controller.profile` reads.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def select_plans(args: argparse.Namespace, shape):
-    from copus.core.layout_names import parse_layout
-    from copus.core.plan import enumerate_plans
+    from copus.core.plan.layout_names import parse_layout
+    from copus.core.plan.plan import enumerate_plans
 
     plans = list(enumerate_plans(args.nproc, _ints(args.global_batch, "--global-batch"),
                                  _ints(args.micro_batch_sizes, "--micro-batch-sizes"), shape))
@@ -94,7 +94,7 @@ def write_table(rows: list[dict], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from copus.config import load_config
-    from copus.core.models import get_model_shape
+    from copus.core.specs.resolve import get_model_shape
 
     if args.nproc < 1 or args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--nproc={args.nproc} --steps={args.steps} --warmup={args.warmup}: "
@@ -106,13 +106,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_out_folder(out, args.out)
     print(f"profiling {len(plans)} plans of {shape.name} on {args.nproc} ranks")
-    from copus.runtime.launch import launch
-    from copus.runtime.profile import profile_worker, write_request
+    from copus.runtime.train.launch import launch
+    from copus.runtime.train.profile import profile_worker, write_request
 
     with tempfile.TemporaryDirectory(prefix="copus-profile-") as tmp:
         write_request(Path(tmp), plans, args.steps, args.warmup)
         result = launch(cfg, tmp, entry=profile_worker, max_restarts=0)
-    from copus.core.layout_names import layout_name
+    from copus.core.plan.layout_names import layout_name
 
     rows = sorted(result["rows"], key=lambda r: -r["samples_per_s"])
     write_table(rows, out)

@@ -1,6 +1,6 @@
 """`copus simulate`: how much would copus save on my model and cluster? (no GPUs, no torch)
 
-Runs every chosen policy on a simulated cluster (`copus.core.simulator`) and prints the time to
+Runs every chosen policy on a simulated cluster (`copus.core.sim.simulator`) and prints the time to
 each target loss, the speed-up of goodput over the fastest baseline at each target (COPUS
 Table 1 metric), and the plan timeline. `--preset NAME|all` runs COPUS's own configurations and
 prints the published numbers next to the simulated ones: Table 1's minutes (published |
@@ -16,7 +16,7 @@ import json
 import math
 import sys
 
-from copus.core.simulator import POLICY_FAMILIES
+from copus.core.sim.simulator import POLICY_FAMILIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from copus.core.presets import PRESETS, get_preset
-    from copus.core.simulator import compare_policies
+    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.simulator import compare_policies
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICY_FAMILIES]
@@ -82,8 +82,8 @@ def default_variant(no_lr_aware: bool = False):
     """copus's own goodput controller: the defaults of the [batch], [gns] and [controller]
     keys (copus.config), as `copus train --policy goodput` runs it."""
     from copus.config import load_config
-    from copus.core.policies import PolicySettings
-    from copus.core.simulator import GoodputVariant
+    from copus.core.control.policies import PolicySettings
+    from copus.core.sim.simulator import GoodputVariant
 
     cfg = load_config()
     s, c = PolicySettings.from_config(cfg), cfg.controller
@@ -94,7 +94,7 @@ def default_variant(no_lr_aware: bool = False):
 
 
 def _preset(preset, args):
-    from copus.core.simulator import COPUS_FAITHFUL, preset_scenario
+    from copus.core.sim.simulator import COPUS_FAITHFUL, preset_scenario
 
     return preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig,
                            variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)),
@@ -102,9 +102,9 @@ def _preset(preset, args):
 
 
 def _custom(args):
-    from copus.core.models import get_model_shape
-    from copus.core.simulator import Scenario, SimSettings
-    from copus.core.trajectory import TrajectoryParams
+    from copus.core.specs.resolve import get_model_shape
+    from copus.core.sim.simulator import Scenario, SimSettings
+    from copus.core.sim.trajectory import TrajectoryParams
 
     shape = get_model_shape(args.model, args.seq_len)
     try:
@@ -168,7 +168,7 @@ def _cell(v: float | None) -> str:
 
 def _print_preset(preset, cmp_) -> None:
     """Table 1 (published | simulated minutes per target), speed-ups, Table 2 timeline."""
-    from copus.core.table1 import table1_rows, timeline_rows
+    from copus.core.sim.table1 import table1_rows, timeline_rows
 
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
@@ -213,7 +213,7 @@ def _truth_label(preset, params) -> str:
 
 def oracle_speedups(cmp_) -> list[float | None]:
     """Per target (descending): the oracle's speed-up over the fastest simulated baseline."""
-    from copus.core.oracle import scenario_oracle_minutes, speedup_pct
+    from copus.core.sim.oracle import scenario_oracle_minutes, speedup_pct
 
     sc = cmp_.scenario
     minutes = dict(zip(sc.sim.target_losses, scenario_oracle_minutes(sc)))

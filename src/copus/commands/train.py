@@ -4,8 +4,8 @@ With no arguments this is a real, small run: the `tiny` model on the embedded co
 workers, the `goodput` policy, 800k tokens (a few minutes on 2 idle CPU cores); the batch grows from
 8 as the gradient noise scale rises. Everything is configurable with --config / --set.
 Config, plan and run folder are validated before any worker starts (a mistake exits 2 with one
-line; one run per folder, `runtime/run_folder.py`). Ctrl-C or SIGTERM stops after the current
-step with a checkpoint and exits 130 / 143 (`runtime/stop.py`); a second signal aborts at once.
+line; one run per folder, `runtime/state/run_folder.py`). Ctrl-C or SIGTERM stops after the current
+step with a checkpoint and exits 130 / 143 (`runtime/train/stop.py`); a second signal aborts at once.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts}: allowed: an integer >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
-    from copus.runtime import run_folder
+    from copus.runtime.state import run_folder
 
     rank0 = os.environ.get("RANK", "0") == "0"
     run_id = _elastic_run_id()
@@ -168,9 +168,9 @@ def run(args: argparse.Namespace) -> int:
         run_folder.check_run_dir(run_dir, resume=args.resume, run_id=run_id)
     cfg = resolve_config(args)
 
-    from copus.runtime import launch
+    from copus.runtime.train import launch, setup
 
-    launch.validate_before_launch(cfg, launch.world_size(cfg))
+    setup.validate_before_launch(cfg, setup.world_size(cfg))
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         run_folder.write_state(run_dir, "running", run_id=run_id)
@@ -192,7 +192,7 @@ def _elastic_run_id() -> str | None:
 
 def _outcome(result: dict, run_dir: Path, rank0: bool) -> int:
     """Print the one closing line (errors, stop, abort) and return the exit code."""
-    from copus.runtime import stop
+    from copus.runtime.train import stop
 
     if result.get("aborted"):
         if rank0:

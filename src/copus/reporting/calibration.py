@@ -1,5 +1,5 @@
 """The calibration part of `copus report`: auto probes (decisions.jsonl lines with a "probe"
-entry, runtime/probe.py) and `copus calibrate` results (`<run>/calibration/calibration.json`)."""
+entry, runtime/train/probe.py) and `copus calibrate` results (`<run>/calibration/calibration.json`)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Run:
 
 def read_jsonl(path: Path) -> list[dict]:
     """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored, and so
-    are rows a resume marked `"superseded": true` (runtime/metrics.py)."""
+    are rows a resume marked `"superseded": true` (runtime/state/metrics.py)."""
     if not path.exists():
         return []
     rows = []
@@ -100,8 +100,8 @@ def first_time_below(times: list[float], losses: list[float], target: float) -> 
 
 
 def plan_label(row: dict) -> str:
-    """A row's layout, canonically: `dp2.tp1.pp2` (core/layout_names.py)."""
-    from copus.core.layout_names import layout_name
+    """A row's layout, canonically: `dp2.tp1.pp2` (core/plan/layout_names.py)."""
+    from copus.core.plan.layout_names import layout_name
 
     return layout_name(*(int(row.get(k, 1) or 1) for k in ("dp", "tp", "pp")))
 

@@ -1,0 +1,265 @@
+"""Step-time model: seconds per optimizer step of any (dp, tp, pp, micro_batch_size, num_microbatches).
+
+design.md §4. COPUS profiles every plan (§4.4); copus adds this model so unprofiled plans are
+predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp)):
+
+    units      = ceil(L/pp) + 1                       blocks of the largest stage + embeddings/head
+    t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux)
+    t_tp       = n_tp · [2(tp−1)·α_tp + 2(tp−1)/tp · b_m·s·h·e · β_tp · slow(tier_tp)]
+                 ring all-reduce (Thakur et al. 2005), n_tp = (7 + 2·AC)·ceil(L/pp) + 2 per
+                 micro-batch: copus's DTensor TP issues 2 all-reduces forward (wo, w2) and 5
+                 backward (the input gradient of each column-wise wq, wk, wv, w1, w3), counted on
+                 the runtime (tests/runtime/test_cpu_collectives.py); Megatron, which fuses QKV
+                 and w1·w3, has 2 + 2 (`core.megatron_cost`)
+    t_p2p      = 2 · [α_pp + b_m·s·h·e · β_pp · slow(tier_pp)]     activation out, gradient back
+    t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e_p · β_dp · slow(tier_dp)]
+                 FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward;
+                 e_p = param_bytes: 4 for copus's runtime (fp32 params, bf16 autocast), 2 with
+                 FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
+    t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
+    t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
+    step_s     = (m + pp − 2)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
+
+The last line is Pollux's `T_iter = s·T_acc + (T_acc^γ + T_net^γ)^(1/γ)` (Qiao et al. OSDI'21,
+§4.1) with the pipeline's fill and drain added: `(m + pp − 1)` stage-times per step, i.e. a
+bubble fraction `(pp−1)/(m+pp−1)` (Narayanan et al. SC'21, §2.2; GPipe and 1F1B alike). m =
+num_microbatches, e = activation/parameter bytes, slow(tier) = tier-0 bandwidth / tier bandwidth
+(`copus.core.specs.hardware`). Every α, β, γ is a `StepTimeParams` field, fitted by `copus.core.cost.fit`.
+
+That is copus's own runtime (stack "fsdp2"). With `stack="megatron"` (the profiles of COPUS's
+clusters, `HardwareProfile.stack`) the same coefficients price Megatron-LM's structure instead:
+no per-micro-batch all-gathers, one fp32 gradient all-reduce per step (or the distributed
+optimizer's reduce-scatter + all-gather), the tied-embedding sync between the pipeline's ends
+and a node-shared NIC (`copus.core.cost.megatron_cost`, docs/cost-model.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+
+from copus.core.specs.hardware import STACKS, HardwareProfile, get_hardware, link_tier
+from copus.core.cost.megatron_cost import megatron_breakdown
+from copus.core.cost.overlap import gamma_sum
+from copus.core.specs.models import ModelShape
+from copus.core.plan.plan import ParallelPlan
+
+GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
+TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
+TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTimeParams:
+    """Coefficients of the step-time model (seconds, seconds/FLOP, seconds/byte; γ ≥ 1)."""
+
+    layer_overhead_s: float      # α_c: fixed time per block (or head) per micro-batch
+    s_per_flop: float            # β_c: 1 / achieved FLOP/s
+    tp_latency_s: float          # α_tp: per ring step of a tensor-parallel all-reduce
+    tp_s_per_byte: float         # β_tp: per byte moved over tier 0
+    dp_latency_s: float          # α_dp: per ring step per FSDP unit
+    dp_s_per_byte: float         # β_dp
+    pp_latency_s: float          # α_pp: per point-to-point message
+    pp_s_per_byte: float         # β_pp
+    optimizer_s_per_param: float  # β_opt: optimizer step per local parameter
+    step_overhead_s: float       # c_step: fixed per optimizer step
+    gamma: float = 1.0           # overlap exponent, Pollux's γ ∈ [1, 10]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not np.isfinite(v) or v < 0:
+                raise ValueError(f"{f.name}={v!r} is invalid; allowed: a finite number >= 0")
+        if self.gamma < 1:
+            raise ValueError(f"gamma={self.gamma!r} is invalid; allowed: >= 1")
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(StepTimeParams))
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> StepTimeParams:
+        unknown = set(d) - set(cls.names())
+        if unknown:
+            raise ValueError(f"unknown StepTimeParams keys {sorted(unknown)}; allowed: {cls.names()}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
+    def scaled_time(self, k: float) -> StepTimeParams:
+        """Every time coefficient multiplied by `k` (γ unchanged): same shape, k× slower."""
+        return replace(self, **{n: getattr(self, n) * k for n in self.names() if n != "gamma"})
+
+    @classmethod
+    def analytic(cls, hardware: HardwareProfile) -> StepTimeParams:
+        """Priors from datasheet figures: β = 1/bandwidth, β_c = 1/(peak·MFU), optimizer memory-bound.
+
+        AdamW touches ~32 bytes per parameter per step (read param, grad, 2 moments; write param,
+        2 moments; fp32), so β_opt = 32 / memory_bw.
+        """
+        bw0 = hardware.link_bw[0]
+        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / hardware.achieved_flops,
+                   tp_latency_s=hardware.latency_s, tp_s_per_byte=1.0 / bw0,
+                   dp_latency_s=hardware.latency_s, dp_s_per_byte=1.0 / bw0,
+                   pp_latency_s=hardware.latency_s, pp_s_per_byte=1.0 / bw0,
+                   optimizer_s_per_param=32.0 / hardware.memory_bw,
+                   step_overhead_s=hardware.step_overhead_s, gamma=hardware.overlap_gamma)
+
+
+def _i(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+class StepTimeModel:
+    """Predicts seconds per optimizer step; see the module docstring for the equation.
+
+    `hardware` supplies only the topology (gpus_per_node, nvlink_group, tier bandwidth ratios)
+    and the default element size; the coefficients come from `params`. World size is taken per
+    candidate as dp·tp·pp, so one model scores plans of any world size.
+    """
+
+    def __init__(self, params: StepTimeParams, shape: ModelShape, hardware: HardwareProfile | None = None,
+                 *, world_size: int | None = None, dtype_bytes: int | None = None, param_bytes: int = 4,
+                 activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+                 stack: str | None = None, distributed_optimizer: bool | None = None) -> None:
+        self.params = params
+        self.shape = shape
+        self.hardware = hardware
+        self.world_size = world_size
+        self.dtype_bytes = int(dtype_bytes or (hardware.dtype_bytes if hardware else 4))
+        self.param_bytes = int(param_bytes)
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+        self.stack = stack or (hardware.stack if hardware else "fsdp2")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
+        self.distributed_optimizer = bool(hardware.distributed_optimizer if distributed_optimizer is None
+                                          and hardware else distributed_optimizer)
+        self._slow = np.asarray(hardware.tier_slowdown if hardware else (1.0, 1.0, 1.0))
+        self._domains = (hardware.nvlink_group, hardware.gpus_per_node) if hardware else (2**62, 2**62)
+        self._shared_nic = bool(hardware and hardware.shared_nic)
+
+    @classmethod
+    def analytic(cls, shape: ModelShape, hardware: HardwareProfile | str, world_size: int | None = None,
+                 **options) -> StepTimeModel:
+        """A model priced from datasheet figures (`StepTimeParams.analytic`); no measurement."""
+        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        return cls(StepTimeParams.analytic(hw), shape, hw, world_size=world_size, **options)
+
+    def with_params(self, params: StepTimeParams) -> StepTimeModel:
+        """The same model (shape, topology, options) with other coefficients."""
+        return StepTimeModel(params, self.shape, self.hardware, world_size=self.world_size,
+                             dtype_bytes=self.dtype_bytes, param_bytes=self.param_bytes,
+                             activation_checkpointing=self.activation_checkpointing,
+                             reshard_after_forward=self.reshard_after_forward, stack=self.stack,
+                             distributed_optimizer=self.distributed_optimizer)
+
+    # ---- shape arithmetic -------------------------------------------------------------------
+
+    def stage_layers(self, pp) -> np.ndarray:
+        """Blocks on the largest pipeline stage: ceil(L / pp)."""
+        return np.ceil(self.shape.n_layers / _i(pp))
+
+    def stage_params(self, pp) -> np.ndarray:
+        """Parameters of the largest stage: its blocks + one vocab×dim matrix (+ final norm)."""
+        s = self.shape
+        emb = np.where(_i(pp) > 1, s.vocab_size * s.dim + s.dim, s.embedding_params())
+        return self.stage_layers(pp) * s.layer_params() + emb
+
+    def stage_flops_per_sample(self, pp) -> np.ndarray:
+        """Training FLOPs of one sample on the largest stage (forward + backward).
+
+        Per block per token 6·layer_params + 12·dim·seq (Kaplan et al. 2020; PaLM App. B, as
+        `ModelShape.flops_per_token`), plus the output head 6·vocab·dim; the embedding lookup
+        is free. With activation checkpointing the forward is recomputed: × 4/3.
+        """
+        s = self.shape
+        per_layer = 6.0 * s.layer_params() + 12.0 * s.dim * s.seq_len
+        flops = (self.stage_layers(pp) * per_layer + 6.0 * s.vocab_size * s.dim) * s.seq_len
+        return flops * (4.0 / 3.0 if self.activation_checkpointing else 1.0)
+
+    def tiers(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Link tiers of the tp, dp and pp groups (0 fast domain, 1 node, 2 network)."""
+        dp, tp, pp = np.asarray(dp), np.asarray(tp), np.asarray(pp)
+        world = dp * tp * pp
+        g, n = self._domains
+        return (link_tier(tp, 1, world, g, n), link_tier(dp, tp, world, g, n),
+                link_tier(pp, dp * tp, world, g, n))
+
+    # ---- the model ----------------------------------------------------------------------------
+
+    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
+        """Every term of the equation (seconds), broadcast over the inputs; "step_s" is the total."""
+        if self.stack == "megatron":
+            return megatron_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches)
+        p = self.params
+        dp_f, tp_f, pp_f, b, m = (_i(x) for x in (dp, tp, pp, micro_batch_size, num_microbatches))
+        t_tier, d_tier, p_tier = self.tiers(dp, tp, pp)
+        layers = self.stage_layers(pp_f)
+        units = layers + 1.0
+        local_params = self.stage_params(pp_f) / tp_f
+        act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
+
+        compute = p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f) * b / tp_f
+        n_tp = (TP_ALLREDUCES_PER_BLOCK + TP_RECOMPUTE_PER_BLOCK * self.activation_checkpointing) \
+            * layers + 2.0
+        tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
+                       + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier])
+        p2p = np.where(pp_f > 1, 2.0 * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)
+        dp_frac = (dp_f - 1) / dp_f
+        n_ag = 2.0 if self.reshard_after_forward else 1.0
+        allgather = n_ag * ((dp_f - 1) * units * p.dp_latency_s
+                            + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte * self._slow[d_tier])
+        microbatch = gamma_sum(compute, allgather, p.gamma) + tp_s + p2p
+        sync = ((dp_f - 1) * units * p.dp_latency_s
+                + dp_frac * local_params * GRAD_BYTES * p.dp_s_per_byte * self._slow[d_tier])
+        last = gamma_sum(microbatch, sync, p.gamma)
+        optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
+        step = (m + pp_f - 2.0) * microbatch + last + optimizer
+        return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
+                "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
+                "bubble_s": (pp_f - 1.0) * microbatch, "step_s": step}
+
+    def slowdowns(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Seconds per byte of the tp, dp and pp groups relative to tier 0 (module docstring).
+
+        With a node-shared NIC (`HardwareProfile.shared_nic`) a group crossing nodes gets one
+        per-GPU share of the NIC per member it has on the node: dp (dp at stride tp) has
+        min(dp, max(1, gpus_per_node // tp)) members per node; a pipeline hop between nodes is
+        made by every one of the dp·tp pipelines at once, gpus_per_node / min(dp·tp, gpus_per_node)
+        shares each; tp has min(tp, gpus_per_node).
+        """
+        t_tier, d_tier, p_tier = self.tiers(dp, tp, pp)
+        slow = [self._slow[t_tier], self._slow[d_tier], self._slow[p_tier]]
+        if self._shared_nic:
+            dp_f, tp_f = _i(dp), _i(tp)
+            gpn = float(self._domains[1])
+            shares = (np.minimum(tp_f, gpn), np.minimum(dp_f, np.maximum(1.0, np.floor(gpn / tp_f))),
+                      gpn / np.minimum(dp_f * tp_f, gpn))
+            slow = [np.where(tier == 2, s / k, s) for tier, s, k in zip((t_tier, d_tier, p_tier), slow, shares)]
+        return tuple(slow)
+
+    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        """Seconds per optimizer step, numpy-broadcast over integer arrays."""
+        return self.breakdown(dp, tp, pp, micro_batch_size, num_microbatches)["step_s"]
+
+    def predict_plans(self, plans: Sequence[ParallelPlan]) -> np.ndarray:
+        cols = plan_columns(plans)
+        return self.predict(*cols)
+
+    def predict_plan(self, plan: ParallelPlan) -> float:
+        return float(self.predict_plans([plan])[0])
+
+    def throughput_samples_per_s(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
+        """global_batch_size / step_s."""
+        gbs = _i(dp) * _i(micro_batch_size) * _i(num_microbatches)
+        return gbs / self.predict(dp, tp, pp, micro_batch_size, num_microbatches)
+
+
+def plan_columns(plans: Sequence[ParallelPlan]) -> tuple[np.ndarray, ...]:
+    """(dp, tp, pp, micro_batch_size, num_microbatches) of `plans` as int64 arrays."""
+    return tuple(np.array([getattr(pl, f) for pl in plans], dtype=np.int64)
+                 for f in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches"))

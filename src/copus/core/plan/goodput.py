@@ -1,0 +1,200 @@
+"""Vectorised goodput over every candidate plan (COPUS §3, Eqs. 1, 5–8; design §3–§4).
+
+A `CandidateSet` holds every valid `(dp, tp, pp, micro_batch_size, num_microbatches)` for one
+world size, model shape and global-batch range as parallel numpy arrays, so that a step-time
+model, the memory model and the goodput formula score thousands of plans in one pass.
+
+Batch grids (`batch_grid`):
+- "multiples" (default): for each layout and micro-batch size, every global batch
+  `B = dp · micro_batch_size · n` (n = 1, 2, ...) with `min_batch ≤ B ≤ max_batch`. Every
+  reachable batch of every layout is a candidate; the count grows linearly with `max_batch`.
+- "geometric": a geometric grid `min_batch · r^k` (r = 2^(1/steps_per_octave)), each value
+  rounded up to a multiple of `dp · micro_batch_size` and kept if ≤ `max_batch`. Use it for
+  very large batch ranges (thousands of GPUs).
+Validity follows `core.plan.plan_problems`: dp·tp·pp = world, tp divides heads/KV heads/ffn/dim,
+pp ≤ layers (via `layouts`), and num_microbatches ≥ pp when pp > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from copus.core.stats.efficiency import lr_aware_factor, statistical_efficiency
+from copus.core.specs.models import ModelShape
+from copus.core.plan.plan import ParallelPlan, layouts
+
+BATCH_GRIDS = ("multiples", "geometric")
+_FIELDS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
+
+
+class StepTimePredictor(Protocol):
+    """Anything with `predict(dp, tp, pp, micro_batch_size, num_microbatches) -> seconds/step`."""
+
+    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray: ...
+
+
+class MemoryPredictor(Protocol):
+    def bytes_per_rank(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CandidateSet:
+    """Every candidate plan as parallel int64 arrays (one entry per plan).
+
+    `memory_bytes` is the memory model's per-rank prediction (NaN when no model was given).
+    """
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    micro_batch_size: np.ndarray
+    num_microbatches: np.ndarray
+    global_batch_size: np.ndarray
+    memory_bytes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.dp.shape[0])
+
+    def plan(self, i: int) -> ParallelPlan:
+        """The i-th candidate as a `ParallelPlan`."""
+        return ParallelPlan(**{f: int(getattr(self, f)[i]) for f in _FIELDS})
+
+    def plans(self, indices: Iterable[int]) -> list[ParallelPlan]:
+        return [self.plan(int(i)) for i in indices]
+
+    def index_of(self, plan: ParallelPlan) -> int | None:
+        """Index of `plan` in the set, or None if it is not a candidate."""
+        mask = np.ones(len(self), dtype=bool)
+        for f in _FIELDS:
+            mask &= getattr(self, f) == getattr(plan, f)
+        hits = np.flatnonzero(mask)
+        return int(hits[0]) if hits.size else None
+
+    def same_layout(self, plan: ParallelPlan) -> np.ndarray:
+        """Boolean mask of the candidates with `plan`'s (dp, tp, pp)."""
+        return (self.dp == plan.dp) & (self.tp == plan.tp) & (self.pp == plan.pp)
+
+    def subset(self, mask: np.ndarray) -> CandidateSet:
+        return CandidateSet(**{f: getattr(self, f)[mask] for f in (*_FIELDS, "global_batch_size",
+                                                                    "memory_bytes")})
+
+    def predict_step_s(self, model: StepTimePredictor, indices: np.ndarray | None = None
+                       ) -> np.ndarray:
+        """Predicted seconds per optimizer step of every candidate, or of `indices` only."""
+        cols = [getattr(self, f) for f in _FIELDS]
+        if indices is not None:
+            cols = [c[indices] for c in cols]
+        out = np.asarray(model.predict(*cols), dtype=float)
+        return np.broadcast_to(out, cols[0].shape).astype(float, copy=False)
+
+
+def batch_values(min_batch: int, max_batch: int, step: int, *, batch_grid: str = "multiples",
+                 steps_per_octave: int = 4) -> np.ndarray:
+    """Global batches reachable with `step = dp·micro_batch_size` samples per micro-step."""
+    lo = -(-min_batch // step) * step
+    if batch_grid == "multiples":
+        return np.arange(lo, max_batch + 1, step, dtype=np.int64)
+    if batch_grid == "geometric":
+        octaves = np.log2(max(max_batch, 1) / max(min_batch, 1))
+        k = np.arange(int(np.floor(octaves * steps_per_octave)) + 2)
+        raw = np.ceil(min_batch * 2.0 ** (k / steps_per_octave) - 1e-9).astype(np.int64)
+        vals = np.unique(-(-raw // step) * step)
+        return vals[(vals >= min_batch) & (vals <= max_batch)]
+    raise ValueError(f"batch_grid={batch_grid!r} is invalid; allowed: {', '.join(BATCH_GRIDS)}")
+
+
+def _check_range(world_size: int, min_batch: int, max_batch: int,
+                 micro_batch_sizes: Sequence[int]) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid; allowed: an integer >= 1")
+    if min_batch < 1 or max_batch < min_batch:
+        raise ValueError(f"batch range [{min_batch}, {max_batch}] is invalid; "
+                         "allowed: 1 <= min_batch <= max_batch")
+    if not micro_batch_sizes or any(int(m) != m or m < 1 for m in micro_batch_sizes):
+        raise ValueError(f"micro_batch_sizes={list(micro_batch_sizes)!r} is invalid; "
+                         "allowed: a non-empty list of integers >= 1")
+
+
+def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: int,
+                     max_batch: int, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                     batch_grid: str = "multiples", steps_per_octave: int = 4,
+                     memory_model: MemoryPredictor | None = None,
+                     memory_capacity_bytes: float | None = None) -> CandidateSet:
+    """Every valid plan for `world_size` ranks with global batch in [min_batch, max_batch].
+
+    Plans whose predicted per-rank memory exceeds `memory_capacity_bytes` are pruned (needs
+    `memory_model`); COPUS §4.4 prunes OOM configurations the same way, by measurement.
+    """
+    _check_range(world_size, min_batch, max_batch, micro_batch_sizes)
+    cols: dict[str, list[np.ndarray]] = {f: [] for f in _FIELDS}
+    for dp, tp, pp in layouts(world_size, shape):
+        for mbs in sorted({int(m) for m in micro_batch_sizes}):
+            gbs = batch_values(min_batch, max_batch, dp * mbs, batch_grid=batch_grid,
+                               steps_per_octave=steps_per_octave)
+            nmb = gbs // (dp * mbs)
+            nmb = nmb[nmb >= pp] if pp > 1 else nmb
+            for f, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch_size", mbs)):
+                cols[f].append(np.full(nmb.shape, v, dtype=np.int64))
+            cols["num_microbatches"].append(nmb.astype(np.int64))
+    arrays = {f: (np.concatenate(v) if v else np.zeros(0, np.int64)) for f, v in cols.items()}
+    gbs = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_microbatches"]
+    mem = np.full(gbs.shape, np.nan)
+    if memory_model is not None and gbs.size:
+        mem = np.broadcast_to(np.asarray(memory_model.bytes_per_rank(
+            *(arrays[f] for f in _FIELDS)), dtype=float), gbs.shape).copy()
+    cands = CandidateSet(**arrays, global_batch_size=gbs, memory_bytes=mem)
+    if memory_capacity_bytes is not None:
+        if memory_model is None:
+            raise ValueError("memory_capacity_bytes needs a memory_model to prune with")
+        cands = cands.subset(mem <= memory_capacity_bytes)
+    return cands
+
+
+def goodput(step_s: np.ndarray, global_batch_size: np.ndarray, b_noise: float, *,
+            lr_aware: bool = True, ref_batch: float = 1.0,
+            lr_ref_batch: float | None = None) -> np.ndarray:
+    """Goodput = samples_per_s × E(B) [× sqrt(B / B_lr_ref) when LR-aware].
+
+    E(B) = (b_noise + B0) / (b_noise + B) with B0 = `ref_batch` (COPUS Eq. 6 takes B0 = 1);
+    the LR-aware factor is COPUS Eqs. 7–8 (Adam square-root rule), relative to `lr_ref_batch`
+    (default `ref_batch`; the constant cancels in every comparison). `b_noise = inf` means
+    "no statistical penalty" (E = 1): goodput is then throughput (× the LR factor).
+    Non-finite or non-positive step times give goodput 0.
+    """
+    step = np.asarray(step_s, dtype=float)
+    batch = np.asarray(global_batch_size, dtype=float)
+    ok = np.isfinite(step) & (step > 0)
+    samples_per_s = np.where(ok, batch / np.where(ok, step, 1.0), 0.0)
+    out = samples_per_s * efficiency(b_noise, batch, ref_batch)
+    if lr_aware:
+        out = out * lr_aware_factor(batch, ref_batch if lr_ref_batch is None else lr_ref_batch)
+    return out
+
+
+def efficiency(b_noise: float, global_batch_size: np.ndarray, ref_batch: float = 1.0) -> np.ndarray:
+    """E(B) as an array (`core.efficiency.statistical_efficiency`; `b_noise = inf` gives 1)."""
+    batch = np.asarray(global_batch_size, dtype=float)
+    return np.broadcast_to(statistical_efficiency(b_noise, batch, ref_batch), batch.shape)
+
+
+def rank(scores: np.ndarray, step_s: np.ndarray | None = None, top: int | None = None) -> np.ndarray:
+    """Indices sorted by goodput, best first (NaN last); ties broken by shorter step, then index.
+
+    With `top`, only the best `top` indices (an O(n) partition, then a sort of those).
+    """
+    scores = -np.nan_to_num(np.asarray(scores, dtype=float), nan=-np.inf)
+    idx = np.arange(scores.size)
+    if top is not None and top < scores.size:
+        kth = np.partition(scores, top - 1)[top - 1]
+        idx = np.flatnonzero(scores <= kth)  # the top ones and anything tied with the last
+        scores = scores[idx]
+    order = np.argsort(scores, kind="stable")
+    ordered = scores[order]
+    if step_s is not None and np.any(ordered[1:] == ordered[:-1]):  # ties: break by step time
+        steps = np.nan_to_num(np.asarray(step_s, float)[idx], nan=np.inf)
+        order = np.lexsort((steps, scores))
+    return idx[order][:top]

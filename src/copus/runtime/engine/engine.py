@@ -1,0 +1,296 @@
+"""The per-rank 3D training engine: one layout's mesh, model, optimizer and gradient statistics.
+
+Build order (each step documented in its module): meta model → pipeline split (`pipeline.py`)
+→ TP → activation checkpointing → FSDP2 (`parallelize.py`) → `to_empty` + per-name seeded init
+(`model.py`) → AdamW (after wrapping: parameters are DTensors) → `GradStats` hooks.
+
+One `train_step` = num_microbatches forward/backward passes per dp rank (plain gradient
+accumulation with FSDP2's reduce-scatter on the last micro-batch only, or a pipeline schedule
+at pp > 1), ONE all-reduce of a small fp32/fp64 vector [loss, Σ_j‖g_j‖², ‖ḡ‖², g_jᵀḡ...] over
+the world, clipping by the global norm, then AdamW. Statistics are taken before clipping; if the
+loss or any statistic is not finite the optimizer step is skipped and the gradients dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from copus.core.specs.models import ModelShape
+from copus.core.plan.plan import ParallelPlan
+from copus.runtime.engine.dist import MeshCache
+from copus.runtime.engine.grad_stats import MODES, GradStats, weighted_sqnorm
+from copus.runtime.engine.model import build_model, materialize
+from copus.runtime.engine.parallelize import parallelize
+from copus.runtime.engine.pipeline import SCHEDULES, Pipeline, split_stage
+
+DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """Learning-rate-independent settings of the model build and optimizer."""
+
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0                 # 0 = off
+    pp_schedule: str = "1f1b"              # "1f1b" | "gpipe"
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = False
+    gns_small: str = "microbatch"          # "microbatch" | "rank"
+    ip_extras: bool = False                # keep small gradients for g_jᵀḡ (memory, see grad_stats)
+    dtype: str = "auto"                    # "auto" (bf16 autocast on CUDA) | "fp32" | "bf16"
+
+    def __post_init__(self) -> None:
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} is invalid; allowed: "
+                             f"{', '.join(SCHEDULES)}")
+        if self.gns_small not in MODES:
+            raise ValueError(f"gns_small={self.gns_small!r} is invalid; allowed: {', '.join(MODES)}")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'auto', 'fp32', 'bf16'")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
+
+
+def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
+    """The engine's settings from a `copus.config.Config` (trainer, profiler, benchmarks)."""
+    t, par = cfg.train, cfg.parallel
+    return EngineSettings(
+        weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+        grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
+        activation_checkpointing=par.activation_checkpointing,
+        reshard_after_forward=par.reshard_after_forward, gns_small=cfg.gns.small,
+        ip_extras=ip_extras, dtype=t.dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutput:
+    """One optimizer step, identical on every rank (statistics before clipping)."""
+
+    loss: float                # mean token loss over the global batch
+    small_sqnorm: float        # s̄ = mean_j ‖g_j‖²
+    small_batch: int           # samples per small gradient
+    num_small: int             # J
+    big_sqnorm: float          # q = ‖ḡ‖², ḡ over the global batch
+    ip_sq_mean: float | None   # (1/J) Σ_j (g_jᵀḡ)², only with ip_extras
+    grad_norm: float           # ‖ḡ‖ before clipping
+    finite: bool               # False: optimizer step skipped, gradients dropped
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Engine:
+    """This rank's share of one (dp, tp, pp) layout; see module docstring."""
+
+    def __init__(self, shape: ModelShape, plan: ParallelPlan, settings: EngineSettings,
+                 device: torch.device | str, mesh_cache: MeshCache, seed: int = 0,
+                 allocate: bool = True) -> None:
+        """`allocate=False`: the model stays on the meta device (no memory, no optimizer); the
+        caller fills it (reconfigure's direct path: `runtime/state/redistribute.py`) and then calls
+        `finish_build()`."""
+        plan.validate(dist.get_world_size(), shape)
+        self.shape, self.plan, self.settings = shape, plan, settings
+        self.device = torch.device(device)
+        self.mesh = mesh_cache.get(dp=plan.dp, tp=plan.tp, pp=plan.pp)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        model = build_model(shape, "meta")
+        if plan.pp > 1:
+            split_stage(model, self.pp_rank, plan.pp)
+        parallelize(model, self.mesh, sequence_parallel=settings.sequence_parallel,
+                    activation_checkpointing=settings.activation_checkpointing,
+                    reshard_after_forward=settings.reshard_after_forward)
+        self.model = materialize(model, self.device, seed) if allocate else model
+        self.optimizer = self.pipeline = self.stats = None
+        if allocate:
+            self.finish_build()
+
+    # ----------------------------------------------------------------------------- build
+    def finish_build(self) -> None:
+        """AdamW, pipeline stage and gradient statistics on the materialised model."""
+        settings, plan = self.settings, self.plan
+        self.optimizer = self._build_optimizer()
+        self.pipeline = (Pipeline(self.model, self.mesh["pp"], self.device, settings.pp_schedule,
+                                  token_loss) if plan.pp > 1 else None)
+        self.gns_small = settings.gns_small if plan.dp > 1 else "microbatch"
+        self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        """AdamW; weight decay on matrices (ndim ≥ 2) only, not on norm weights."""
+        s = self.settings
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": s.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=0.0, betas=(s.beta1, s.beta2), eps=s.eps)
+
+    def _autocast(self):
+        dtype = self.settings.dtype
+        if dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def set_plan(self, plan: ParallelPlan) -> None:
+        """Same layout, new micro-batching (the pipeline builds a new schedule on next use)."""
+        if plan.layout != self.plan.layout:
+            raise ValueError(f"set_plan: layout {plan.layout} differs from the engine's "
+                             f"{self.plan.layout}; allowed: same (dp, tp, pp), rebuild otherwise")
+        plan.validate(dist.get_world_size(), self.shape)
+        self.plan = plan
+
+    # ----------------------------------------------------------------------------- steps
+    def _check_tokens(self, local_tokens: torch.Tensor, rows: int | None) -> torch.Tensor:
+        if local_tokens.ndim != 2 or local_tokens.shape[1] != self.shape.seq_len + 1 or (
+                rows is not None and local_tokens.shape[0] != rows):
+            raise ValueError(f"local_tokens shape {tuple(local_tokens.shape)} is invalid; allowed: "
+                             f"[{rows or 'n'}, {self.shape.seq_len + 1}]")
+        return local_tokens.to(self.device)
+
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """All micro-batches' forward + backward; returns this rank's share of the loss."""
+        p = self.plan
+        k, inputs, targets = p.num_microbatches, tokens[:, :-1], tokens[:, 1:]
+        share = 1.0 / (p.dp * p.tp)
+        if self.pipeline is None:
+            self.stats.begin(k, grad_scale=float(k) if self.gns_small == "microbatch" else 1.0)
+            total = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
+                self.model.set_requires_gradient_sync(i == k - 1)
+                if not self.settings.reshard_after_forward:
+                    # keep parameters gathered across the accumulation, as a pipeline stage
+                    # does: one all-gather per step instead of one per micro-batch
+                    self.model.set_reshard_after_backward(i == k - 1)
+                with self._autocast():
+                    loss = token_loss(self.model(x), y)
+                (loss / k).backward()
+                total = total + loss.detach()
+            return total.float() * (share / k)
+        self.stats.begin(k, grad_scale=1.0 if self.gns_small == "microbatch" else 1.0 / k)
+        with self._autocast():
+            losses = self.pipeline.run(inputs, targets, k, train=True)
+        if not self.pipeline.is_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([x.detach().float() for x in losses]).mean() * share
+
+    def train_step(self, local_tokens: torch.Tensor, lr: float) -> StepOutput:
+        """Forward/backward over this dp rank's `micro_batch_size·num_microbatches` sequences
+        (`seq_len + 1` tokens each), statistics, clipping and one AdamW step at `lr`."""
+        p = self.plan
+        tokens = self._check_tokens(local_tokens, p.micro_batch_size * p.num_microbatches)
+        loss_share = self._forward_backward(tokens)
+        grads = [q.grad for q in self.model.parameters() if q.grad is not None]
+        num_small = p.dp * (p.num_microbatches if self.gns_small == "microbatch" else 1)
+        per_rank = num_small // p.dp
+        head = [loss_share, self.stats.small_sqnorm_sum(), weighted_sqnorm(grads, p.tp)]
+        vec = torch.stack([h.to(self.device, torch.float64) for h in head])
+        if self.settings.ip_extras:
+            dots = self.stats.dots(self.model, self.dp_rank * per_rank, num_small)
+            vec = torch.cat([vec, dots.to(self.device)])
+        dist.all_reduce(vec)  # the step's only statistics collective: [loss, Σ‖g_j‖², ‖ḡ‖², dots]
+        vec = vec.cpu()
+        loss, small_sum, big_sq = (float(x) for x in vec[:3])
+        ip = float((vec[3:] ** 2).mean()) if self.settings.ip_extras else None
+        finite = all(math.isfinite(x) for x in (loss, small_sum, big_sq))
+        grad_norm = math.sqrt(big_sq) if finite and big_sq >= 0 else float("nan")
+        if finite:
+            self._clip(grads, grad_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stats.kept.clear()
+        small_batch = p.micro_batch_size * (p.num_microbatches // per_rank)
+        return StepOutput(loss=loss, small_sqnorm=small_sum / num_small, small_batch=small_batch,
+                          num_small=num_small, big_sqnorm=big_sq, ip_sq_mean=ip,
+                          grad_norm=grad_norm, finite=finite)
+
+    @torch.no_grad()
+    def _clip(self, grads: list[torch.Tensor], grad_norm: float) -> None:
+        """Scale every gradient shard by min(1, grad_clip/‖ḡ‖); see `clip_grads`."""
+        clip_grads(grads, grad_norm, self.settings.grad_clip)
+
+    @torch.no_grad()
+    def eval_loss(self, local_tokens: torch.Tensor) -> float:
+        """Mean token loss over every dp rank's `local_tokens` (no gradients, no state change).
+        Rows run in equal chunks of at most micro_batch_size (at least pp chunks under PP)."""
+        p = self.plan
+        tokens = self._check_tokens(local_tokens, None)
+        rows = tokens.shape[0]
+        k = -(-rows // p.micro_batch_size)  # chunks of at most micro_batch_size rows
+        if self.pipeline is not None:
+            k = max(k, p.pp)  # a schedule needs >= one micro-batch per stage
+        if rows % k:
+            raise ValueError(f"eval rows {rows} cannot be split into {k} equal micro-batches; "
+                             f"allowed: a multiple of {k}")
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        share = 1.0 / (p.dp * p.tp)
+        with self._autocast():
+            if self.pipeline is None:
+                losses = [token_loss(self.model(x), y) for x, y in zip(inputs.chunk(k),
+                                                                       targets.chunk(k))]
+            else:
+                losses = self.pipeline.run(inputs, targets, k, train=False)
+        part = torch.stack([x.float() for x in losses]).mean() * share if losses else \
+            torch.zeros((), device=self.device)
+        vec = part.to(self.device, torch.float64).reshape(1)
+        dist.all_reduce(vec)
+        return float(vec.cpu()[0])
+
+    # ----------------------------------------------------------------------------- state
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts for DCP (flattened optimizer state: cpu-notes e)."""
+        return get_state_dict(self.model, self.optimizer, options=DCP_OPTIONS)
+
+    def model_state(self) -> dict:
+        return self.state_dicts()[0]
+
+    def optim_state(self) -> dict:
+        return self.state_dicts()[1]
+
+    def load_state(self, model_sd: dict, optim_sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=DCP_OPTIONS)
+
+    def close(self) -> None:
+        """Drop hooks, model and optimizer (the cached mesh and its groups stay alive)."""
+        if self.stats is not None:
+            self.stats.close()
+        self.pipeline = None
+        self.optimizer = None
+        self.model = None
+
+
+@torch.no_grad()
+def clip_grads(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> float:
+    """Clip by a precomputed global norm: multiply each local shard by min(1, max/(norm+1e-6)).
+
+    The global norm comes from `grad_stats.weighted_sqnorm` summed over the world, which works
+    for gradients on different meshes (plain TP puts norm weights on the dp mesh and projections
+    on the (dp, tp) mesh, where `clip_grad_norm_` fails: cpu-notes c). Returns the coefficient.
+    """
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    coef = min(1.0, max_norm / (total_norm + 1e-6))
+    if coef < 1.0:
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(locals_, coef)
+    return coef

@@ -1,0 +1,204 @@
+"""A Llama-style decoder (no distributed code): RMSNorm, rotary embeddings, SwiGLU, GQA.
+
+Names follow torchtitan's Llama so that TP plans, FSDP wrapping and checkpoints read the same:
+`tok_embeddings`, `layers` (an `nn.ModuleDict` "0".."L-1" of `TransformerBlock`s holding
+`attention.{wq,wk,wv,wo}`, `feed_forward.{w1,w2,w3}`, `attention_norm`, `ffn_norm`), `norm`,
+`output`. `forward` skips modules set to `None`, so a pipeline stage is the same class with some
+modules removed: a stage without `tok_embeddings` receives hidden states, one without `output`
+returns hidden states.
+
+Lifecycle: build on the meta device (`build_model(shape, "meta")`), split / parallelize / shard,
+then `materialize(model, device, seed)` = `to_empty` + `init_weights` + `reset_rope`.
+
+Initialisation is layout-independent by construction: every parameter's FULL tensor is drawn
+from its own `torch.Generator` seeded by `(seed, parameter name)` on CPU, and each rank copies
+only its shard (`distribute_tensor(..., src_data_rank=None)`, no communication). Any split, TP
+or FSDP layout therefore holds the same logical weights for the same seed. Peak extra memory is
+one full parameter at a time. Distributions (GPT-2 / torchtitan): linear and embedding weights
+N(0, 0.02²) (output head included), the residual projections `wo`, `w2` N(0, (0.02/√(2L))²),
+norm weights 1.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from copus.core.specs.models import ModelShape
+
+__all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
+           "rope_cache", "apply_rope", "build_model", "init_weights", "reset_rope", "materialize",
+           "param_seed"]
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · w (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos/sin table [seq_len, head_dim/2, 2] of RoPE (Su et al. 2021): angle_{t,i} = t·θ^(-2i/d)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    return torch.stack((ang.cos(), ang.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x_{2i}, x_{2i+1}) of x [b, s, h, d] by the angles in `cache`."""
+    s = x.shape[1]
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos = cache[:s, None, :, 0]
+    sin = cache[:s, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention. Heads are inferred from the projection outputs
+    (`view(b, s, -1, head_dim)`), so a tensor-parallel shard runs its local heads unchanged."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        hd = shape.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(shape.dim, shape.n_heads * hd, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) · w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [b, s] → logits [b, s, vocab]; any of tok_embeddings / norm / output may be None."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(shape.dim, shape.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def build_model(shape: ModelShape, device: torch.device | str = "meta") -> Transformer:
+    """Construct the module tree on `device` (default meta: no memory, weights uninitialised)."""
+    with torch.device(device):
+        return Transformer(shape)
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Seed of one parameter's generator: crc32 of the name mixed with the run seed (63-bit)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _init_full(name: str, full_shape: torch.Size, shape: ModelShape, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter `name`, identical on every rank/layout."""
+    if name.endswith("norm.weight"):
+        return torch.ones(full_shape)
+    leaf = name.split(".")[-2]
+    if leaf in ("wo", "w2"):
+        std = 0.02 / math.sqrt(2 * shape.n_layers)
+    else:
+        std = 0.02
+    gen = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.randn(full_shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Fill every parameter (plain tensor or DTensor shard) from its per-name generator."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        full = _init_full(name, p.shape, model.shape, seed)
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(local.to_local())
+        else:
+            p.copy_(full)
+
+
+@torch.no_grad()
+def reset_rope(model: Transformer) -> None:
+    """Recompute the non-persistent RoPE buffer (garbage after `to_empty`)."""
+    s = model.shape
+    model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device)
+
+
+def materialize(model: Transformer, device: torch.device | str, seed: int) -> Transformer:
+    """`to_empty(device)` then deterministic weights (`init_weights`) and the RoPE buffer."""
+    model.to_empty(device=device)
+    if model.shape.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # to_empty makes one tensor per module
+    init_weights(model, seed)
+    reset_rope(model)
+    return model

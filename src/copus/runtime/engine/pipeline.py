@@ -1,0 +1,91 @@
+"""Pipeline parallelism: manual stage split + torch.distributed.pipelining schedules.
+
+The manual split (cpu-notes d) keeps the full model's parameter names ("layers.5..." stays
+"layers.5..."), so TP, FSDP, meta-init and DCP resharding see the same names under any pp.
+A `PipelineStage` keeps shape-dependent receive buffers and a schedule infers shapes on its first
+`step()`, so `Pipeline.schedule(num_microbatches, micro_batch_size)` builds a NEW schedule object
+whenever that pair (or train/eval) changes and keeps only the current one (cpu-notes f).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from copus.core.plan.stages import split_layers
+from copus.runtime.engine.model import Transformer
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def split_stage(model: Transformer, stage_index: int, num_stages: int) -> Transformer:
+    """Keep only this stage's blocks (`core.stages.split_layers`); embeddings on stage 0, final
+    norm + head on the last stage. In place; returns the model."""
+    if model.shape.tie_embeddings and num_stages > 1:
+        raise ValueError("tie_embeddings=True is not supported with pp > 1; allowed: pp = 1")
+    keep = {str(i) for i in split_layers(model.shape.n_layers, num_stages)[stage_index]}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage_index != 0:
+        model.tok_embeddings = None
+    if stage_index != num_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+class Pipeline:
+    """This rank's stage plus the current schedule; `run` does one training step's forward and
+    backward over `num_microbatches` micro-batches (the schedule scales grads by 1/num_microbatches,
+    so `loss_fn` must be a mean)."""
+
+    def __init__(self, model: Transformer, pp_mesh: DeviceMesh, device: torch.device,
+                 schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={schedule!r} is invalid; allowed: {', '.join(SCHEDULES)}")
+        self.stage_index = pp_mesh.get_local_rank()
+        self.num_stages = pp_mesh.size()
+        self.stage = PipelineStage(model, self.stage_index, self.num_stages, device,
+                                   group=pp_mesh.get_group())
+        self.schedule_name = schedule
+        self.loss_fn = loss_fn
+        self._key: tuple | None = None
+        self._schedule = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def schedule(self, num_microbatches: int, micro_batch_size: int, train: bool = True):
+        """The schedule for this micro-batching; a new object whenever the key changes."""
+        key = (num_microbatches, micro_batch_size, train)
+        if key != self._key:
+            cls = SCHEDULES[self.schedule_name] if train else ScheduleGPipe
+            self._schedule = cls(self.stage, n_microbatches=num_microbatches, loss_fn=self.loss_fn)
+            self._key = key
+        return self._schedule
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
+            train: bool = True) -> list[torch.Tensor]:
+        """One pass over the local batch (chunked into `num_microbatches`); returns the per-
+        micro-batch losses on the last stage, [] elsewhere."""
+        sched = self.schedule(num_microbatches, inputs.shape[0] // num_microbatches, train)
+        run = sched.step if train else sched.eval
+        losses: list[torch.Tensor] = []
+        if self.is_first and self.is_last:
+            run(inputs, target=targets, losses=losses)
+        elif self.is_first:
+            run(inputs)
+        elif self.is_last:
+            run(target=targets, losses=losses)
+        else:
+            run()
+        return losses

@@ -1,0 +1,502 @@
+"""The training loop of one rank (design §1, §5, §6).
+
+config → plan → Engine → per step: global sample ids (one offset for the whole run) → this dp
+rank's slice → `Engine.train_step` → `GnsEstimator.update` → `StepRecord` → metrics line (rank 0)
+→ `policy.observe` on rank 0 → `Decision` broadcast → applied at the step boundary:
+a batch change calls `Engine.set_plan` and rescales the LR; a layout change ("reconfigure") is
+switched in the same processes (`runtime/state/reconfigure.py`) or, with controller.switch="checkpoint",
+through a checkpoint (save, rebuild the engine under the new plan, load resharded).
+Eval every `eval.interval_steps` on a fixed validation subset, checkpoints every
+`checkpoint.interval_steps` and at the end, `resume` from the latest good checkpoint under any plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from copus.config import Config
+from copus.core.stats.gns_tracking import make_estimator
+from copus.core.specs.models import ModelShape
+from copus.core.specs.resolve import get_model_shape
+from copus.core.plan.plan import ParallelPlan, plan_problems
+from copus.core.plan.records import Decision, StepRecord
+from copus.runtime.state import checkpoint as ckpt
+from copus.runtime.train import stop
+from copus.runtime.train.setup import (
+    default_micro_batch_size,
+    elastic_run_id,
+    initial_plan,
+    make_run_policy,
+    restart_count,
+    run_hardware,
+    validate_before_launch,
+)
+from copus.runtime.engine.dist import max_over_ranks
+from copus.runtime.engine.optim import LearningRate, build_learning_rate
+from copus.runtime.train.probe import Prober
+from copus.runtime.train.progress import Progress, plan_from_dict, plan_to_dict  # noqa: F401 (re-exported)
+
+
+__all__ = ["Trainer", "TrainingError", "default_micro_batch_size", "initial_plan",
+           "make_run_policy", "validate_before_launch"]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
+
+
+# ------------------------------------------------------------------------------------ trainer
+
+Hook = Callable[[int, np.ndarray, np.ndarray], None]
+PolicyFactory = Callable[[Config, ParallelPlan, int, ModelShape], Any]
+
+
+class Trainer:
+    """One rank's training run. Build, then `run()`; every rank executes the same calls."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, device: torch.device, *,
+                 resume: bool = False, auto_resume: bool = False, on_batch: Hook | None = None,
+                 policy_factory: PolicyFactory | None = None) -> None:
+        """`resume`: continue from the latest good checkpoint (TrainingError if none);
+        `auto_resume`: continue from it only if it belongs to this run (`resume`), else start
+        fresh. `on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
+        `policy_factory` replaces the configured policy (tests, library use)."""
+        from copus.runtime.engine.dist import MeshCache
+        from copus.runtime.data.run_data import build_run_data
+
+        self.cfg, self.run_dir, self.on_batch = cfg, Path(run_dir), on_batch
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device
+        run_data = build_run_data(cfg, get_model_shape(cfg.model.name, cfg.model.seq_len))
+        self.train_set, self.val_set, self.tokenizer = run_data.train, run_data.val, run_data.tokenizer
+        self.shape, self.sampler, self.val_note = run_data.shape, run_data.sampler, None
+        self.run_id, self.restarted = elastic_run_id(), restart_count() > 0
+        self.plan = initial_plan(cfg, self.world, self.shape)
+        self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
+                                     if device.type == "cuda" else "")
+        self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
+                       else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware))
+        self.gns = make_estimator(cfg.gns.estimator, ref_batch=cfg.batch.initial,
+                                  decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
+                                  decay_switch_tokens=cfg.gns.decay_switch_tokens)
+        self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
+                                                    self.shape.seq_len)
+        self.progress = Progress()
+        self.prober = Prober.from_config(cfg)    # gns.calibration = "auto" (runtime/train/probe.py)
+        self.mesh_cache = MeshCache(self.device.type)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.writer = self._make_writer()
+        self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)
+        self.engine: Any = None          # built by resume() under the plan it chooses
+        self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
+        self._remove_stale_stages()
+        if not ((resume or auto_resume) and self.resume(required=resume)):
+            self.engine = self._make_engine(self.plan)
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _remove_stale_stages(self) -> None:
+        """Each host's first local rank deletes the switch staging folders that killed workers
+        of this host left (in /dev/shm they would hold RAM until reboot)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        from copus.runtime.state import reconfigure as rc
+
+        for root in (rc.SHM_ROOT, self.run_dir):
+            for path in rc.remove_stale_stages(root):
+                self.log(f"removed staging folder {path} left by a killed worker")
+
+    def _make_engine(self, plan: ParallelPlan, allocate: bool = True):
+        from copus.runtime.engine.engine import Engine, settings_from_config
+
+        settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
+        return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
+                      seed=self.cfg.train.seed, allocate=allocate)
+
+    def _make_writer(self):
+        from copus.runtime.state.metrics import RunWriter
+
+        cfg = self.cfg
+        writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
+                           progress=cfg.log.progress, total_steps=cfg.train.max_steps,
+                           total_tokens=cfg.train.max_tokens,
+                           progress_interval_s=cfg.log.progress_interval_s)
+        writer.write_config(cfg)
+        if self.rank == 0:   # present even when the policy never decides
+            (self.run_dir / "decisions.jsonl").touch()
+            from copus.runtime.data.run_data import save_tokenizer
+
+            save_tokenizer(self.run_dir, self.tokenizer)   # for copus export
+        return writer
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            self.writer.console(f"copus: {message}")
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        t, p = self.cfg.train, self.progress
+        return ((t.max_steps > 0 and p.step >= t.max_steps)
+                or (t.max_tokens > 0 and p.tokens >= t.max_tokens))
+
+    def run(self) -> dict:
+        """Train until max_steps / max_tokens; checkpoint at the end; return the summary."""
+        cfg = self.cfg
+        if self.done():
+            self.log(f"nothing to do: step {self.progress.step}, {self.progress.tokens} tokens "
+                     "already reach train.max_steps / train.max_tokens")
+            return self.finish()
+        while not self.done():
+            signum, checkpoint_due = self.boundary.poll(self.device)   # runtime/train/stop.py
+            if signum:
+                return stop.graceful_stop(self, signum)
+            if checkpoint_due:
+                self.periodic_checkpoint()
+            record = self.train_step()
+            step = record.step
+            if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
+                self.evaluate()
+            decision = self.decide(record)
+            if self.prober is not None and self.prober.due(self, decision):
+                self.prober.run(self, decision)    # continues from the best branch
+                decision = None
+            if decision is not None:       # before the checkpoint: it holds the new plan
+                self.apply_decision(decision)
+            if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
+                self.periodic_checkpoint()
+        if cfg.eval.interval_steps and self.progress.step % cfg.eval.interval_steps:
+            self.evaluate()
+        if not (cfg.checkpoint.interval_steps
+                and self.progress.step % cfg.checkpoint.interval_steps == 0):
+            self.save_checkpoint()
+        return self.finish()
+
+    def local_ids(self, global_ids: np.ndarray) -> np.ndarray:
+        from copus.runtime.data.stream import local_slice
+
+        return local_slice(global_ids, self.engine.dp_rank, self.plan.dp)
+
+    def step_once(self, on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None
+                  ) -> tuple[StepRecord, float]:
+        """One optimizer step on the next global batch, written nowhere: the B sample ids at the
+        progress's offset, this rank's slice, the LR at the token count, the timed engine step
+        (slowest rank), the progress counters and, on a finite step, the GNS update. The run
+        (`train_step`) and a calibration branch (`runtime.branching`) both take this step.
+        `on_ids(global_ids, local_ids)` sees the ids before the step. Returns the record and
+        the gradient norm (logged beside it)."""
+        p, plan = self.progress, self.plan
+        B, seq = plan.global_batch_size, self.shape.seq_len
+        global_ids = self.sampler.ids(p.samples, B)
+        local = self.local_ids(global_ids)
+        if on_ids is not None:
+            on_ids(global_ids, local)
+        tokens = torch.from_numpy(self.train_set.batch(local).astype(np.int64)).to(self.device)
+        lr = self.lr.lr(p.tokens)
+        t0 = time.perf_counter()
+        out = self.engine.train_step(tokens, lr)
+        step_s = max_over_ranks(time.perf_counter() - t0, self.device)
+        p.step += 1
+        p.samples += B
+        p.tokens += B * seq
+        p.train_s += step_s
+        finite = bool(out.finite)
+        if finite:
+            self.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
+        else:
+            p.num_skipped += 1
+        g = self.gns
+        return StepRecord(
+            step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=step_s,
+            loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
+            small_batch=float(out.small_batch), num_small=int(out.num_small),
+            big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
+            grad_sqnorm=g.grad_sqnorm, grad_trace_cov=g.grad_trace_cov, b_noise=g.b_noise,
+            b_noise_rel_err=g.rel_err, skipped=not finite), float(out.grad_norm)
+
+    def train_step(self) -> StepRecord:
+        """One optimizer step of the run (`step_once`), logged, with the non-finite guard."""
+        p = self.progress
+        hook = None
+        if self.on_batch is not None:
+            step = p.step + 1
+            hook = lambda global_ids, local: self.on_batch(step, global_ids, local)  # noqa: E731
+        record, grad_norm = self.step_once(hook)
+        p.nonfinite_streak = p.nonfinite_streak + 1 if record.skipped else 0
+        self.writer.log_step(record, grad_norm=grad_norm,
+                             small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
+                             num_small=record.num_small, small_batch=record.small_batch)
+        if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
+                f"{self.cfg.train.max_nonfinite_steps}) at step {p.step}; lower train.lr or "
+                "resume from an earlier checkpoint")
+        return record
+
+    def eval_rows(self) -> int:
+        """Validation rows per dp rank: about eval.num_samples / dp, a multiple of the engine's
+        eval micro-batch min(micro_batch_size, rows), and ≥ pp micro-batches under a pipeline."""
+        from copus.runtime.data.run_data import eval_rows
+
+        plan = self.plan
+        return eval_rows(max(self.cfg.eval.num_samples // plan.dp, 1), len(self.val_set),
+                         plan.dp, plan.micro_batch_size, plan.pp)
+
+    def evaluate(self) -> float:
+        """Mean loss on the fixed validation subset: the first dp·eval_rows() windows."""
+        from copus.runtime.data.run_data import eval_note
+
+        rows, dp = self.eval_rows(), self.plan.dp
+        note = eval_note(rows, dp, len(self.val_set), self.cfg.eval.num_samples)
+        if note != self.val_note and note is not None:
+            self.log(note)          # once (again only if it changes with the plan)
+        self.val_note = note
+        if rows <= 0:
+            return math.nan
+        local = np.arange(rows * dp).reshape(dp, rows)[self.engine.dp_rank]
+        tokens = torch.from_numpy(self.val_set.batch(local).astype(np.int64)).to(self.device)
+        loss = float(self.engine.eval_loss(tokens))
+        self.writer.log_eval(self.progress.step, loss, samples=self.progress.samples,
+                             tokens=self.progress.tokens, num_samples=rows * dp)
+        return loss
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def decide(self, record: StepRecord) -> Decision | None:
+        """Rank 0's policy observes the step; its decision (or None) is broadcast to all ranks."""
+        box: list[Decision | None] = [self.policy.observe(record) if self.rank == 0 else None]
+        for row in getattr(self.policy, "drain_events", list)() if self.rank == 0 else ():
+            self.writer.log_event(row)      # probe results and audits (core.explore, core.audit)
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def apply_decision(self, decision: Decision) -> bool:
+        """Switch to `decision.plan` at this step boundary; return whether it was applied.
+
+        Batch change (same dp, tp, pp): `Engine.set_plan` + LR rule factor for the new batch.
+        Layout change: `reconfigure` (controller.switch: in the same processes, or through a
+        checkpoint) unless controller.allow_reconfigure is false, then refused. Its measured cost
+        (slowest rank) goes to the policy's `record_switch_cost` when it has one. Every outcome
+        goes to decisions.jsonl with its reason (and the switch's phases and memory).
+        """
+        new, old = decision.plan, self.plan
+        problems = plan_problems(new, self.world, self.shape)
+        if problems:
+            self.writer.log_decision(decision, applied=False, note=f"refused: {problems[0]}")
+            return False
+        if new == old:
+            return False
+        switch: dict | None = None
+        t0 = time.perf_counter()
+        if new.layout == old.layout:
+            self.engine.set_plan(new)
+        elif not self.cfg.controller.allow_reconfigure:
+            self.writer.log_decision(decision, applied=False,
+                                     note="refused: controller.allow_reconfigure=false")
+            return False
+        else:
+            switch = self.reconfigure(new)
+        self.plan = new
+        if new.global_batch_size != old.global_batch_size:
+            self.lr.on_batch_change(new.global_batch_size, step=self.progress.step,
+                                    grad_sqnorm=self.gns.grad_sqnorm,
+                                    grad_trace_cov=self.gns.grad_trace_cov)
+        cost_s = time.perf_counter() - t0
+        if switch is not None:
+            cost_s = max(cost_s, switch["wall_s"])
+            if self.rank == 0 and hasattr(self.policy, "record_switch_cost"):
+                self.policy.record_switch_cost(cost_s)
+        self.writer.log_decision(decision, switch_s=cost_s, applied=True,
+                                 lr_factor=self.lr.factor, **({"switch": switch} if switch else {}))
+        how = "" if switch is None else f"; {switch['method']} switch {switch['wall_s']:.2f} s"
+        self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
+                 f"({decision.reason}){how}")
+        return True
+
+    def reconfigure(self, plan: ParallelPlan) -> dict:
+        """New (dp, tp, pp) by controller.switch: "in-process" (`reconfigure.switch_engine`: shards
+        moved directly between the layouts, or staged through DCP in /dev/shm or the run folder
+        when that cannot apply) or "checkpoint"; returns the SwitchReport dict."""
+        from copus.runtime.state import reconfigure as rc
+
+        self.log(f"reconfigure {self.plan.describe()} -> {plan.describe()}: start")
+
+        if self.cfg.controller.switch == "checkpoint":
+            report = rc.timed_switch("checkpoint", self.plan, plan, self.device,
+                                     lambda: self.reconfigure_through_checkpoint(plan))
+        else:
+            self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine,
+                                                   fallback_root=self.run_dir)
+        return report.to_dict()
+
+    def reconfigure_through_checkpoint(self, plan: ParallelPlan) -> None:
+        """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
+        path = self.save_checkpoint()
+        self.engine.close()
+        self.engine = self._make_engine(plan)
+        state = self.dcp_state()
+        ckpt.load(path, state, check=False)
+        self.engine.load_state(state["model"], state["optim"])
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The engine's (model, optimizer) state dicts: what DCP saves, or fills on load."""
+        model_sd, optim_sd = self.engine.state_dicts()
+        return {"model": model_sd, "optim": optim_sd}
+
+    def trainer_state(self) -> dict:
+        """Everything but tensors, as JSON data (rank 0's view)."""
+        from copus.runtime.data.run_data import tokenizer_state
+
+        return {
+            "progress": asdict(self.progress),
+            "plan": plan_to_dict(self.plan),
+            "world_size": self.world,
+            "sampler": {"offset": self.progress.samples, "seed": self.sampler.seed,
+                        "num_samples": self.sampler.num_samples},
+            "gns": self.gns.state_dict(),
+            "policy": self.policy.state_dict(),
+            "lr": self.lr.state_dict(),
+            "rng": ckpt.rng_state(),
+            "probe": self.prober.state_dict() if self.prober is not None else None,
+            "model": self.cfg.model.name,
+            "tokenizer": tokenizer_state(self.tokenizer, self.shape),
+            "run_id": self.run_id,
+        }
+
+    def periodic_checkpoint(self) -> None:
+        """An interval save that may fail (disk full, quota, I/O error) without ending the run:
+        the failure is logged, the previous checkpoints stay intact (`checkpoint.save`), and
+        training goes on; `checkpoint.max_failed_saves` failures in a row stop the run."""
+        try:
+            self.save_checkpoint()
+        except ckpt.CheckpointError as err:
+            self.failed_saves += 1
+            self.total_failed_saves += 1
+            limit = self.cfg.checkpoint.max_failed_saves
+            if self.failed_saves >= limit:
+                raise TrainingError(f"{self.failed_saves} checkpoint saves failed in a row "
+                                    f"(checkpoint.max_failed_saves={limit}); last: {err}") from None
+            self.log(f"step {self.progress.step}: {err}; training continues "
+                     f"({self.failed_saves}/{limit} failed saves in a row)")
+            return
+        self.failed_saves = 0
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        path = ckpt.save(self.ckpt_dir, self.progress.step, self.dcp_state(),
+                         self.trainer_state(), keep=self.cfg.checkpoint.keep)
+        self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
+        self.boundary.saved(self.progress.step)
+        return path
+
+    def resume(self, *, required: bool = True) -> bool:
+        """Load the latest good checkpoint under any plan and world size; return whether one
+        was loaded. `required`: none is a TrainingError (--resume). Otherwise only a checkpoint
+        of this run is loaded (`same_run`), e.g. after torchrun restarted the workers because a
+        host died or joined. The plan is `resume_plan`'s; the tensors are loaded resharded into
+        an engine built for it (DCP); progress (the global sample offset), GNS, policy and LR
+        state come back as saved, the RNG state only at the same world size.
+        """
+        path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
+        if path is None:
+            if required:
+                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
+            return False
+        state = json.loads((path / ckpt.TRAINER_STATE).read_text())
+        if not required and not self.same_run(state):
+            self.log(f"not resuming {path.name}: written by run {state.get('run_id')!r}, this "
+                     f"is {self.run_id!r} (pass --resume to continue it); starting at step 0")
+            return False
+        from copus.runtime.data.run_data import check_resumed_tokenizer
+
+        check_resumed_tokenizer(state.get("tokenizer"), self.tokenizer, str(path))
+        saved = plan_from_dict(state["plan"])
+        self.progress = Progress(**state["progress"])
+        self.writer.supersede_after(self.progress.step)   # one row per step (metrics.py)
+        self.boundary.saved(self.progress.step)
+        self.gns.load_state_dict(state["gns"])
+        self.policy.load_state_dict(state["policy"])
+        self.lr.load_state_dict(state["lr"])
+        if self.prober is not None and state.get("probe"):
+            self.prober.load_state_dict(state["probe"], self.policy)
+        decision = self.resume_plan(saved, int(state.get("world_size") or 0))
+        self.engine_for(decision.plan if decision is not None else saved)
+        tensors = self.dcp_state()
+        ckpt.load(path, tensors, check=False)      # agree_on_latest verified it
+        self.engine.load_state(tensors["model"], tensors["optim"])
+        if state.get("world_size") == self.world:
+            ckpt.set_rng_state(state["rng"])
+        if self.plan.global_batch_size != saved.global_batch_size:
+            self.lr.on_batch_change(self.plan.global_batch_size, step=self.progress.step,
+                                    grad_sqnorm=self.gns.grad_sqnorm,
+                                    grad_trace_cov=self.gns.grad_trace_cov)
+        if decision is not None:
+            self.writer.log_decision(decision, applied=True, resumed_from=path.name,
+                                     world_size=self.world, lr_factor=self.lr.factor)
+            self.log(f"resume: {saved.describe()} -> {self.plan.describe()} ({decision.reason})")
+        self.log(f"resumed from {path.name}: step {self.progress.step}, "
+                 f"{self.progress.tokens} tokens, plan {self.plan.describe()}")
+        return True
+
+    def same_run(self, state: dict) -> bool:
+        """Whether a checkpoint's trainer state belongs to this run: the same elastic run id
+        (torchrun --rdzv-id), or, for a checkpoint without one, a restarted worker."""
+        saved_id = state.get("run_id")
+        if saved_id is not None and self.run_id is not None:
+            return saved_id == self.run_id
+        return self.restarted
+
+    def engine_for(self, plan: ParallelPlan) -> None:
+        """An engine for `plan`: the current one if its layout matches, else a new one."""
+        if self.engine is not None and self.engine.plan.layout == plan.layout:
+            self.engine.set_plan(plan)
+        else:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = self._make_engine(plan)
+        self.plan = plan
+
+    def resume_plan(self, saved: ParallelPlan, saved_world: int) -> Decision | None:
+        """`runtime.elastic.resume_plan` for this run: None keeps the checkpoint's plan."""
+        from copus.runtime.state.elastic import resume_plan
+
+        return resume_plan(self.cfg, saved=saved, saved_world=saved_world, world=self.world,
+                           shape=self.shape, policy=self.policy, b_noise=self.gns.b_noise,
+                           initial=self.plan, hardware=self.hardware, step=self.progress.step)
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        p = self.progress
+        summary = {"steps": p.step, "samples": p.samples, "tokens": p.tokens,
+                   "num_skipped": p.num_skipped, "train_s": p.train_s,
+                   "failed_saves": self.total_failed_saves,
+                   "final_plan": plan_to_dict(self.plan),
+                   "b_noise": _json_float(self.gns.b_noise)}
+        self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,
+                            final_plan=plan_to_dict(self.plan), val_note=self.val_note)
+        self.writer.set_state("finished" if self.done() else "stopped", step=p.step,
+                              checkpoint=self.boundary.checkpoint_name())
+        return summary
+
+    def close(self) -> None:
+        self.writer.close()
+        self.engine.close()
+
+
+def _json_float(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None

@@ -20,8 +20,8 @@ reading in which the batch can grow from their start of 256 (docs/lau.md: eq. 5 
 4 workers asks for E[T] ≲ 3/η² = 75). `norm-test` keeps copus's own settings: a 10-step window
 checked every 10 steps after a 10-step warm-up, ≤ 2× per decision, η = 0.5, sqrt LR rule.
 
-A `batch.norm_test_form` of "paper" (per-worker gradients) sets `gns.small = "rank"` unless the
-user set it; `copus.config.check_norm_test_form` rejects an explicit clash.
+A norm-test policy with `batch.norm_test_form = "paper"` (per-worker gradients) sets
+`gns.small = "rank"` unless the user set it; `copus.config.check_norm_test_form` rejects an explicit clash.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def apply_policy_preset(data: Mapping[str, Any]) -> dict[str, Any]:
     batch = out.get("batch")
     form = batch.get("norm_test_form") if isinstance(batch, Mapping) else None
     gns = out.get("gns", {})
-    if form == "paper" and isinstance(gns, Mapping) and "small" not in gns:
+    if form == "paper" and isinstance(name, str) and name.startswith("norm-test") and \
+            isinstance(gns, Mapping) and "small" not in gns:
         out["gns"] = {**gns, "small": "rank"}   # eq. 5 is over per-worker gradients
     return out

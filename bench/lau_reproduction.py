@@ -193,23 +193,28 @@ def table(summary: dict, args: argparse.Namespace) -> str:
     for p, r in summary["rows"].items():
         cells = []
         for c in consts:
-            s = r["steps_to"][c]
-            cells.append("–" if any(x is None for x in s) else f"{statistics.mean(s):.0f}")
+            hit = [x for x in r["steps_to"][c] if x is not None]
+            n = len(r["steps_to"][c])
+            cells.append("–" if not hit else f"{statistics.mean(hit):.0f}"
+                         + ("" if len(hit) == n else f" ({len(hit)}/{n})"))
         lines.append(f"| {p} | {r['final_val_mean']:.4f} ± {r['final_val_sd']:.4f} | "
                      f"{r['steps_mean']:.0f} | {r['mean_batch']:.0f} | " + " | ".join(cells)
                      + " |")
     lines.append("")
-    lines.append(f"Budget {args.samples} samples, seeds {args.seeds}, eta {args.eta}; best "
-                 f"constant: {summary['best_constant']}. Steps to a target: mean over seeds, "
-                 "– when a seed never reached it.")
+    lines.append(f"Budget {args.samples} samples, start {START}, cap {args.cap}, J = {J} "
+                 f"workers, seeds {args.seeds}, eta {args.eta}; best "
+                 f"constant: {summary['best_constant']}. Steps to a target (a constant's mean final "
+                 "loss): mean over the seeds that reached it, (k/n) when only k of n did, – none.")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    global CAP
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=6144)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eta", type=float, default=0.2)
+    ap.add_argument("--cap", type=int, default=CAP, help="largest batch (default 256)")
     ap.add_argument("--policies", default="constant-16,constant-32,constant-64,constant-128,"
                     "constant-256,stagewise,norm-test:paper,norm-test:micro-batch,"
                     "norm-test:per-sample")
@@ -218,6 +223,7 @@ def main() -> None:
     ap.add_argument("--merge", default="", help="comma-separated JSON files of earlier runs "
                     "(e.g. one per seed, run in parallel): summarise them, train nothing")
     args = ap.parse_args()
+    CAP = args.cap
     if args.merge:
         runs = [r for f in args.merge.split(",") for r in json.loads(Path(f).read_text())["runs"]]
         args.seeds = ",".join(sorted({str(r["seed"]) for r in runs}))

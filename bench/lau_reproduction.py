@@ -215,6 +215,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eta", type=float, default=0.2)
     ap.add_argument("--cap", type=int, default=CAP, help="largest batch (default 256)")
+    ap.add_argument("--text-chars", type=int, default=400_000, help="bytes of the embedded "
+                    "corpus to use (default 400000: 11875 training samples; the last 5 %% is "
+                    "the validation text)")
     ap.add_argument("--policies", default="constant-16,constant-32,constant-64,constant-128,"
                     "constant-256,stagewise,norm-test:paper,norm-test:micro-batch,"
                     "norm-test:per-sample")
@@ -234,9 +237,12 @@ def main() -> None:
         print(table(summary, args))
         return
     torch.set_num_threads(1)
-    ids = ByteTokenizer().encode(load_text("embedded", max_chars=400_000))
+    ids = ByteTokenizer().encode(load_text("embedded", max_chars=args.text_chars))
     split = int(0.95 * len(ids))
     data = TokenDataset(ids[:split], SHAPE.seq_len)
+    if args.samples > len(data):
+        raise SystemExit(f"--samples={args.samples} is invalid; allowed: <= {len(data)} training "
+                         f"samples at --text-chars={args.text_chars} (one pass, no repeats)")
     held = TokenDataset(ids[split:], SHAPE.seq_len)
     val = torch.from_numpy(held.batch(list(range(EVAL_ROWS)))).long()
     runs = []

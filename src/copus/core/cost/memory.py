@@ -47,8 +47,11 @@ micro-batches in flight (in units of one micro-batch through a whole stage): 1 w
     interleaved 1F1B with v chunks per rank: first stage min(pp + (pp−1)/v, m) — L·(1 + (pp−1)/(pp·v))
     layer-micro-batches (Korthikanti §4.2.3; torch's ScheduleInterleaved1F1B warm-up of rank 0 is
     2(pp−1) + (v−1)·pp chunks) — last stage min(((v−1)·pp + 1)/v, m).
-logits (head stage): s·b·V/t_lp·(e + 4·c): the logits in the compute dtype and c fp32 copies for
-    the loss (c = 1 copus; 2 torchtitan: `.float()` and log-softmax), t_lp = t with loss parallel.
+logits (head stage): s·b·V/t_lp·c bytes, t_lp = t with loss parallel. copus: c = e + 4, the
+    logits in the compute dtype and their fp32 log-softmax. torchtitan (`logit_bytes=12`): the
+    bf16 logits are deleted before the backward (`del pred`), whose log-softmax backward holds
+    three fp32 tensors (saved output, its gradient, the input gradient): c = 12 ≥ the forward's
+    2 + 4 + 4 (bf16 logits, `.float()` copy, log-softmax output).
 allocator overhead: the CUDA caching allocator's reserved − allocated (fragmentation), a fraction
     of the rest; 0 by default, `ALLOCATOR_OVERHEAD` as fitted on torchtitan's 8B FSDP 8 row
     (bench/published.py, docs/published.md). Published GiB are `max_memory_reserved`.
@@ -60,7 +63,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 
-from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, check_choice
+from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ac_mode_name, check_choice, option_codes
 from copus.core.specs.models import ModelShape
 
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
@@ -74,25 +77,6 @@ ALLOCATOR_OVERHEAD = 0.10
 
 def _f(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
-
-
-def option_codes(value, default: str, allowed: tuple[str, ...], name: str) -> np.ndarray:
-    """Index into `allowed` of a mode name, or an int array of such indices (vectorised plans)."""
-    if value is None:
-        value = default
-    if isinstance(value, str):
-        return np.asarray(allowed.index(check_choice(name, value, allowed)))
-    codes = np.asarray(value)
-    if codes.size and (codes.min() < 0 or codes.max() >= len(allowed)):
-        raise ValueError(f"{name} codes must be in 0..{len(allowed) - 1} ({', '.join(allowed)})")
-    return codes
-
-
-def ac_mode_name(value: bool | str) -> str:
-    """False/True (the old flag) → "none"/"full"; a mode name is checked against AC_MODES."""
-    if isinstance(value, bool):
-        return "full" if value else "none"
-    return check_choice("activation_checkpointing", value, AC_MODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +109,7 @@ class MemoryModel:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False              # logits sharded over tp along the vocabulary
-    logit_fp32_copies: int = 1               # fp32 copies of the logits at the loss (torchtitan: 2)
+    logit_bytes: float | None = None         # bytes per logit at the loss peak; None: e + 4 (torchtitan: 12)
     allocator_overhead: float = 0.0          # reserved/allocated − 1 (ALLOCATOR_OVERHEAD: fitted)
     accumulation_buffers: bool = True        # unsharded fp32 grads (+ params under pp) when m ≥ 2
 
@@ -278,11 +262,11 @@ class MemoryModel:
         return 2.0 * np.where(np.asarray(ac) > 0, unit, in_flight * params / tp)
 
     def logits_bytes(self, tp, micro_batch_size) -> np.ndarray:
-        """s·b·V/t_lp · (e + 4·c): logits in the compute dtype + c fp32 copies at the loss."""
+        """s·b·V/t_lp · c: c = e + 4 (logits + fp32 log-softmax) unless `logit_bytes` is set."""
         s = self.shape
         t_lp = _f(tp) if self.loss_parallel else 1.0
-        return s.seq_len * _f(micro_batch_size) * s.vocab_size / t_lp * (self.compute_bytes
-                                                                        + 4.0 * self.logit_fp32_copies)
+        c = self.compute_bytes + 4.0 if self.logit_bytes is None else float(self.logit_bytes)
+        return s.seq_len * _f(micro_batch_size) * s.vocab_size / t_lp * c
 
     # ---- totals ---------------------------------------------------------------------------------
 

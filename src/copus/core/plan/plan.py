@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from copus.core.plan.layout_names import layout_name
 from copus.core.specs.models import ModelShape
 
@@ -32,6 +34,25 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
     return value
+
+
+def option_codes(value, default: str, allowed: tuple[str, ...], name: str) -> np.ndarray:
+    """Index into `allowed` of a mode name, or an int array of such indices (vectorised plans)."""
+    if value is None:
+        value = default
+    if isinstance(value, str):
+        return np.asarray(allowed.index(check_choice(name, value, allowed)))
+    codes = np.asarray(value)
+    if codes.size and (codes.min() < 0 or codes.max() >= len(allowed)):
+        raise ValueError(f"{name} codes must be in 0..{len(allowed) - 1} ({', '.join(allowed)})")
+    return codes
+
+
+def ac_mode_name(value: bool | str) -> str:
+    """False/True (the old flag) → "none"/"full"; a mode name is checked against AC_MODES."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return check_choice("activation_checkpointing", value, AC_MODES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,7 +35,7 @@ from copus.core.cost.throughput import COMPILE_SPEEDUP, StepTimeModel
 from copus.core.plan.goodput import build_candidates, option_grid
 from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, check_choice
 from copus.core.plan.search import RankedPlan, ranked
-from copus.core.specs.hardware import GB, HARDWARE, get_hardware
+from copus.core.specs.hardware import GB, HARDWARE, HardwareProfile, get_hardware
 from copus.core.specs.models import MODELS
 from copus.core.specs.resolve import get_model_shape
 
@@ -139,24 +139,30 @@ def plan_options(args: argparse.Namespace, stack: str = "fsdp2") -> list[dict]:
         reshard_after_forward=raf)
 
 
-def plan_rows(args: argparse.Namespace) -> list[RankedPlan]:
-    """The ranked plans `copus plan` prints (best first, at most `--top`)."""
+def plan_rows(args: argparse.Namespace, *, hardware: HardwareProfile | None = None,
+              compute_speedup: float | None = None) -> list[RankedPlan]:
+    """The ranked plans `copus plan` prints (best first, at most `--top`).
+
+    Library use (bench/published.py): `hardware` replaces the `--hardware` profile and
+    `compute_speedup` the `--compile` factor (e.g. compile × a stated float8 factor).
+    """
     _check(args)
     shape = get_model_shape(args.model, args.seq_len)
-    hw = get_hardware(args.hardware)
+    hw = get_hardware(args.hardware) if hardware is None else hardware
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
-    memory = memory_model(shape, hw, getattr(args, "param_dtype", "fp32"))
+    memory = memory_model(shape, hw, args.param_dtype)
     max_batch = args.global_batch if args.max_batch is None else args.max_batch
     cands = build_candidates(args.gpus, shape, min_batch=args.global_batch, max_batch=max_batch,
                              micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
                              memory_model=memory, memory_capacity_bytes=capacity,
                              options=plan_options(args, hw.stack))
     if not len(cands):
-        raise ValueError(f"no plan of {args.model} fits {args.gpus} x {args.hardware} with "
+        raise ValueError(f"no plan of {args.model} fits {args.gpus} x {hw.name} with "
                          f"{capacity / GB:.1f} GB per device at global batch {args.global_batch}")
-    model = StepTimeModel.analytic(shape, hw, args.gpus,
-                                   param_bytes=2 if getattr(args, "param_dtype", "fp32") == "bf16" else 4,
-                                   compile_speedup=COMPILE_SPEEDUP if args.compile else 1.0)
+    if compute_speedup is None:
+        compute_speedup = COMPILE_SPEEDUP if args.compile else 1.0
+    model = StepTimeModel.analytic(shape, hw, args.gpus, param_bytes=2 if args.param_dtype == "bf16" else 4,
+                                   compile_speedup=compute_speedup)
     b_noise = float("inf") if args.b_noise is None else args.b_noise
     rows = ranked(cands, model, b_noise, lr_aware=not args.no_lr_aware, ref_batch=1.0,
                   lr_ref_batch=float(args.global_batch), top=None if args.by_layout else args.top)

@@ -29,8 +29,11 @@ Plan options (issue 25; per candidate, `breakdown(..., activation_checkpointing=
 - interleaved 1F1B with v chunks per rank: bubble (pp − 1)/v stage-times instead of pp − 1
   (Narayanan et al. SC'21 §2.2.2) and v times the point-to-point messages; GPipe's bubble is
   1F1B's;
-- sequence parallel: same bytes as the all-reduces it replaces (reduce-scatter + all-gather),
-  so no time change on the FSDP2 stack; the Megatron stack's element-wise term is split by tp;
+- sequence parallel: an all-gather before and a reduce-scatter after attention and the MLP,
+  the bytes of 2 all-reduces forward and 2 backward (Korthikanti et al. 2022 §4.2.2): the three
+  (two) column-wise inputs share one all-gather, so their input gradients are summed before one
+  reduce-scatter: n_tp = 4 per block instead of copus's 7 (`TP_COLLECTIVES_SP`); the Megatron
+  stack's element-wise term is split by tp;
 - reshard-after-forward: n_ag = 2 all-gathers per micro-batch, else 1.
 `compile_speedup` divides t_compute (torch.compile; `COMPILE_SPEEDUP`, fitted on torchtitan's
 Llama-3.1-8B FSDP 8 pair in bench/published.py, other rows held out).
@@ -64,10 +67,11 @@ from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, ac_
 GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
 TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
 TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
+TP_COLLECTIVES_SP = 4           # sequence parallel: 2 all-gathers + 2 reduce-scatters, fwd and bwd
 TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wise): 1 all-reduce
 # torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
 # tokens/s/GPU, Table 1) by bench/published.py; Table 3 (128 GPUs) held out.
-COMPILE_SPEEDUP = 1.2
+COMPILE_SPEEDUP = 1.16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -274,7 +278,8 @@ class StepTimeModel:
 
         compute = (p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f, ac) * b / tp_f
                    / self.compile_speedup)
-        n_tp = (TP_ALLREDUCES_PER_BLOCK + self.tp_recompute_per_block(ac)) * layers + 2.0
+        per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
+        n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                        + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier])
         p2p = np.where(pp_f > 1, 2.0 * v * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)

@@ -312,7 +312,8 @@ def markdown(result: dict) -> str:
                      f"{r['predicted_gib']:.1f} | {r['feasible']} | {r['layout_rank']} | {_pct(r['gap_to_first'])} | "
                      f"{r['planner_row']} | {r['first_plan']} |")
     lines += ["", "## COPUS Table 2 layouts (step-time gap to the planner's first layout)", "",
-              "| preset | layout | B | feasible | layout rank | gap | planner's #1 |", "|---|---|---:|---|---:|---:|---|"]
+              "| preset | layout | B | feasible | layout rank | gap | planner's #1 |",
+              "|---|---|---:|---|---:|---:|---|"]
     for r in cp:
         lines.append(f"| {r['id']} | {r['layout']} | {r['batch']} | {r['feasible']} | {r['layout_rank']} | "
                      f"{_pct(r['gap_to_first'])} | {r['first_plan']} |")

@@ -346,3 +346,24 @@ def test_cli_cluster_scale_layouts_are_feasible(tmp_path, capsys):
         rows = json.loads(capsys.readouterr().out)
         assert layout in {(r["dp"], r["tp"], r["pp"]) for r in rows}
         assert all(r["memory_bytes"] <= 95 * GiB for r in rows)
+
+
+def test_rank_breaks_ties_as_a_full_lexsort():
+    """`rank` re-sorts only the tied runs (speed, issue 25): the order must equal the reference
+    lexsort by (−goodput, step, index), NaN goodput last, NaN steps as +inf, with and without top."""
+    from copus.core.plan.goodput import rank
+
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        n = int(rng.integers(1, 200))
+        score = rng.integers(0, 15, n).astype(float)
+        score[rng.random(n) < 0.05] = np.nan
+        step = rng.integers(0, 4, n).astype(float)
+        step[rng.random(n) < 0.05] = np.nan
+        top = None if trial % 2 else int(rng.integers(1, n + 1))
+        key = -np.nan_to_num(score, nan=-np.inf)
+        idx = np.arange(n)
+        if top is not None and top < n:
+            idx = np.flatnonzero(key <= np.partition(key, top - 1)[top - 1])
+        ref = idx[np.lexsort((np.nan_to_num(step, nan=np.inf)[idx], key[idx]))][:top]
+        np.testing.assert_array_equal(rank(score, step, top=top), ref)

@@ -17,7 +17,8 @@ pp ≤ layers (via `layouts`), and num_microbatches ≥ pp when pp > 1.
 Plan options (issue 25): `build_candidates(..., options=[{...}, ...])` crosses every plan with
 each option set (AC mode, pipeline schedule + virtual stages, sequence parallel, reshard after
 forward; `option_grid` builds the list) and keeps the valid ones (`plan_problems`); the set
-then carries them as code columns and hands them to the step-time and memory models as
+then carries them as code columns (a schedule other than 1f1b only with pp ≥ 2: without a
+pipeline the schedule is moot, and one spelling avoids duplicate candidates) and hands them to the step-time and memory models as
 keywords, so every (layout, micro-batch, options) is ranked in one vectorised pass.
 """
 
@@ -166,6 +167,8 @@ def _option_valid(cols: dict[str, np.ndarray], option: dict[str, np.ndarray], sh
     """`plan_problems`' option rules, vectorised over plans for one option set (code scalars)."""
     tp, pp, m = cols["tp"], cols["pp"], cols["num_microbatches"]
     ok = np.ones(tp.shape, dtype=bool)
+    if int(option["pipeline_schedule"]) != 0:   # without a pipeline the schedule is moot: 1f1b only
+        ok &= pp >= 2
     if int(option["pipeline_schedule"]) == 2:
         v = int(option["virtual_stages"])
         ok &= (pp >= 2) & (m % np.maximum(pp, 1) == 0)
@@ -298,8 +301,14 @@ def rank(scores: np.ndarray, step_s: np.ndarray | None = None, top: int | None =
         idx = np.flatnonzero(scores <= kth)  # the top ones and anything tied with the last
         scores = scores[idx]
     order = np.argsort(scores, kind="stable")
-    ordered = scores[order]
-    if step_s is not None and np.any(ordered[1:] == ordered[:-1]):  # ties: break by step time
-        steps = np.nan_to_num(np.asarray(step_s, float)[idx], nan=np.inf)
-        order = np.lexsort((steps, scores))
+    if step_s is not None:
+        ordered = scores[order]
+        tied = ordered[1:] == ordered[:-1]
+        if tied.any():  # ties: re-sort only the tied runs by (score, step), stable (index order)
+            pos = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
+            sub = order[pos]
+            steps = np.nan_to_num(np.asarray(step_s, float)[idx][sub], nan=np.inf)
+            key = np.empty(pos.size, dtype=complex)   # numpy sorts complex by (real, imag)
+            key.real, key.imag = ordered[pos], steps
+            order[pos] = sub[np.argsort(key, kind="stable")]
     return idx[order][:top]

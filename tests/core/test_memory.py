@@ -195,3 +195,48 @@ def test_activation_bytes_match_what_the_runtime_block_saves(mixed):
     assert per_sample == pytest.approx(float(mm.activation_bytes_per_block(1, 1)), rel=0.03)
     if mixed:
         assert saved[0] - per_sample == pytest.approx(2 * shape.layer_params(), rel=0.05)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_selective_count_matches_the_op_policy_on_the_runtime_block(mixed):
+    """torchtitan's selective policy (save every second matmul's output, counting from the first,
+    and attention's outputs; recompute the rest) applied to copus's runtime block through a
+    dispatch mode: the bytes it keeps per sample (+ the block input) equal
+    `selective_bytes_per_block` exactly, in fp32 and under bf16 autocast (issue 25)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from copus.runtime.engine.model import build_model
+
+    sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+    class Kept(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten.mm.default:
+                self.mm += 1
+                if self.mm % 2 == 1:
+                    self.bytes += out.numel() * out.element_size()
+            elif func in sdpa:
+                self.bytes += sum(o.numel() * o.element_size() for o in out[:2])
+            return out
+
+    shape = get_model_shape("small")
+    model = build_model(shape, "cpu")
+    kept = []
+    for b in (1, 3):
+        x = torch.randn(b, shape.seq_len, shape.dim, requires_grad=True)
+        mode = Kept()
+        with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            model.layers["0"](x, model.rope)
+        assert mode.mm == 7
+        kept.append(mode.bytes + x.numel() * x.element_size())
+    per_sample = (kept[1] - kept[0]) / 2
+    assert kept[0] == pytest.approx(per_sample)          # nothing independent of the batch
+    mm = MemoryModel(shape, mixed_precision=mixed)
+    assert per_sample == float(mm.selective_bytes_per_block(1, 1))

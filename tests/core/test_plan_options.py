@@ -66,13 +66,14 @@ def test_plan_problems_of_the_options():
 
 def test_selective_and_full_counts_hand_computed():
     """Per block and micro-batch (TINY, b=2, bf16 parameters so residual = compute = 2 bytes):
-    selective keeps s·b·[2h + 2·(2h + kv + f) + 2h] bytes, full s·b·2h; with SP the unsplit
+    selective keeps s·b·[2h + 2·(2h + kv + f) + 4a + 2h] bytes, full s·b·2h; with SP the unsplit
     parts (input, w2 output) are divided by tp."""
     mm = MemoryModel(TINY, autocast=False)
-    s, b, h, kv, f = 128, 2, 192, 64, 512
-    assert float(mm.selective_bytes_per_block(1, b)) == s * b * (2 * h + 2 * (2 * h + kv + f) + 2 * h)
+    s, b, h, kv, f, a = 128, 2, 192, 64, 512, 6
+    assert float(mm.selective_bytes_per_block(1, b)) == s * b * (2 * h + 2 * (2 * h + kv + f) + 4 * a + 2 * h)
     assert float(mm.full_bytes_per_block(1, b)) == s * b * 2 * h
-    assert float(mm.selective_bytes_per_block(2, b, True)) == s * b * (2 * h / 2 + (2 * h + kv + f) + 2 * h / 2)
+    assert float(mm.selective_bytes_per_block(2, b, True)) == s * b * (2 * h / 2 + (2 * (2 * h + kv + f) + 4 * a) / 2
+                                                                       + 2 * h / 2)
     assert float(mm.full_bytes_per_block(2, b, True)) == s * b * h
     # under copus's autocast the saved residual stream is fp32
     assert float(MemoryModel(TINY).full_bytes_per_block(1, b)) == s * b * 4 * h

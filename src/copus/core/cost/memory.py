@@ -33,8 +33,11 @@ Recomputation in Large Transformer Models", §4.1 eq. 2 and §4.2.2 eq. 4, 16-bi
                                                    last term (attention scores) is absent with
                                                    flash attention
     selective   torchtitan's op policy (`apply_ac`, "op"): the block's input, the outputs of wq,
-                wv, attention and w1 (every second matmul, t-sharded) and of w2 are kept:
-                s·b·[r·h/t_sp + e·(2h + kv + f)/t + e·h/t_sp]   (t_sp = t with SP, else 1)
+                wv, attention (+ its fp32 log-sum-exp, one per head) and w1 (every second
+                matmul, t-sharded) and of w2 are kept:
+                s·b·[r·h/t_sp + (e·(2h + kv + f) + 4·a)/t + e·h/t_sp]   (t_sp = t with SP, else 1)
+                (measured on copus's block through a dispatch mode applying that policy:
+                exact, tests/core/test_memory.py)
     full        the block's input only, s·b·h·r/t_sp (§4.3)
     with either checkpointing mode one block's full set (the "none" count) is live during its
     recompute. r = residual bytes (4 under autocast), e = compute bytes.
@@ -200,15 +203,15 @@ class MemoryModel:
         return out * (self.compute_bytes / 2.0) * self._factor()
 
     def selective_bytes_per_block(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
-        """"selective" (torchtitan op policy): s·b·[r·h/t_sp + e·(2h + kv + f)/t + e·h/t_sp] bytes."""
+        """"selective" (torchtitan op policy): s·b·[r·h/t_sp + (e·(2h + kv + f) + 4·a)/t + e·h/t_sp] bytes."""
         s = self.shape
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         tp = _f(tp)
         t_sp = np.where(sp, tp, 1.0)
         kv = s.n_kv_heads * s.head_dim
         e, r = float(self.compute_bytes), float(self.residual_bytes)
-        return s.seq_len * _f(micro_batch_size) * (r * s.dim / t_sp + e * (2 * s.dim + kv + s.ffn_dim) / tp
-                                                   + e * s.dim / t_sp)
+        return s.seq_len * _f(micro_batch_size) * (r * s.dim / t_sp + (e * (2 * s.dim + kv + s.ffn_dim)
+                                                                        + 4.0 * s.n_heads) / tp + e * s.dim / t_sp)
 
     def full_bytes_per_block(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
         """"full": the block's input, s·b·h·r/t_sp bytes (Korthikanti §4.3)."""

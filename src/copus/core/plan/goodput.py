@@ -18,8 +18,9 @@ Plan options (issue 25): `build_candidates(..., options=[{...}, ...])` crosses e
 each option set (AC mode, pipeline schedule + virtual stages, sequence parallel, reshard after
 forward; `option_grid` builds the list) and keeps the valid ones (`plan_problems`); the set
 then carries them as code columns (a schedule other than 1f1b only with pp ≥ 2: without a
-pipeline the schedule is moot, and one spelling avoids duplicate candidates) and hands them to the step-time and memory models as
-keywords, so every (layout, micro-batch, options) is ranked in one vectorised pass.
+pipeline the schedule is moot, and one spelling avoids duplicate candidates) and hands them to
+the step-time and memory models as keywords, so every (layout, micro-batch, options) is
+ranked in one vectorised pass.
 """
 
 from __future__ import annotations

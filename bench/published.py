@@ -26,7 +26,8 @@ the JSON records both.
 
 Assumptions (not in the sources): torchtitan's pipeline runs used its default micro-batch
 count (= number of stages: 8 micro-batches of 4 for 1F1B; interleaved with v = 2, 16 of 2);
-Megatron's runs are priced with full recomputation (the paper), no sequence parallelism (it came
+Megatron's runs are priced with full recomputation (the paper), eager attention (flash attention
+came in 2022: scores stored and their memory traffic priced), no sequence parallelism (it came
 later), 1F1B or interleaved at the planner's choice, micro-batch sizes 1–8; Megatron's GPT MLP
 (2 matrices of 4h) is represented as SwiGLU of width 8h/3 (same parameters and FLOPs).
 
@@ -224,7 +225,8 @@ def mg_case(i: int, folder: Path, mfu: float) -> dict:
     size, heads, hidden, layers, t, p, gpus, batch, tflops = MEGATRON[i]
     path = _write_config(folder, f"gpt-{size}b", megatron_shape_fields(heads, hidden, layers), 51200, True)
     args = _args(path, gpus, batch, 2048, ["--micro-batch-sizes", "1,2,4,8", "--activation-checkpointing",
-                                           "full", "--sequence-parallel", "off", "--virtual-stages", "2,4"])
+                                           "full", "--sequence-parallel", "off", "--virtual-stages", "2,4",
+                                           "--no-flash-attention"])
     hw = megatron_hw(mfu)
     layout = (gpus // (t * p), t, p)
     res = evaluate_plan(args, hw, 1.0, lambda plan: plan.layout == layout)

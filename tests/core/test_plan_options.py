@@ -368,3 +368,14 @@ def test_rank_breaks_ties_as_a_full_lexsort():
             idx = np.flatnonzero(key <= np.partition(key, top - 1)[top - 1])
         ref = idx[np.lexsort((np.nan_to_num(step, nan=np.inf)[idx], key[idx]))][:top]
         np.testing.assert_array_equal(rank(score, step, top=top), ref)
+
+
+def test_eager_attention_prices_score_traffic():
+    """flash_attention=False adds layers·a·s²·b/t·(30 + 13·recompute) bytes / memory bandwidth."""
+    flash = _h100(L8B)
+    eager = _h100(L8B, flash_attention=False)
+    hw = get_hardware("h100-sxm")
+    for ac, per_score in (("none", 30.0), ("full", 43.0)):
+        diff = float(eager.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"]
+                     - flash.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"])
+        assert diff == pytest.approx(8 * 32 * 8192**2 * 2 / 2 * per_score / hw.memory_bw)

@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FSDP2 reshard after forward (default both)")
     parser.add_argument("--compile", action="store_true",
                         help=f"price torch.compile: compute time / {COMPILE_SPEEDUP:g} (fitted)")
+    parser.add_argument("--no-flash-attention", action="store_true",
+                        help="eager attention: scores stored (5·a·s²·b/t bytes per block) and "
+                             "their memory traffic priced")
     parser.add_argument("--param-dtype", default="fp32", metavar="fp32|bf16",
                         help="fp32: copus's runtime (fp32 params, bf16 autocast); bf16: FSDP2 "
                              "MixedPrecisionPolicy as torchtitan (default fp32)")
@@ -150,7 +153,7 @@ def plan_rows(args: argparse.Namespace, *, hardware: HardwareProfile | None = No
     shape = get_model_shape(args.model, args.seq_len)
     hw = get_hardware(args.hardware) if hardware is None else hardware
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
-    memory = memory_model(shape, hw, args.param_dtype)
+    memory = memory_model(shape, hw, args.param_dtype, flash_attention=not args.no_flash_attention)
     max_batch = args.global_batch if args.max_batch is None else args.max_batch
     cands = build_candidates(args.gpus, shape, min_batch=args.global_batch, max_batch=max_batch,
                              micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
@@ -162,7 +165,7 @@ def plan_rows(args: argparse.Namespace, *, hardware: HardwareProfile | None = No
     if compute_speedup is None:
         compute_speedup = COMPILE_SPEEDUP if args.compile else 1.0
     model = StepTimeModel.analytic(shape, hw, args.gpus, param_bytes=2 if args.param_dtype == "bf16" else 4,
-                                   compile_speedup=compute_speedup)
+                                   compile_speedup=compute_speedup, flash_attention=not args.no_flash_attention)
     b_noise = float("inf") if args.b_noise is None else args.b_noise
     rows = ranked(cands, model, b_noise, lr_aware=not args.no_lr_aware, ref_batch=1.0,
                   lr_ref_batch=float(args.global_batch), top=None if args.by_layout else args.top)
@@ -180,7 +183,7 @@ def best_per_layout(rows: list[RankedPlan]) -> list[RankedPlan]:
     return out
 
 
-def memory_model(shape, hw, param_dtype: str = "fp32") -> MemoryModel:
+def memory_model(shape, hw, param_dtype: str = "fp32", *, flash_attention: bool = True) -> MemoryModel:
     """The memory model of the stack `hw` describes (FSDP2 runtime or Megatron, core/cost/memory.py).
 
     param_dtype "bf16": FSDP2 MixedPrecisionPolicy as torchtitan (bf16 parameters, loss parallel,
@@ -191,7 +194,7 @@ def memory_model(shape, hw, param_dtype: str = "fp32") -> MemoryModel:
     bf16 = param_dtype == "bf16"
     return MemoryModel(shape=shape, mixed_precision=hw.dtype_bytes == 2, stack=hw.stack,
                        distributed_optimizer=hw.distributed_optimizer, autocast=not bf16,
-                       loss_parallel=bf16, logit_bytes=12.0 if bf16 else None,
+                       loss_parallel=bf16, logit_bytes=12.0 if bf16 else None, flash_attention=flash_attention,
                        allocator_overhead=ALLOCATOR_OVERHEAD if hw.dtype_bytes == 2 and hw.stack == "fsdp2"
                        else 0.0)
 

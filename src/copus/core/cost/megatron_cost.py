@@ -7,6 +7,7 @@ copus's FSDP2 runtime:
     layers     = ceil(L/pp); units = layers + 1 (embedding or head)
     t_compute  = α_c·units + β_c·flops_stage(b_m)/(tp·ε_tp^log2(tp))  slowest (last) stage: blocks +
                  head; ε_tp = `HardwareProfile.tp_efficiency`, per-GPU efficiency kept per TP doubling
+                 (+ eager attention's score traffic, `StepTimeModel.attention_scores_s`)
     t_tp       = n_tp·[2(tp−1)·α_tp + 2(tp−1)/tp·b_m·s·h·e·β_tp·slow_tp]    Megatron TP, 4 all-reduces
                                                                   per block (+2 when recomputing)
     t_p2p      = 2·[α_pp + b_m·s·h·e·β_pp·slow_pp]                1F1B send/recv, blocking (no overlap)
@@ -73,7 +74,7 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     tp_eff = model.hardware.tp_efficiency if model.hardware is not None else 1.0
     compute = (p.layer_overhead_s * units
                + p.s_per_flop * model.stage_flops_per_sample(pp_f, ac) * b / tp_f / tp_eff ** np.log2(tp_f)
-               / model.compile_speedup)
+               / model.compile_speedup + model.attention_scores_s(tp_f, pp_f, b, ac))
     n_tp = (4.0 + model.tp_recompute_per_block(ac)) * layers + 2.0
     tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                    + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * slow_tp)

@@ -35,6 +35,12 @@ Plan options (issue 25; per candidate, `breakdown(..., activation_checkpointing=
   reduce-scatter: n_tp = 4 per block instead of copus's 7 (`TP_COLLECTIVES_SP`); the Megatron
   stack's element-wise term is split by tp;
 - reshard-after-forward: n_ag = 2 all-gathers per micro-batch, else 1.
+Eager attention (`flash_attention=False`, e.g. Megatron-LM of 2021): the a·s² scores per sample
+and block are written and read in memory, t_attn = layers·a·s²·b/t·E_attn/memory_bw per
+micro-batch with E_attn = 30 bytes per 16-bit score (forward: QKᵀ writes 2, the fused
+scale-mask-softmax reads 2 and writes 2, dropout reads 2, writes 2 and a 1-byte mask, AV reads
+2 = 13; backward 17) + 13 per recomputed forward (`ATTN_SCORE_BYTES`); flash attention keeps the
+scores on chip (Dao et al. 2022), no term.
 `compile_speedup` divides t_compute (torch.compile; `COMPILE_SPEEDUP`, fitted on torchtitan's
 Llama-3.1-8B FSDP 8 pair in bench/published.py, other rows held out).
 
@@ -67,6 +73,7 @@ from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, ac_
 GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
 TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
 TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
+ATTN_SCORE_BYTES = (30.0, 13.0)  # eager attention: bytes per score (fwd + bwd, per recomputed fwd)
 TP_COLLECTIVES_SP = 4           # sequence parallel: 2 all-gathers + 2 reduce-scatters, fwd and bwd
 TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wise): 1 all-reduce
 # torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
@@ -149,7 +156,7 @@ class StepTimeModel:
                  activation_checkpointing: bool | str = False, reshard_after_forward: bool = True,
                  stack: str | None = None, distributed_optimizer: bool | None = None,
                  pipeline_schedule: str = "1f1b", virtual_stages: int = 1, sequence_parallel: bool = False,
-                 compile_speedup: float = 1.0) -> None:
+                 compile_speedup: float = 1.0, flash_attention: bool = True) -> None:
         self.params = params
         self.shape = shape
         self.hardware = hardware
@@ -166,6 +173,7 @@ class StepTimeModel:
         if not compile_speedup > 0:
             raise ValueError(f"compile_speedup={compile_speedup!r} is invalid; allowed: a number > 0")
         self.compile_speedup = float(compile_speedup)
+        self.flash_attention = bool(flash_attention)
         self.stack = stack or (hardware.stack if hardware else "fsdp2")
         if self.stack not in STACKS:
             raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
@@ -190,7 +198,8 @@ class StepTimeModel:
                              reshard_after_forward=self.reshard_after_forward, stack=self.stack,
                              distributed_optimizer=self.distributed_optimizer,
                              pipeline_schedule=self.pipeline_schedule, virtual_stages=self.virtual_stages,
-                             sequence_parallel=self.sequence_parallel, compile_speedup=self.compile_speedup)
+                             sequence_parallel=self.sequence_parallel, compile_speedup=self.compile_speedup,
+                             flash_attention=self.flash_attention)
 
     # ---- shape arithmetic -------------------------------------------------------------------
 
@@ -230,6 +239,16 @@ class StepTimeModel:
         code = option_codes(pipeline_schedule, self.pipeline_schedule, PIPELINE_SCHEDULES, "pipeline_schedule")
         v = _i(self.virtual_stages if virtual_stages is None else virtual_stages)
         return np.where(code == 2, np.maximum(v, 1.0), 1.0) + 0.0 * _i(pp)
+
+    def attention_scores_s(self, tp, pp, micro_batch_size, ac) -> np.ndarray:
+        """Eager attention's score traffic per micro-batch (module docstring; 0 with flash)."""
+        if self.flash_attention or self.hardware is None:
+            return np.zeros(np.broadcast(_i(tp), _i(pp), _i(micro_batch_size), np.asarray(ac)).shape)
+        s = self.shape
+        recomputed = np.where(np.asarray(ac) > 0, 1.0, 0.0)
+        per_score = ATTN_SCORE_BYTES[0] + ATTN_SCORE_BYTES[1] * recomputed
+        scores = s.n_heads * float(s.seq_len) ** 2 * _i(micro_batch_size) / _i(tp)
+        return self.stage_layers(pp) * scores * per_score / self.hardware.memory_bw
 
     def stage_flops_per_sample(self, pp, activation_checkpointing=None) -> np.ndarray:
         """Training FLOPs of one sample on the largest stage (forward + backward).
@@ -277,7 +296,7 @@ class StepTimeModel:
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
         compute = (p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f, ac) * b / tp_f
-                   / self.compile_speedup)
+                   / self.compile_speedup + self.attention_scores_s(tp_f, pp_f, b, ac))
         per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
         n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s

@@ -379,3 +379,29 @@ def test_eager_attention_prices_score_traffic():
         diff = float(eager.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"]
                      - flash.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"])
         assert diff == pytest.approx(8 * 32 * 8192**2 * 2 / 2 * per_score / hw.memory_bw)
+
+
+def test_controller_prices_candidates_under_the_runs_options():
+    """make_controller(plan_options=...): the memory pruning and the analytic prior use the run's
+    activation checkpointing (one memory model everywhere, issue 25)."""
+    from copus.core.control.controller import make_controller
+    from copus.core.control.policies import PolicySettings
+
+    settings = PolicySettings(initial=16, min=16, max=256, interval_steps=10, warmup_steps=10)
+    init = ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    shape = get_model_shape("llama-2-7b")
+    mm = MemoryModel(shape)
+    cap = float(mm.bytes_per_rank(8, 1, 1, 2, 1)) * 1.01      # the initial plan fits without AC
+    plain = make_controller(settings, init, 8, shape, memory_capacity_bytes=cap, hardware="h100-sxm",
+                            micro_batch_sizes=[1, 2, 4, 8])
+    full = make_controller(settings, init, 8, shape, memory_capacity_bytes=cap, hardware="h100-sxm",
+                           micro_batch_sizes=[1, 2, 4, 8], plan_options={"activation_checkpointing": "full"})
+    assert len(full.candidates) > len(plain.candidates)
+    c = full.candidates
+    for i in range(0, len(c), 5):
+        assert c.memory_bytes[i] == pytest.approx(float(mm.bytes_per_rank(
+            c.dp[i], c.tp[i], c.pp[i], c.micro_batch_size[i], c.num_microbatches[i],
+            activation_checkpointing="full")))
+    assert max(c.micro_batch_size) > max(plain.candidates.micro_batch_size)
+    with pytest.raises(ValueError, match="unknown plan options"):
+        MemoryModel(shape).with_plan_options(ac="full")

@@ -62,7 +62,7 @@ allocator overhead: the CUDA caching allocator's reserved − allocated (fragmen
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 import numpy as np
 
@@ -131,6 +131,16 @@ class MemoryModel:
             raise ValueError(f"allocator_overhead={self.allocator_overhead!r} is invalid; allowed: >= 0")
         if self.virtual_stages < 1:
             raise ValueError(f"virtual_stages={self.virtual_stages!r} is invalid; allowed: an integer >= 1")
+
+    def with_plan_options(self, **options) -> MemoryModel:
+        """This model with a plan's options (`ParallelPlan.options` keys) as its defaults."""
+        names = {"activation_checkpointing": "activation_checkpointing", "pipeline_schedule": "pp_schedule",
+                 "virtual_stages": "virtual_stages", "sequence_parallel": "sequence_parallel",
+                 "reshard_after_forward": "reshard_after_forward"}
+        unknown = set(options) - set(names)
+        if unknown:
+            raise ValueError(f"unknown plan options {sorted(unknown)}; allowed: {', '.join(names)}")
+        return replace(self, **{names[k]: v for k, v in options.items()})
 
     # ---- per-element bytes ----------------------------------------------------------------------
 

@@ -40,7 +40,8 @@ from copus.core.control.policies import NormTestPolicy, PolicySettings
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import StepRecord
 from copus.core.specs.models import ModelShape
-from copus.runtime.data.stream import ByteTokenizer, TokenDataset, load_text
+from copus.runtime.data.stream import TokenDataset, load_text
+from copus.runtime.data.tokenizer import ByteCodec
 from copus.runtime.engine.engine import token_loss
 from copus.runtime.engine.model import build_model, materialize
 
@@ -237,7 +238,7 @@ def main() -> None:
         print(table(summary, args))
         return
     torch.set_num_threads(1)
-    ids = ByteTokenizer().encode(load_text("embedded", max_chars=args.text_chars))
+    ids = ByteCodec().encode(load_text("embedded", max_chars=args.text_chars))
     split = int(0.95 * len(ids))
     data = TokenDataset(ids[:split], SHAPE.seq_len)
     if args.samples > len(data):

@@ -9,6 +9,7 @@ config file can never run code. Every user mistake raises `ValueError` with one 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -294,6 +295,19 @@ def model_shape(cfg: Any):
     return get_model_shape(cfg.model.name, cfg.model.seq_len)
 
 
+def did_you_mean(name: str, allowed: Iterable[str], section: str = "") -> str:
+    """' (did you mean X?)' for the closest allowed name (difflib ratio >= 0.6, or a key of
+    another section holding `name` exactly), else ''."""
+    close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {section + '.' if section else ''}{close[0]}?)"
+    if section:
+        homes = [s for s in SECTIONS if s != section and name in allowed_keys(s)]
+        if homes:
+            return f" (did you mean {homes[0]}.{name}?)"
+    return ""
+
+
 def _bad(section: str, key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{section}.{key}={value!r}: {allowed}")
 
@@ -305,8 +319,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in by_name:
-            raise ValueError(f"unknown config key {section}.{key}; allowed in [{section}]: "
-                             f"{', '.join(by_name)}")
+            raise ValueError(f"unknown config key {section}.{key}{did_you_mean(key, by_name, section)}; "
+                             f"allowed in [{section}]: {', '.join(by_name)}")
         problem = by_name[key].metadata["check"](value)
         if problem is not None:
             raise _bad(section, key, value, f"allowed: {problem}")
@@ -322,7 +336,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     data = apply_policy_preset(data)
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown config section [{section}]; allowed: {', '.join(SECTIONS)}")
+            raise ValueError(f"unknown config section [{section}]{did_you_mean(section, SECTIONS)}; "
+                             f"allowed: {', '.join(SECTIONS)}")
         if not isinstance(values, Mapping):
             raise ValueError(f"{section}={values!r}: allowed: a table of keys "
                              f"({', '.join(allowed_keys(section))})")

@@ -51,6 +51,48 @@ def test_resume_reads_the_run_folder_config(tmp_path):
     assert cfg.train.seed == 11 and cfg.train.max_steps == 9
 
 
+def test_print_config_prints_the_resolved_toml_that_loads_back(tmp_path, capsys):
+    from copus.cli import main
+    from copus.config import load_config
+
+    conf = tmp_path / "c.toml"
+    conf.write_text("[batch]\npolicy = 'gns'\n")
+    argv = ["--config", str(conf), "--set", "batch.initial=16", "--max-steps", "7"]
+    assert main(["train", *argv, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "[batch]" in text and 'policy = "gns"' in text and "initial = 16" in text
+    (tmp_path / "printed.toml").write_text(text)
+    assert load_config(str(tmp_path / "printed.toml")) == resolve_config(_args(*argv))
+
+
+def test_print_config_reports_a_bad_key_with_exit_2(tmp_path):
+    out = _copus_train("--set", "train.lr_shedule=1", "--print-config", cwd=tmp_path)
+    assert out.returncode == 2 and "did you mean train.lr_schedule?" in out.stderr
+    assert out.stdout == ""
+
+
+def test_resume_auto_decides_from_the_folder(tmp_path):
+    from copus.commands.train import has_complete_checkpoint, holds_failed_attempt, set_aside
+
+    run = tmp_path / "run"
+    assert not has_complete_checkpoint(run) and not holds_failed_attempt(run)   # new folder
+    (run / "checkpoints" / "step-4").mkdir(parents=True)        # a partial save only
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert not has_complete_checkpoint(run) and holds_failed_attempt(run)
+    target = set_aside(run)
+    assert sorted(p.name for p in run.iterdir()) == ["previous-attempts"]
+    assert (target / "metrics.jsonl").is_file() and target.name == "1"
+    assert holds_failed_attempt(run)          # a second requeue before any save: attempt 2
+    (run / "run.json").write_text("{}")
+    assert set_aside(run).name == "2"
+
+
+def test_resume_bad_value_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "copus", "train", "--run-dir", "x", "--resume", "always"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--resume 'always': allowed: --resume, or --resume auto" in out.stderr
+
+
 def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     return subprocess.run([sys.executable, "-m", "copus", "train", *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
@@ -138,3 +180,25 @@ def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path
     assert applied[0]["switch"]["method"] == "direct" and applied[0]["switch_s"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_plan"]["dp"] == 2 and summary["steps"] == 8
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_fresh_then_resumes(tmp_path):
+    """A requeue script's command, run three times: a folder whose first attempt died before any
+    checkpoint starts fresh (the attempt set aside); once a checkpoint exists it resumes."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text('{"state": "running"}')        # died before any save
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    common = ["--nproc", "1", "--run-dir", str(run_dir), "--resume", "auto", "--policy", "constant",
+              "--set", "data.max_chars=100000", "--set", "eval.interval_steps=0",
+              "--set", "checkpoint.interval_steps=2", "--set", "log.progress=false",
+              "--set", "log.tensorboard=false"]
+    out = _copus_train(*common, "--max-steps", "2", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting fresh" in out.stderr
+    assert (run_dir / "previous-attempts" / "1" / "metrics.jsonl").read_text().startswith('{"step": 1, "loss": 9.0}')
+    out = _copus_train(*common, "--max-steps", "3", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]                                        # resumed at step 2, not restarted

@@ -258,11 +258,28 @@ class EvalConfig:
     num_samples: int = _opt(64, _int(1))
 
 
+def _str_list() -> Check:
+    return lambda v: (None if isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
+                      else "a list of non-empty strings, e.g. ['baseline', 'tp2']")
+
+
+def _any_str() -> Check:
+    return lambda v: None if isinstance(v, str) else "a string ('' = the default)"
+
+
 @dataclass(**_FROZEN)
 class LogConfig:
     progress: bool = _opt(True, _bool())
     progress_interval_s: float = _opt(30.0, _real(0.0))   # plain progress line without a tty
     tensorboard: bool = _opt(True, _bool())
+    # experiment trackers (runtime/state/trackers.py), optional extras copus[wandb] / copus[mlflow]
+    wandb: bool = _opt(False, _bool())
+    wandb_project: str = _opt("copus", _nonempty_str())
+    wandb_name: str = _opt("", _any_str())            # "" = the run folder's name (W&B and MLflow)
+    wandb_tags: tuple[str, ...] = _opt((), _str_list())
+    wandb_mode: str = _opt("", _choice("", "online", "offline"))   # "" = WANDB_MODE, else online
+    mlflow: str = _opt("", _any_str())                 # a tracking URI, e.g. "file:./mlruns"; "" = off
+    mlflow_experiment: str = _opt("copus", _nonempty_str())
 
 
 @dataclass(**_FROZEN)
@@ -326,6 +343,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
             raise _bad(section, key, value, f"allowed: {problem}")
         if by_name[key].type in ("float", "float | str") and not isinstance(value, str):
             value = float(value)
+        if isinstance(value, list):
+            value = tuple(value)   # frozen sections hold tuples
         kwargs[key] = value
     return cls(**kwargs)
 

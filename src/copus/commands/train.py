@@ -224,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
     from copus.runtime.train import launch, setup
 
     setup.validate_before_launch(cfg, setup.world_size(cfg))
+    from copus.runtime.state.trackers import check_available
+
+    check_available(cfg.log)
     if restart:
         print(f"copus train: --resume auto: no complete checkpoint in {run_dir}; starting fresh "
               f"(the earlier attempt's files: {set_aside(run_dir)})", file=sys.stderr)

@@ -124,6 +124,15 @@ class Trainer:
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
                       seed=self.cfg.train.seed, allocate=allocate)
 
+    def _open_trackers(self) -> list:
+        """W&B / MLflow runs on rank 0 when log.wandb / log.mlflow enable them."""
+        if self.rank != 0 or not (self.cfg.log.wandb or self.cfg.log.mlflow):
+            return []
+        from copus.config import config_to_dict
+        from copus.runtime.state.trackers import open_trackers
+
+        return open_trackers(self.cfg.log, self.run_dir, config_to_dict(self.cfg))
+
     def _make_writer(self):
         from copus.runtime.state.metrics import RunWriter
 
@@ -131,7 +140,8 @@ class Trainer:
         writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress, total_steps=cfg.train.max_steps,
                            total_tokens=cfg.train.max_tokens,
-                           progress_interval_s=cfg.log.progress_interval_s)
+                           progress_interval_s=cfg.log.progress_interval_s,
+                           trackers=self._open_trackers())
         writer.write_config(cfg)
         if self.rank == 0:   # present even when the policy never decides
             (self.run_dir / "decisions.jsonl").touch()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -110,10 +111,12 @@ def _layout_map() -> Check:
 
 def _tokenizer_setting() -> Check:
     """`data.tokenizer`: 'auto' (a prepared folder's own, else bytes), 'byte', 'bpe' (trained at
-    start) or a path ending in .json (a Hugging Face tokenizer.json; checked when loaded)."""
-    text = "'auto', 'byte', 'bpe' or a path to a tokenizer.json file"
+    start), a path ending in .json (a Hugging Face tokenizer.json) or a folder holding one (a
+    Hugging Face model folder); checked when loaded."""
+    text = "'auto', 'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder"
     return lambda v: (None if isinstance(v, str) and (v in ("auto", "byte", "bpe")
-                                                      or v.endswith(".json")) else text)
+                                                      or v.endswith(".json") or os.path.isdir(v))
+                      else text)
 
 
 def _opt(default: Any, check: Check) -> Any:
@@ -139,10 +142,22 @@ def _model_name() -> Check:
     return check
 
 
+def _hf_folder() -> Check:
+    """`model.init_from`: "" (random init) or a Hugging Face folder with config.json."""
+    def check(v: Any) -> str | None:
+        if v == "":
+            return None
+        if not isinstance(v, str) or not os.path.isfile(os.path.join(v, "config.json")):
+            return "'' or a Hugging Face model folder (config.json + safetensors weights)"
+        return None
+    return check
+
+
 @dataclass(**_FROZEN)
 class ModelConfig:
     name: str = _opt("tiny", _model_name())
     seq_len: int = _opt(0, _int(0, 1_048_576))   # 0 = the shape's own (2048 for a config.json)
+    init_from: str = _opt("", _hf_folder())      # a Hugging Face folder: start from its weights
 
 
 @dataclass(**_FROZEN)
@@ -381,6 +396,7 @@ def check_consistency(cfg: Config) -> None:
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab != 256:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
                    f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
+    _check_init_from(cfg)
     p = cfg.parallel
     if p.layouts.strip():
         fixed = [f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp") if getattr(p, k)]
@@ -395,6 +411,21 @@ def check_consistency(cfg: Config) -> None:
         raise _bad("data", "val_fraction", 0.0,
                    "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "
                    "(or set eval.interval_steps=0)")
+
+
+def _check_init_from(cfg: Config) -> None:
+    """`model.init_from`'s config.json must describe the shape copus builds (`model.name`)."""
+    if not cfg.model.init_from:
+        return
+    from copus.core.specs.resolve import get_model_shape
+
+    theirs = get_model_shape(os.path.join(cfg.model.init_from, "config.json"), cfg.model.seq_len)
+    ours = model_shape(cfg)
+    for f in dataclasses.fields(ours):
+        if f.name != "name" and getattr(ours, f.name) != getattr(theirs, f.name):
+            raise _bad("model", "init_from", cfg.model.init_from,
+                       f"allowed: a folder whose config.json has {f.name}={getattr(ours, f.name)!r} like "
+                       f"model.name={cfg.model.name!r} (it has {getattr(theirs, f.name)!r})")
 
 
 def check_run_length(cfg: Config) -> None:

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     f"{default('batch', 'policy')})")
     p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "
                    f"default {default('model', 'name')})")
+    p.add_argument("--init-from", metavar="HF_FOLDER",
+                   help="start from a Hugging Face model's weights (config.json + safetensors; "
+                        "model.init_from); its config.json is the model and its tokenizer the "
+                        "tokenizer unless --model / data.tokenizer say otherwise")
     p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; default 0 = the model's)")
     p.add_argument("--seed", type=int, help=f"seed (train.seed, default {default('train', 'seed')})")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="auto",
@@ -130,6 +134,7 @@ def resolve_config(args: argparse.Namespace):
         config_path = str(run_dir / "config.toml")   # resume the run as it was configured
     user = list(args.overrides) + flag_overrides(args)
     named = _named_keys(config_path, user)
+    user += init_from_overrides(getattr(args, "init_from", None), named)
     defaults = [] if args.resume else [f"{s}.{k}={_toml_value(v)}"
                                        for (s, k), v in DEFAULT_RUN.items() if (s, k) not in named]
     if ("train", "max_steps") in named and ("train", "max_tokens") not in named:
@@ -140,6 +145,20 @@ def resolve_config(args: argparse.Namespace):
         raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
                          "(set one of them)")
     return cfg
+
+
+def init_from_overrides(folder: str | None, named: set[tuple[str, str]]) -> list[str]:
+    """`--init-from DIR`: model.init_from, and DIR's config.json / tokenizer where the user named
+    no model / tokenizer."""
+    if folder is None:
+        return []
+    root = os.path.abspath(folder)
+    out = [f"model.init_from={_toml_str(root)}"]
+    if ("model", "name") not in named:
+        out.append(f"model.name={_toml_str(os.path.join(root, 'config.json'))}")
+    if ("data", "tokenizer") not in named and os.path.isfile(os.path.join(root, "tokenizer.json")):
+        out.append(f"data.tokenizer={_toml_str(root)}")
+    return out
 
 
 def default_run_dir() -> Path:

@@ -191,7 +191,8 @@ def write_safetensors_stream(path: Path, entries: list[tuple[str, tuple[int, ...
             t = produce(name).to(dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: produced shape {list(t.shape)}, header says {list(shape)}")
-            fh.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():   # the tensor's own bytes through the buffer protocol: no copy
+                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             del t
         fh.flush()
         os.fsync(fh.fileno())

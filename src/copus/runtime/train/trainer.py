@@ -103,6 +103,7 @@ class Trainer:
         self._remove_stale_stages()
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
+            self._init_from_hf()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -123,6 +124,16 @@ class Trainer:
         settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
                       seed=self.cfg.train.seed, allocate=allocate)
+
+    def _init_from_hf(self) -> None:
+        """model.init_from: this rank's shards of a Hugging Face folder's weights (a fresh start
+        only: a resumed run loads its checkpoint)."""
+        if not self.cfg.model.init_from:
+            return
+        from copus.runtime.state.hf_import import load_hf_weights
+
+        read = load_hf_weights(self.engine.model, self.cfg.model.init_from)
+        self.log(f"init from {self.cfg.model.init_from}: {read / 2**20:.1f} MiB of weights read by rank {self.rank}")
 
     def _open_trackers(self) -> list:
         """W&B / MLflow runs on rank 0 when log.wandb / log.mlflow enable them."""

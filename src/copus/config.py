@@ -293,7 +293,7 @@ class LogConfig:
     wandb_name: str = _opt("", _any_str())            # "" = the run folder's name (W&B and MLflow)
     wandb_tags: tuple[str, ...] = _opt((), _str_list())
     wandb_mode: str = _opt("", _choice("", "online", "offline"))   # "" = WANDB_MODE, else online
-    mlflow: str = _opt("", _any_str())                 # a tracking URI, e.g. "file:./mlruns"; "" = off
+    mlflow: str = _opt("", _any_str())                 # a tracking URI, e.g. "sqlite:///mlflow.db"; "" = off
     mlflow_experiment: str = _opt("copus", _nonempty_str())
 
 

@@ -3,7 +3,7 @@ run's config, project / name / tags; a missing package is one line before anythi
 
 The copus side is tested with recording stand-ins for the `wandb` and `mlflow` modules (the
 packages are optional extras, absent from the test environment); the real packages are tested
-offline (WANDB_MODE=offline, an MLflow file: URI) when installed."""
+offline (WANDB_MODE=offline, an MLflow sqlite: URI) when installed."""
 
 from __future__ import annotations
 
@@ -162,9 +162,9 @@ def test_real_wandb_offline(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
-def test_real_mlflow_file_store(tmp_path):
+def test_real_mlflow_local_store(tmp_path):
     mlflow = pytest.importorskip("mlflow")
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"      # MLflow 3's local store (file: is deprecated)
     cfg = _cfg(f"log.mlflow='{uri}'", "log.mlflow_experiment='copus-test'")
     w = RunWriter(tmp_path / "run", tensorboard=False,
                   trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)))

@@ -202,3 +202,38 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]                                        # resumed at step 2, not restarted
+
+
+def test_init_from_sets_model_and_tokenizer_unless_named(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 96, "vocab_size": 256, "head_dim": 24}))
+    from copus.runtime.state.export import byte_tokenizer_json
+
+    (hf / "tokenizer.json").write_text(byte_tokenizer_json())
+    cfg = resolve_config(_args("--init-from", str(hf)))
+    assert cfg.model.init_from == str(hf) and cfg.model.name == str(hf / "config.json")
+    assert cfg.data.tokenizer == str(hf)
+    cfg = resolve_config(_args("--init-from", str(hf), "--set", "data.tokenizer='byte'"))
+    assert cfg.data.tokenizer == "byte"
+    with pytest.raises(ValueError, match=r"model.init_from=.*allowed: a folder whose config.json has n_layers=4"):
+        resolve_config(_args("--init-from", str(hf), "--model", "tiny"))
+    with pytest.raises(ValueError, match="model.init_from="):
+        resolve_config(_args("--init-from", str(tmp_path / "absent")))
+
+
+def test_tokenizer_from_a_hugging_face_folder(tmp_path):
+    from copus.runtime.data.tokenizer import HfTokenizer, parse_spec
+    from copus.runtime.state.export import byte_tokenizer_json
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(byte_tokenizer_json())
+    tok.add_special_tokens(["<|im_end|>"])   # not one of EOS_NAMES: only tokenizer_config names it
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    spec = parse_spec(str(tmp_path))
+    assert spec.path == str(tmp_path / "tokenizer.json")
+    loaded = HfTokenizer.from_file(spec.path)
+    assert loaded.eos_id == 256 and loaded.vocab_size == 257

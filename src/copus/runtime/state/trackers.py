@@ -4,7 +4,7 @@
     wandb = true                 # pip install 'copus[wandb]'; WANDB_MODE=offline works without a network
     wandb_project = "copus"      # wandb_name (default: the run folder's name), wandb_tags = ["a", "b"]
     wandb_mode = ""              # "" = W&B's own (WANDB_MODE, else online), "offline", "online"
-    mlflow = "file:./mlruns"     # a tracking URI (file:, http(s):, databricks, ...); "" = off
+    mlflow = "sqlite:///mlflow.db"   # a tracking URI (sqlite:, http(s):, databricks, ...); "" = off
     mlflow_experiment = "copus"
 
 Both are optional extras: the packages are imported only when a key enables them, and

@@ -99,6 +99,8 @@ def _check_representable(data: dict, seq: int, where: str) -> None:
               ("attention_dropout", 0.0, "no dropout in copus", "0"),
               ("partial_rotary_factor", 1.0, "partial RoPE", "1.0"))
     for key, ok, why, allowed in checks:
+        if key == "hidden_act" and data.get(key) == "swish":   # transformers' ACT2FN: swish = silu
+            continue
         if key in data and data[key] not in (ok, None):
             raise _refuse(where, key, data[key], why, allowed)
 

@@ -110,7 +110,8 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
     folder = _hf_folder(tmp_path)
     run = tmp_path / "run"
     out = _cli("train", "--init-from", str(folder), "--nproc", "2", "--run-dir", str(run), "--max-steps", "2",
-               "--seq-len", str(SEQ), "--policy", "constant", "--set", "parallel.tp=2", "--set", "parallel.micro_batch_size=2",
+               "--seq-len", str(SEQ), "--policy", "constant", "--set", "parallel.tp=2",
+               "--set", "parallel.micro_batch_size=2",
                "--set", "train.lr=1e-4", "--set", "train.lr_schedule='constant'", "--set", "data.max_chars=60000",
                "--set", "eval.interval_steps=0", "--set", "log.progress=false", "--set", "log.tensorboard=false",
                cwd=tmp_path)
@@ -131,3 +132,39 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
     assert torch.allclose(a, b, atol=2e-4, rtol=0), (a - b).abs().max()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("ab", add_special_tokens=False)["input_ids"] == [97, 98]
+
+
+def _tied_tp_work():
+    from copus.core.plan.plan import ParallelPlan
+    from copus.core.specs.models import ModelShape
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
+
+    shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                       vocab_size=64, seq_len=16, tie_embeddings=True)
+    plan = ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)
+    eng = Engine(shape, plan, EngineSettings(), "cpu", MeshCache("cpu"), seed=0)
+    tied = eng.model.output.weight is eng.model.tok_embeddings.weight
+    losses = [eng.train_step(_tied_batch(s), 1e-2).loss for s in range(3)]
+    eng.close()
+    return {"tied": tied, "losses": losses}
+
+
+def _tied_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(100 + step))
+
+
+@pytest.mark.slow
+def test_tied_embeddings_train_under_tensor_parallel_like_one_process():
+    """tie_word_embeddings at tp2: one shared vocab-sharded weight, and three AdamW steps give
+    the single-process losses (the shared weight gets both gradients)."""
+    from copus.core.specs.models import ModelShape
+    from tests.runtime._workers import reference_train
+
+    shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                       vocab_size=64, seq_len=16, tie_embeddings=True)
+    ref = [r["loss"] for r in reference_train(shape, [_tied_batch(s) for s in range(3)], 1e-2, seed=0)]
+    results = run_ranks(_tied_tp_work, 2, timeout=300)
+    for r in results:
+        assert r["tied"]
+        assert r["losses"] == pytest.approx(ref, rel=1e-4)

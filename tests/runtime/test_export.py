@@ -30,7 +30,7 @@ def test_tied_gqa_export_matches_transformers(tmp_path, monkeypatch):
                 p.mul_(10.0)                   # peaked attention: positions (RoPE) matter
     ckpt.save(tmp_path / "run" / "checkpoints", 7, {"model": model.state_dict()},
               {"model": TIED.name})
-    monkeypatch.setattr(export_mod, "get_model_shape", lambda name: TIED)
+    monkeypatch.setattr(export_mod, "get_model_shape", lambda name, seq_len=None: TIED)
     out = tmp_path / "hf"
     export_mod.export(tmp_path / "run", out)
     config = json.loads((out / "config.json").read_text())
@@ -54,7 +54,7 @@ def _save_run(tmp_path, model, shape, monkeypatch, tokenizer_json: str | None = 
     ckpt.save(run / "checkpoints", 3, {"model": model.state_dict()}, {"model": shape.name})
     if tokenizer_json is not None:
         (run / "tokenizer.json").write_text(tokenizer_json)
-    monkeypatch.setattr(export_mod, "get_model_shape", lambda name: shape)
+    monkeypatch.setattr(export_mod, "get_model_shape", lambda name, seq_len=None: shape)
     return run
 
 

@@ -130,6 +130,8 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
     with torch.no_grad():
         a, b = ours(tokens), hf(tokens).logits
     assert torch.allclose(a, b, atol=2e-4, rtol=0), (a - b).abs().max()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["max_position_embeddings"] == SEQ          # the run's model.seq_len
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("ab", add_special_tokens=False)["input_ids"] == [97, 98]
 

@@ -232,6 +232,17 @@ def _check_out(out: Path) -> None:
                          "or empty folder")
 
 
+def trained_seq_len(run_dir: Path) -> int | None:
+    """model.seq_len of the run folder's config.toml (None: unset or unreadable → the model's own)."""
+    import tomllib
+
+    try:
+        value = tomllib.loads((run_dir / "config.toml").read_text())["model"]["seq_len"]
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def parse_dtype(text: str) -> torch.dtype:
     """`--dtype` → torch dtype; ValueError (one line) naming the allowed ones."""
     if text not in DTYPES:
@@ -276,7 +287,7 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     path = find_checkpoint(run_dir, step)
     state = json.loads((path / ckpt.TRAINER_STATE).read_text())
     sizes = model_tensors(path)
-    shape = dataclasses.replace(get_model_shape(state["model"]),
+    shape = dataclasses.replace(get_model_shape(state["model"], trained_seq_len(run_dir)),
                                 vocab_size=int(sizes["tok_embeddings.weight"][0][0]))
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)

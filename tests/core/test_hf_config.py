@@ -108,34 +108,52 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"model_type": "qwen3", "head_dim": 128}, "model_type='qwen3' is not supported (QK-norm)"),
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported (unknown architecture); allowed: 'llama'"),
-    ({"model_type": "mixtral", "num_local_experts": 8}, "model_type='mixtral'"),
-    ({"num_local_experts": 8}, "num_local_experts=8 is not supported (mixture-of-experts)"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is invalid; allowed: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts"),
+    ({"num_local_experts": 8}, "num_local_experts=8: a mixture-of-experts model"),
     ({"model_type": "qwen2", "moe_intermediate_size": 64}, "moe_intermediate_size=64"),
-    ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window=1024 is not supported (a window "
-                                                        "shorter than seq_len=2048)"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 512}, "sliding_window=512"),
-    ({"use_qk_norm": True}, "use_qk_norm=True is not supported (QK-norm)"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn' is not supported"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
     ({"rope_scaling": {**LLAMA31_ROPE, "factor": None}}, "factor=None is invalid"),
-    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
     ({"head_dim": 15}, "head_dim=15 is invalid; allowed: an even integer"),
     ({"attention_bias": "yes"}, "attention_bias='yes' is invalid"),
 ])
-def test_fields_copus_cannot_represent_are_refused_in_one_line(change, needle):
+def test_configs_copus_cannot_price_or_read_are_refused_in_one_line(change, needle):
     with pytest.raises(ValueError) as err:
         shape_from_dict({**TINY, **change}, name="x")
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_qwen3_exits_2_naming_the_field(tmp_path, capsys):
-    assert main(["plan", "--model", _write(tmp_path, QWEN3), "--gpus", "2", "--hardware", "cpu"]) == 2
+@pytest.mark.parametrize("change,needle", [
+    ({"model_type": "qwen3", "head_dim": 128}, "model_type='qwen3' is not supported by copus's model (QK-norm)"),
+    ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window=1024 is not supported by copus's "
+                                                        "model (a window shorter than seq_len=2048)"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 512}, "sliding_window=512"),
+    ({"use_qk_norm": True}, "use_qk_norm=True is not supported by copus's model (QK-norm)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+])
+def test_fields_the_model_cannot_represent_are_priced_but_not_built(change, needle):
+    """The planner prices these (FLOPs and memory hold); copus's model refuses them in one line."""
+    shape = shape_from_dict({**TINY, **change}, name="x")
+    assert needle in shape.unsupported and "\n" not in shape.unsupported
+    from copus.runtime.engine.model import build_model
+
+    with pytest.raises(ValueError) as err:
+        build_model(shape, "meta")
+    assert str(err.value) == shape.unsupported
+    assert shape_from_dict(TINY, name="x").unsupported == ""
+
+
+def test_qwen3_is_planned_but_training_it_exits_2_naming_the_field(tmp_path, capsys):
+    path = _write(tmp_path, QWEN3)
+    assert main(["plan", "--model", path, "--gpus", "2", "--hardware", "cpu", "--top", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--model", path, "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type='qwen3'" in err[0] and "QK-norm" in err[0]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("change,expect", [

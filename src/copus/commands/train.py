@@ -239,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
     if rank0 and not restart:   # under torchrun the other ranks' processes see rank 0's folder appear
         run_folder.check_run_dir(run_dir, resume=args.resume, run_id=run_id)
     cfg = resolve_config(args)
+    from copus.config import model_shape
+
+    if model_shape(cfg).unsupported:    # priceable by `copus plan`, not buildable (hf_config.py)
+        raise ValueError(model_shape(cfg).unsupported)
 
     from copus.runtime.train import launch, setup
 

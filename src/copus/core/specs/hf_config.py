@@ -4,7 +4,7 @@ Every field copus meets is honoured or refused: a field copus cannot represent i
 line naming it (the CLI exits 2). Fields read (transformers' `LlamaConfig` / `Qwen2Config` /
 `MistralConfig` names; transformers 5's `rope_parameters` and 4's `rope_scaling` alike):
 
-    model_type           "llama", "mistral", "qwen2" (absent: read as llama); others refused
+    model_type           "llama", "mistral", "qwen2", "qwen3" (absent: read as llama); others refused
     head_dim             → explicit_head_dim optional even integer (default hidden_size / heads)
     attention_bias       → qkv_bias, o_bias  Llama: biases on q, k, v and o; qwen2: q, k, v always
     rope_scaling / rope_parameters  rope_type "default" or "llama3" (→ RopeScaling); others refused
@@ -19,11 +19,17 @@ line naming it (the CLI exits 2). Fields read (transformers' `LlamaConfig` / `Qw
     rope_theta           → rope_theta        optional number > 0 (default 10000)
     rms_norm_eps         → norm_eps          optional number > 0 (default 1e-5)
 
-Refused (one line naming the field): mixture-of-experts fields (num_experts, num_local_experts,
-n_routed_experts, moe_intermediate_size, ...), a sliding window shorter than the sequence length
-(Mistral's sliding_window, Qwen2's use_sliding_window / layer_types), QK-norm (qwen3, olmo2,
-gemma*: refused by model_type), mlp_bias, hidden_act other than silu, attention_dropout > 0,
-partial_rotary_factor < 1.
+Configs copus cannot price are refused (one line, `check_priceable`): a mixture of experts (any
+of `num_local_experts`, `num_experts`, `n_routed_experts`, `moe_intermediate_size` > 0: the
+dense-block FLOP and memory counts do not hold) and a `model_type` outside `DENSE_MODEL_TYPES`.
+
+Configs copus can price but its runtime model cannot represent are read, and the first such field
+is kept as one line in `ModelShape.unsupported`: `copus plan` / `simulate` rank them, while
+`copus train`, `--init-from` and `build_model` refuse them with that line (exit 2). They are:
+QK-norm (`model_type` qwen3; `use_qk_norm`), a sliding window shorter than the sequence length
+(Mistral's sliding_window, Qwen2's use_sliding_window / layer_types), mlp_bias, hidden_act other
+than silu, attention_dropout > 0, partial_rotary_factor < 1, RoPE types other than default and
+llama3.
 
 The sequence length is not a model field: `seq_len` (the `--seq-len` flag) or 2048 (COPUS
 §6.1). Pure: json + the dataclass; every bad file is one ValueError line naming the field.
@@ -43,9 +49,8 @@ _REQUIRED = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"),
              ("vocab_size", "vocab_size"))
 
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
-             "num_experts_per_tok", "n_shared_experts")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 _QK_NORM_KEYS = ("qk_norm", "use_qk_norm", "qk_layernorm")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -72,28 +77,37 @@ def _positive_number(data: dict, key: str, default: float, where: str) -> float:
     return float(value)
 
 
-def _refuse(where: str, key: str, value: object, why: str, allowed: str) -> ValueError:
-    return ValueError(f"{where}: field {key}={value!r} is not supported ({why}); allowed: {allowed}")
+def check_priceable(data: dict, where: str = "config.json") -> None:
+    """ValueError (one line) for a mixture-of-experts config or an unknown `model_type`."""
+    for key in MOE_FIELDS:
+        value = data.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            raise ValueError(f"{where}: field {key}={value!r}: a mixture-of-experts model, which copus "
+                             f"cannot price; allowed: a dense decoder ({', '.join(DENSE_MODEL_TYPES)})")
+    kind = data.get("model_type")
+    if kind is not None and kind not in DENSE_MODEL_TYPES:
+        raise ValueError(f"{where}: field model_type={kind!r} is invalid; allowed: "
+                         f"{', '.join(DENSE_MODEL_TYPES)}")
 
 
-def _check_representable(data: dict, seq: int, where: str) -> None:
-    """One ValueError line for the first field copus's model cannot represent (module docstring)."""
-    mtype = data.get("model_type", "llama")
-    if mtype not in MODEL_TYPES:
-        why = "QK-norm" if mtype in ("qwen3", "olmo2", "gemma2", "gemma3", "qwen3_moe") else "unknown architecture"
-        raise _refuse(where, "model_type", mtype, why, ", ".join(repr(m) for m in MODEL_TYPES))
-    for key in _MOE_KEYS:
-        if data.get(key) not in (None, 0, 1) or (key == "moe_intermediate_size" and data.get(key)):
-            raise _refuse(where, key, data[key], "mixture-of-experts", "a dense model (field absent)")
+def _unsupported(where: str, key: str, value: object, why: str, allowed: str) -> str:
+    return (f"{where}: field {key}={value!r} is not supported by copus's model ({why}); "
+            f"allowed: {allowed}")
+
+
+def runtime_problem(data: dict, seq: int, where: str) -> str:
+    """The first field copus's runtime model cannot represent, as one line ('' if none)."""
+    if data.get("model_type") == "qwen3":
+        return _unsupported(where, "model_type", "qwen3", "QK-norm", "'llama', 'mistral', 'qwen2'")
     for key in _QK_NORM_KEYS:
         if data.get(key):
-            raise _refuse(where, key, data[key], "QK-norm", "false or absent")
+            return _unsupported(where, key, data[key], "QK-norm", "false or absent")
     window = data.get("sliding_window")
-    uses_window = data.get("use_sliding_window", mtype == "mistral") or any(
+    uses_window = data.get("use_sliding_window", data.get("model_type") == "mistral") or any(
         t != "full_attention" for t in data.get("layer_types") or ())
     if uses_window and window is not None and not (isinstance(window, int) and window >= seq):
-        raise _refuse(where, "sliding_window", window, f"a window shorter than seq_len={seq}",
-                      f"null, use_sliding_window=false, or a window >= seq_len={seq}")
+        return _unsupported(where, "sliding_window", window, f"a window shorter than seq_len={seq}",
+                            f"null, use_sliding_window=false, or a window >= seq_len={seq}")
     checks = (("mlp_bias", False, "MLP biases", "false"),
               ("hidden_act", "silu", "copus's MLP is SwiGLU", "'silu'"),
               ("attention_dropout", 0.0, "no dropout in copus", "0"),
@@ -102,12 +116,13 @@ def _check_representable(data: dict, seq: int, where: str) -> None:
         if key == "hidden_act" and data.get(key) == "swish":   # transformers' ACT2FN: swish = silu
             continue
         if key in data and data[key] not in (ok, None):
-            raise _refuse(where, key, data[key], why, allowed)
+            return _unsupported(where, key, data[key], why, allowed)
+    return ""
 
 
-def _rope(data: dict, where: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's `rope_parameters` or 4's `rope_theta` +
-    `rope_scaling`; rope_type "default" / "llama3" only."""
+def _rope(data: dict, where: str) -> tuple[float, RopeScaling | None, str]:
+    """(rope_theta, scaling, problem) from transformers 5's `rope_parameters` or 4's `rope_theta`
+    + `rope_scaling`; rope_type "default" / "llama3" are built, others are a runtime problem."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
@@ -116,16 +131,16 @@ def _rope(data: dict, where: str) -> tuple[float, RopeScaling | None]:
                              "rope_theta", 10000.0, where)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return theta, None
+        return theta, None, ""
     if kind != "llama3":
-        raise _refuse(where, f"{key}.rope_type", kind, "RoPE scaling copus does not implement",
-                      "'default' or 'llama3'")
+        return theta, None, _unsupported(where, f"{key}.rope_type", kind,
+                                         "RoPE scaling copus does not implement", "'default' or 'llama3'")
     vals = {k: _positive_number(params, k, float("nan"), f"{where}: {key}") for k in _LLAMA3_KEYS}
     if vals["high_freq_factor"] <= vals["low_freq_factor"]:
         raise ValueError(f"{where}: field {key}.high_freq_factor={vals['high_freq_factor']!r} is "
                          f"invalid; allowed: > low_freq_factor={vals['low_freq_factor']!r}")
     vals["original_max_position_embeddings"] = int(vals["original_max_position_embeddings"])
-    return theta, RopeScaling(**vals)
+    return theta, RopeScaling(**vals), ""
 
 
 def _head_dim(data: dict, dims: dict, where: str) -> int | None:
@@ -154,6 +169,7 @@ def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
     """The `ModelShape` of a parsed config (module docstring); ValueError names the bad field."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: top level is {type(data).__name__}; allowed: a JSON object")
+    check_priceable(data, where)
     dims = {attr: _int_field(data, key, where) for key, attr in _REQUIRED}
     kv = data.get("num_key_value_heads")
     dims["n_kv_heads"] = dims["n_heads"] if kv is None else _int_field(data, "num_key_value_heads", where)
@@ -170,13 +186,13 @@ def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
     seq = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         raise ValueError(f"--seq-len={seq!r} is invalid; allowed: an integer >= 1")
-    _check_representable(data, seq, where)
-    theta, scaling = _rope(data, where)
+    theta, scaling, rope_problem = _rope(data, where)
     qkv_bias, o_bias = _attention_bias(data, where)
     return ModelShape(name=name, seq_len=seq, tie_embeddings=tie, rope_theta=theta,
                       norm_eps=_positive_number(data, "rms_norm_eps", 1e-5, where),
                       explicit_head_dim=head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                      rope_scaling=scaling, **dims)
+                      rope_scaling=scaling, unsupported=runtime_problem(data, seq, where) or rope_problem,
+                      **dims)
 
 
 def load_shape(path: str | Path, seq_len: int | None = None) -> ModelShape:

@@ -41,6 +41,9 @@ class ModelShape:
     qkv_bias: bool = False                 # biases on q, k, v (Qwen2; Llama attention_bias)
     o_bias: bool = False                   # bias on the output projection (Llama attention_bias)
     rope_scaling: RopeScaling | None = None
+    # a config.json field the planner can price but copus's model cannot build (one line naming
+    # it, core/specs/hf_config.py); "" = buildable. The runtime refuses such a shape.
+    unsupported: str = ""
 
     @property
     def head_dim(self) -> int:

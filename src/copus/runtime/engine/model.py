@@ -169,7 +169,10 @@ class Transformer(nn.Module):
 
 
 def build_model(shape: ModelShape, device: torch.device | str = "meta") -> Transformer:
-    """Construct the module tree on `device` (default meta: no memory, weights uninitialised)."""
+    """Construct the module tree on `device` (default meta: no memory, weights uninitialised);
+    ValueError (one line) for a shape copus's model cannot represent (`ModelShape.unsupported`)."""
+    if shape.unsupported:
+        raise ValueError(shape.unsupported)
     with torch.device(device):
         return Transformer(shape)
 

@@ -76,15 +76,21 @@ def _load_work(folder: str):
         local = _tokens()[eng.dp_rank * n:(eng.dp_rank + 1) * n]
         out[(dp, tp, pp)] = {"loss": eng.eval_loss(local), "read": read}
         eng.close()
+    out["tied_tp2"] = _tied_tp_work(cache)     # same launch: one process start-up for both tests
     return out
 
 
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    folder = _hf_folder(tmp_path_factory.mktemp("hf"))
+    return folder, run_ranks(_load_work, 2, str(folder), timeout=400)
+
+
 @pytest.mark.slow
-def test_each_layout_reads_its_shards_and_gives_transformers_loss(tmp_path):
-    folder = _hf_folder(tmp_path)
+def test_each_layout_reads_its_shards_and_gives_transformers_loss(two_rank_results):
+    folder, results = two_rank_results
     ref = _hf_loss(folder, _tokens())
     total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    results = run_ranks(_load_work, 2, str(folder), timeout=400)
     for layout in LAYOUTS:
         losses = [r[layout]["loss"] for r in results]
         assert losses[0] == pytest.approx(ref, rel=1e-5), (layout, losses, ref)
@@ -136,16 +142,15 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
     assert tok("ab", add_special_tokens=False)["input_ids"] == [97, 98]
 
 
-def _tied_tp_work():
+def _tied_tp_work(cache):
     from copus.core.plan.plan import ParallelPlan
     from copus.core.specs.models import ModelShape
-    from copus.runtime.engine.dist import MeshCache
     from copus.runtime.engine.engine import Engine, EngineSettings
 
     shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                        vocab_size=64, seq_len=16, tie_embeddings=True)
     plan = ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)
-    eng = Engine(shape, plan, EngineSettings(), "cpu", MeshCache("cpu"), seed=0)
+    eng = Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0)
     tied = eng.model.output.weight is eng.model.tok_embeddings.weight
     losses = [eng.train_step(_tied_batch(s), 1e-2).loss for s in range(3)]
     eng.close()
@@ -157,7 +162,7 @@ def _tied_batch(step: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_tied_embeddings_train_under_tensor_parallel_like_one_process():
+def test_tied_embeddings_train_under_tensor_parallel_like_one_process(two_rank_results):
     """tie_word_embeddings at tp2: one shared vocab-sharded weight, and three AdamW steps give
     the single-process losses (the shared weight gets both gradients)."""
     from copus.core.specs.models import ModelShape
@@ -166,7 +171,6 @@ def test_tied_embeddings_train_under_tensor_parallel_like_one_process():
     shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                        vocab_size=64, seq_len=16, tie_embeddings=True)
     ref = [r["loss"] for r in reference_train(shape, [_tied_batch(s) for s in range(3)], 1e-2, seed=0)]
-    results = run_ranks(_tied_tp_work, 2, timeout=300)
-    for r in results:
-        assert r["tied"]
-        assert r["losses"] == pytest.approx(ref, rel=1e-4)
+    for r in two_rank_results[1]:
+        assert r["tied_tp2"]["tied"]
+        assert r["tied_tp2"]["losses"] == pytest.approx(ref, rel=1e-4)

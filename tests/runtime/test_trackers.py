@@ -39,6 +39,8 @@ def fake_wandb(rec: list) -> types.ModuleType:
     mod = types.ModuleType("wandb")
 
     class Run:
+        id = "wb-123"
+
         def log(self, data, step=None):
             rec.append(("log", data, step))
 
@@ -55,10 +57,16 @@ def fake_wandb(rec: list) -> types.ModuleType:
 
 def fake_mlflow(rec: list) -> types.ModuleType:
     mod = types.ModuleType("mlflow")
-    for name in ("set_tracking_uri", "set_experiment", "start_run", "log_params", "log_metric", "end_run"):
+    for name in ("set_tracking_uri", "set_experiment", "log_params", "log_metric", "end_run"):
         def fn(*args, _name=name, **kwargs):
             rec.append((_name, args, kwargs))
         setattr(mod, name, fn)
+
+    def start_run(**kwargs):
+        rec.append(("start_run", (), kwargs))
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=kwargs.get("run_id", "ml-456")))
+
+    mod.start_run = start_run
     return mod
 
 
@@ -112,6 +120,21 @@ def test_wandb_and_mlflow_runs_carry_config_names_and_scalars(tmp_path, monkeypa
     assert names[-1] == "end_run"
 
 
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
+    wrec, mrec = [], []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wrec))
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mrec))
+    cfg = _cfg("log.wandb=true", "log.mlflow='sqlite:///x.db'")
+    for _attempt in (1, 2):                                 # the first run, then its resume
+        for s in trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)):
+            s.close()
+    inits = [kw for n, kw, _ in wrec if n == "init"]
+    assert "id" not in inits[0] and (inits[1]["id"], inits[1]["resume"]) == ("wb-123", "allow")
+    starts = [kw for n, _, kw in mrec if n == "start_run"]
+    assert starts == [{"run_name": tmp_path.name}, {"run_id": "ml-456"}]
+    assert [n for n, _, _ in mrec].count("log_params") == 1     # params are set once per run
+
+
 def test_no_tracker_is_imported_unless_enabled(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)    # importing it would raise
     monkeypatch.setitem(sys.modules, "mlflow", None)
@@ -160,6 +183,11 @@ def test_real_wandb_offline(tmp_path, monkeypatch):
         w.log_step(record(s, plan(), 8 * s), wall_s=0.5 * s)
     w.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    first = trackers.saved_id(tmp_path, "wandb")
+    w = RunWriter(tmp_path, tensorboard=False,
+                  trackers=trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)))
+    w.close()
+    assert first and trackers.saved_id(tmp_path, "wandb") == first     # resumed: the same run id
 
 
 def test_real_mlflow_local_store(tmp_path):
@@ -178,3 +206,11 @@ def test_real_mlflow_local_store(tmp_path):
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, round(m.value, 6)) for m in history] == [(1, 2.9), (2, 2.8), (3, 2.7)]
     assert run.data.params["batch.policy"] == "gns" and run.info.run_name == "run"
+    # a resumed copus run logs into the same MLflow run
+    w = RunWriter(tmp_path / "run", tensorboard=False,
+                  trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)))
+    w.log_step(record(4, plan(), 32), wall_s=2.0)
+    w.close()
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    assert len(client.search_runs([run.info.experiment_id])) == 1

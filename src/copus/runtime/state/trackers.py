@@ -12,17 +12,43 @@ Both are optional extras: the packages are imported only when a key enables them
 `add_scalar(tag, value, step)` out to TensorBoard's SummaryWriter and every tracker, so
 `RunWriter` (metrics.py) calls one object for all of them: train/<key> for each TB_KEYS column,
 eval/val_loss, switch/<kind>_s. The resolved config goes to W&B's run config and MLflow's
-params (section.key), so a run is findable by its settings.
+params (section.key), so a run is findable by its settings. A resumed copus run continues the
+same W&B / MLflow run: its id is kept in the run folder (`tracker_ids.json`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
 EXTRAS = {"wandb": "copus[wandb]", "mlflow": "copus[mlflow]"}
+IDS_FILE = "tracker_ids.json"
+
+
+def saved_id(run_dir: Path, tracker: str) -> str | None:
+    """The tracker run id an earlier attempt of this copus run saved, if any."""
+    try:
+        value = json.loads((run_dir / IDS_FILE).read_text()).get(tracker)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def save_id(run_dir: Path, tracker: str, run_id: str) -> None:
+    """Remember `run_id` so that a resumed copus run logs into the same tracker run."""
+    path = run_dir / IDS_FILE
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        ids = {}
+    ids[tracker] = run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ids, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def check_available(log: Any) -> None:
@@ -49,7 +75,11 @@ class WandbTracker:
                                   "tags": list(log.wandb_tags), "config": config, "dir": str(run_dir)}
         if log.wandb_mode:
             kwargs["mode"] = log.wandb_mode
+        previous = saved_id(run_dir, "wandb")
+        if previous is not None:
+            kwargs.update(id=previous, resume="allow")
         self.run = self._wandb.init(**kwargs)
+        save_id(run_dir, "wandb", str(self.run.id))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.run.log({tag: value}, step=step)
@@ -65,8 +95,13 @@ class MlflowTracker:
         self._mlflow = mlflow = importlib.import_module("mlflow")
         mlflow.set_tracking_uri(log.mlflow)
         mlflow.set_experiment(log.mlflow_experiment)
-        self.run = mlflow.start_run(run_name=log.wandb_name or run_dir.name)
-        mlflow.log_params({k: str(v) for k, v in flat_config(config).items()})
+        previous = saved_id(run_dir, "mlflow")
+        if previous is not None:
+            self.run = mlflow.start_run(run_id=previous)
+        else:
+            self.run = mlflow.start_run(run_name=log.wandb_name or run_dir.name)
+            mlflow.log_params({k: str(v) for k, v in flat_config(config).items()})
+        save_id(run_dir, "mlflow", str(self.run.info.run_id))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self._mlflow.log_metric(tag, value, step=step)

@@ -250,6 +250,12 @@ def run(args: argparse.Namespace) -> int:
     from copus.runtime.state.trackers import check_available
 
     check_available(cfg.log)
+    if cfg.model.init_from:
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is None:
+            raise ValueError(f"model.init_from={cfg.model.init_from!r}: reading Hugging Face weights "
+                             "needs the safetensors package; allowed: pip install 'copus[export]'")
     if restart:
         print(f"copus train: --resume auto: no complete checkpoint in {run_dir}; starting fresh "
               f"(the earlier attempt's files: {set_aside(run_dir)})", file=sys.stderr)

@@ -47,7 +47,7 @@ def calibration_section(run: Run) -> list[str]:
         return []
     md = [f"## Calibration of {run.name}", ""]
     if probes:
-        md += ["Branch probes (gns.calibration = \"auto\"): the run continued from the chosen "
+        md += ["Branch probes (gns.calibration = \"probe\"): the run continued from the chosen "
                "branch; c = B_noise fit / online b_noise.", "", *probes, ""]
     if table:
         md += ["Branching calibration (copus calibrate):", "", *table, ""]

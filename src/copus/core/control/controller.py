@@ -25,6 +25,10 @@ Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
    margin. With either on, decisions rank plans by their *measured* median step time where
    there is one (`OnlineFitter.profiled`), the fitted model elsewhere. Their rows for
    decisions.jsonl wait in `drain_events()`.
+5. with `gns.calibration = "auto"` (`posterior`), every step's loss, batch and b_noise go to a
+   `core.stats.calibration_posterior.CalibrationPosterior`: each batch change is a natural
+   experiment that updates a grid posterior over log c, and `calibration` follows its median
+   (issue 26, docs/robust-goodput.md). Decisions carry the posterior's summary.
 Every call leaves `last_explanation` (JSON-able dict: action, why, top candidates).
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +44,7 @@ import numpy as np
 from copus.core.control.audit import Auditor
 from copus.core.control.explore import ExploreSettings, Explorer
 from copus.core.cost.fit import OnlineFitter, fit_model, prior_model
+from copus.core.stats.calibration_posterior import CalibrationPosterior
 from copus.core.stats.gns import lower_bound
 from copus.core.plan.goodput import CandidateSet, StepTimePredictor, build_candidates, goodput
 from copus.core.specs.hardware import HardwareProfile, get_hardware
@@ -67,7 +73,8 @@ class Controller:
                  explore: ExploreSettings | None = None, audit_steps: int = 0,
                  memory_capacity_bytes: float | None = None,
                  confidence: float = 0.0, recovery_steps: int = 0,
-                 step_confidence: float = 0.0) -> None:
+                 step_confidence: float = 0.0,
+                 posterior: CalibrationPosterior | None = None) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -85,6 +92,9 @@ class Controller:
         self.warmup_steps = warmup_steps
         self.max_rel_err = max_rel_err
         self.calibration = calibration
+        self.posterior = posterior
+        if posterior is not None:
+            self.calibration = posterior.value()
         self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
         self.step_confidence = float(step_confidence)
         self.step_misses: list[float] = []   # realised/predicted − 1 of checked predictions
@@ -179,6 +189,7 @@ class Controller:
         if math.isfinite(record.step_s) and record.step_s > 0:
             self.elapsed_s += record.step_s
         self._measure(record)
+        self._learn_calibration(record)
         if record.plan.global_batch_size != self.plan.global_batch_size:
             self._batch_change_step = record.step
         self.plan = record.plan
@@ -203,15 +214,30 @@ class Controller:
         self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
                                  "b_noise_rel_err": record.b_noise_rel_err,
                                  "calibration": self.calibration}
-        if result.decision is None:
+        if self.posterior is not None:
+            self.last_explanation["calibration_posterior"] = self.posterior.summary()
+        decision = result.decision
+        if decision is None:
             return self._maybe_probe(record)
-        self.history.append(result.decision.to_dict())
+        if self.posterior is not None:
+            decision = replace(decision, calibration=self.posterior.summary())
+        self.history.append(decision.to_dict())
         before_s = self.measured_step_s(record.plan, last=max(self.auditor.steps, 1))
         measured = math.isfinite(before_s)
-        self.auditor.start(result.decision, record.plan,
+        self.auditor.start(decision, record.plan,
                            before_s if measured else result.explanation["current"]["step_s"],
                            measured)
-        return result.decision
+        return decision
+
+    def _learn_calibration(self, record: StepRecord) -> None:
+        """gns.calibration = "auto": one step into the posterior over c; follow its median.
+        A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
+        if self.posterior is None or record.skipped:
+            return
+        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise)
+        if row is not None:
+            self.calibration = self.posterior.value()
+            self.events.append({"step": record.step, "kind": "calibration", **row})
 
     # ---- exploration and audits (core.explore, core.audit) -------------------------------------
 
@@ -332,7 +358,8 @@ class Controller:
                 "last_decision_step": self.last_decision_step,
                 "fitter": self.fitter.state_dict() if self.fitter is not None else None,
                 "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict(),
-                "step_misses": list(self.step_misses)}
+                "step_misses": list(self.step_misses),
+                "posterior": self.posterior.state_dict() if self.posterior is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -351,6 +378,9 @@ class Controller:
         if state.get("auditor") is not None:
             self.auditor.load_state_dict(state["auditor"])
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
+        if self.posterior is not None and state.get("posterior") is not None:
+            self.posterior.load_state_dict(state["posterior"])
+            self.calibration = self.posterior.value()
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
@@ -439,4 +469,9 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       memory_capacity_bytes=memory_capacity_bytes,
                       confidence=float(getattr(settings, "confidence", 0.0)),
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
-                      step_confidence=step_confidence)
+                      step_confidence=step_confidence,
+                      posterior=(CalibrationPosterior(
+                          prior_c=float(settings.calibration),
+                          quantile=float(getattr(settings, "calibration_quantile", 0.5)))
+                                 if getattr(settings, "calibration_mode", "fixed") == "auto"
+                                 else None))

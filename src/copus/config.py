@@ -229,6 +229,9 @@ class GnsConfig:
 @dataclass(**_FROZEN)
 class ControllerConfig:
     margin: float = _opt(0.10, _real(0.0))
+    # a batch change on the current layout needs only this gain in goodput expected under the
+    # posterior over c (core/control/batch_move.py, issue 26); >= margin: COPUS's one margin
+    batch_margin: float = _opt(0.02, _real(0.0))
     lr_aware: bool = _opt(False, _bool())
     # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
     reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)

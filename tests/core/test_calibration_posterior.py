@@ -67,3 +67,28 @@ def test_state_round_trip_and_bad_values():
         CalibrationPosterior().observe(3.0, 0, 1.0)
     # a non-finite loss or noise scale ends the window without evidence
     assert CalibrationPosterior().observe(float("nan"), 16, 1.0) is None
+
+
+def _run_lr(gamma: float, seed: int) -> CalibrationPosterior:
+    """Progress per sample with an LR factor B^γ (an LR below its optimum, raised by sqrt(B))."""
+    rng = np.random.default_rng(seed)
+    post, progress, batch = CalibrationPosterior(lr_exponents=(0.0, 0.5)), 0.0, 16
+    for t in range(600):
+        phi = 5.0 * (1 + t / 100)
+        if t in (150, 300, 450):
+            batch *= 2
+        bc = 2.0 * phi
+        progress += (batch / 16) ** gamma * batch * bc / (bc + batch)
+        loss = 1 + 10 * (1 + progress / 50) ** -0.24
+        post.observe(loss + 2.1 / math.sqrt(batch * 2048) * rng.standard_normal(), batch, phi)
+    return post
+
+
+def test_tells_whether_the_lr_factor_holds():
+    for seed in (0, 1):
+        with_lr = _run_lr(0.5, seed)
+        assert with_lr.p_lr_aware() > 0.7 and with_lr.lr_exponent() == 0.5
+        assert abs(math.log2(with_lr.value() / 2.0)) < 0.5
+        without = _run_lr(0.0, seed)
+        assert without.p_lr_aware() < 0.1 and without.lr_exponent() == 0.0
+        assert abs(math.log2(without.value() / 2.0)) < 0.5

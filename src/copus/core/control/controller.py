@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from copus.core.control.audit import Auditor
+from copus.core.control.batch_move import best_batch_move
 from copus.core.control.explore import ExploreSettings, Explorer
 from copus.core.cost.fit import OnlineFitter, fit_model, prior_model
 from copus.core.stats.calibration_posterior import CalibrationPosterior
@@ -74,7 +75,8 @@ class Controller:
                  memory_capacity_bytes: float | None = None,
                  confidence: float = 0.0, recovery_steps: int = 0,
                  step_confidence: float = 0.0,
-                 posterior: CalibrationPosterior | None = None) -> None:
+                 posterior: CalibrationPosterior | None = None,
+                 batch_margin: float | None = None) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -93,8 +95,12 @@ class Controller:
         self.max_rel_err = max_rel_err
         self.calibration = calibration
         self.posterior = posterior
+        # batch-only moves on the current layout need only this gain in goodput expected under
+        # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
+        self.batch_margin = margin if batch_margin is None else float(batch_margin)
+        self.margin = margin
         if posterior is not None:
-            self.calibration = posterior.value()
+            self._follow_posterior()
         self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
         self.step_confidence = float(step_confidence)
         self.step_misses: list[float] = []   # realised/predicted − 1 of checked predictions
@@ -217,6 +223,8 @@ class Controller:
         if self.posterior is not None:
             self.last_explanation["calibration_posterior"] = self.posterior.summary()
         decision = result.decision
+        if decision is None and self.batch_margin < self.margin:
+            decision = self._batch_move(record, u, u_cur)
         if decision is None:
             return self._maybe_probe(record)
         if self.posterior is not None:
@@ -229,6 +237,49 @@ class Controller:
                            measured)
         return decision
 
+    def _batch_move(self, record: StepRecord, u: np.ndarray | None,
+                    u_cur: float) -> Decision | None:
+        """A batch change on the current layout that beats it by `batch_margin` in goodput
+        expected under the posterior over c (`core.control.batch_move`)."""
+        phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
+        o = self.search_options
+        if self.posterior is not None:
+            post = self.posterior
+            joint = post.joint()                                  # (γ, c)
+            c_values = np.broadcast_to(2.0 ** post.log2_grid, joint.shape)
+            lr_flags = np.broadcast_to(np.array([g > 0 for g in post.lr_exponents])[:, None],
+                                       joint.shape)
+            weights = joint
+        else:
+            c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]),
+                                           np.array([o["lr_aware"]]))
+        step_s = self.predicted_step_s()
+        extra = 0.0
+        if u is not None and self.step_confidence > 0:
+            extra = self.step_confidence * math.sqrt(u_cur ** 2 + float(np.max(u)) ** 2)
+        found = best_batch_move(self.candidates, step_s, record.plan, phi, c_values, weights,
+                                batch_margin=self.batch_margin, max_growth=o["max_growth"],
+                                min_batch=o["min_batch"], max_batch=o["max_batch"],
+                                allow_shrink=o["allow_shrink"], lr_aware=lr_flags,
+                                lr_ref_batch=o["lr_ref_batch"], required_extra=extra)
+        if found is None:
+            return None
+        i, gain, required = found
+        plan = self.candidates.plan(i)
+        reason = (f"batch {record.plan.global_batch_size} -> {plan.global_batch_size} on "
+                  f"{record.plan.describe()}: expected goodput under the posterior over c "
+                  f"+{100 * gain:.1f}% > {100 * required:.1f}% (batch margin)")
+        self.last_explanation = {**self.last_explanation, "action": "batch", "why": reason}
+        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
+                        b_noise=self.calibration * phi,
+                        calibration=self.posterior.summary() if self.posterior else None)
+
+    def _follow_posterior(self) -> None:
+        """c = the posterior median given the most probable LR exponent; the LR-aware factor
+        on when that exponent is ½ (layout decisions through `core.plan.search.evaluate`)."""
+        self.calibration = self.posterior.value()
+        self.search_options["lr_aware"] = self.posterior.lr_exponent() > 0
+
     def _learn_calibration(self, record: StepRecord) -> None:
         """gns.calibration = "auto": one step into the posterior over c; follow its median.
         A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
@@ -236,7 +287,7 @@ class Controller:
             return
         row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise)
         if row is not None:
-            self.calibration = self.posterior.value()
+            self._follow_posterior()
             self.events.append({"step": record.step, "kind": "calibration", **row})
 
     # ---- exploration and audits (core.explore, core.audit) -------------------------------------
@@ -380,7 +431,7 @@ class Controller:
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
         if self.posterior is not None and state.get("posterior") is not None:
             self.posterior.load_state_dict(state["posterior"])
-            self.calibration = self.posterior.value()
+            self._follow_posterior()
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
@@ -414,7 +465,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     batch_grid: str = "multiples", online_fit: bool = True,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
                     audit_steps: int = 0, cores: int | None = None,
-                    step_confidence: float = 0.0) -> Controller:
+                    step_confidence: float = 0.0,
+                    batch_margin: float | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -469,7 +521,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       memory_capacity_bytes=memory_capacity_bytes,
                       confidence=float(getattr(settings, "confidence", 0.0)),
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
-                      step_confidence=step_confidence,
+                      step_confidence=step_confidence, batch_margin=batch_margin,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
                           quantile=float(getattr(settings, "calibration_quantile", 0.5)))

@@ -127,7 +127,7 @@ class PolicySettings:
 
 
 AUTO_CALIBRATION_PRIOR = 1.0   # gns.calibration="probe" before the first probe (runtime/train/probe.py)
-POSTERIOR_PRIOR_C = 2.0        # gns.calibration="auto": prior median of c (docs/robust-goodput.md)
+POSTERIOR_PRIOR_C = 4.0        # gns.calibration="auto": prior median of c (docs/robust-goodput.md)
 CALIBRATION_MODES = ("fixed", "auto")
 
 

@@ -62,8 +62,13 @@ class CalibrationPosterior:
     min_fit_steps: int = 12
     quantile: float = 0.5
     tempering: float = 1.0              # < 1 discounts each window's evidence (misspecification)
+    # exponents γ of an LR factor B^γ on the progress per sample: 0 = E(B) alone (LR re-tuned
+    # for every B; docs/statistics.md §4), ½ = COPUS's LR-aware Eq. 8 (an LR below its optimum,
+    # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
+    lr_exponents: tuple[float, ...] = (0.0,)
+    prior_lr_aware: float = 0.5         # prior probability of the last exponent (½)
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
-    log_post: np.ndarray = field(init=False)
+    log_post: np.ndarray = field(init=False)    # (len(lr_exponents), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
     _buffer: list[_Step] = field(default_factory=list)
     _last_batch: float | None = None
@@ -81,25 +86,47 @@ class CalibrationPosterior:
             raise ValueError(f"window_steps={self.window_steps}, skip_steps={self.skip_steps}, "
                              f"min_fit_steps={self.min_fit_steps} are invalid; allowed: "
                              "window >= 4, skip >= 0, min_fit >= 4")
+        if not 0.0 < self.prior_lr_aware < 1.0 or not self.lr_exponents:
+            raise ValueError(f"prior_lr_aware={self.prior_lr_aware!r} is invalid; allowed: 0 < p < 1")
         z = (self.log2_grid - math.log2(self.prior_c)) / self.prior_octaves
-        self.log_post = -0.5 * z * z
+        n = len(self.lr_exponents)
+        prior_g = np.full(n, (1.0 - self.prior_lr_aware) / max(n - 1, 1))
+        prior_g[-1] = self.prior_lr_aware if n > 1 else 1.0
+        self.log_post = np.log(prior_g)[:, None] - 0.5 * (z * z)[None, :]
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def probabilities(self) -> np.ndarray:
+    def joint(self) -> np.ndarray:
+        """p(γ, c) on the grid, shape (len(lr_exponents), len(log2_grid))."""
         p = np.exp(self.log_post - np.max(self.log_post))
         return p / p.sum()
 
-    def quantile_c(self, q: float) -> float:
+    def probabilities(self) -> np.ndarray:
+        """p(c), the marginal over the LR exponents."""
+        return self.joint().sum(axis=0)
+
+    def lr_exponent(self) -> float:
+        """The most probable LR exponent γ (decisions use it: ½ = goodput × sqrt(B))."""
+        return float(self.lr_exponents[int(np.argmax(self.joint().sum(axis=1)))])
+
+    def p_lr_aware(self) -> float:
+        """Posterior probability of the last LR exponent (½: COPUS's LR-aware factor)."""
+        return float(self.joint().sum(axis=1)[-1])
+
+    def quantile_c(self, q: float, given_exponent: bool = False) -> float:
         """The q-quantile of c (each grid point's mass spread over its quarter-octave cell:
-        the CDF at a point counts half of its own mass; linear in log c between points)."""
-        p = self.probabilities()
+        the CDF at a point counts half of its own mass; linear in log c between points);
+        `given_exponent`: conditional on the most probable LR exponent."""
+        joint = self.joint()
+        p = joint[int(np.argmax(joint.sum(axis=1)))] if given_exponent else joint.sum(axis=0)
+        p = p / p.sum()
         cdf = np.cumsum(p) - 0.5 * p
         return float(2.0 ** np.interp(q, cdf, self.log2_grid))
 
     def value(self) -> float:
-        """The c decisions use: the posterior `quantile` (median by default)."""
-        return self.quantile_c(self.quantile)
+        """The c decisions use: the posterior `quantile` (median by default) of c given the
+        most probable LR exponent."""
+        return self.quantile_c(self.quantile, given_exponent=True)
 
     def mean_c(self) -> float:
         """Posterior mean of c on the grid (E[c], not exp E[log c])."""
@@ -109,7 +136,7 @@ class CalibrationPosterior:
         """JSON-ready: what decisions.jsonl and `copus report` show."""
         return {"c": self.value(), "mean": self.mean_c(), "median": self.quantile_c(0.5),
                 "p05": self.quantile_c(0.05), "p95": self.quantile_c(0.95),
-                "experiments": len(self.experiments)}
+                "p_lr_aware": self.p_lr_aware(), "experiments": len(self.experiments)}
 
     # ---- learning --------------------------------------------------------------------------
 
@@ -143,21 +170,23 @@ class CalibrationPosterior:
         return None
 
     def _advance_clock(self, batch: float, b_noise: float) -> None:
-        """E_c += B·cφ/(cφ + B) for every grid c (φ unknown: the whole batch counts)."""
+        """E_{γ,c} += B^γ · B·cφ/(cφ + B) for every grid (γ, c) (φ unknown: E = 1)."""
         if self._clock is None:
-            self._clock = np.zeros(len(self.log2_grid))
+            self._clock = np.zeros((len(self.lr_exponents), len(self.log2_grid)))
+        lr = np.power(batch, np.asarray(self.lr_exponents, dtype=float))[:, None]
         if math.isfinite(b_noise) and b_noise > 0:
             bc = (2.0 ** self.log2_grid) * b_noise
-            self._clock += batch * bc / (bc + batch)
+            self._clock += lr * (batch * bc / (bc + batch))[None, :]
         else:
-            self._clock += batch
+            self._clock += lr * batch
 
     def _reset(self) -> None:
         self._buffer, self._since_change = [], None
 
     def _close(self) -> dict | None:
         steps, self._buffer, self._since_change = self._buffer, [], None
-        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps)
+        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps,
+                                       self.lr_exponents)
         if loglik is None:
             return None
         self.log_post = self.log_post + self.tempering * loglik
@@ -165,7 +194,8 @@ class CalibrationPosterior:
         batches = sorted({s.batch for s in steps})
         row = {"steps": len(steps), "batches": batches,
                "b_noise": float(np.median([s.b_noise for s in steps])),
-               "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik))])} | self.summary()
+               "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)])
+               } | self.summary()
         self.experiments.append(row)
         return row
 
@@ -178,22 +208,25 @@ class CalibrationPosterior:
 
     def load_state_dict(self, state: dict) -> None:
         grid = np.asarray(state["log2_grid"], dtype=float)
-        if grid.shape != self.log2_grid.shape or not np.allclose(grid, self.log2_grid):
+        post = np.asarray(state["log_post"], dtype=float)
+        if grid.shape != self.log2_grid.shape or not np.allclose(grid, self.log2_grid) or \
+                post.shape != self.log_post.shape:
             raise ValueError("calibration posterior state has another grid; allowed: "
                              f"{GRID_POINTS} points over log2 c in {LOG2_C_RANGE}")
-        self.log_post = np.asarray(state["log_post"], dtype=float)
+        self.log_post = post
         self.experiments = list(state.get("experiments", []))
         clock = state.get("clock")
         self._clock = None if clock is None else np.asarray(clock, dtype=float)
         self._reset()
 
 
-def window_log_likelihood(steps: list[_Step], log2_grid: np.ndarray,
-                          min_fit_steps: int = 12) -> np.ndarray | None:
-    """log p(losses | c) for every grid c (module docstring), None if too few fitted steps.
+def window_log_likelihood(steps: list[_Step], log2_grid: np.ndarray, min_fit_steps: int = 12,
+                          lr_exponents: tuple[float, ...] = (0.0,)) -> np.ndarray | None:
+    """log p(losses | γ, c) on the grid, shape (len(lr_exponents), len(log2_grid)) (module
+    docstring); None if too few fitted steps or no change of batch in the window.
 
-    Clock: E_c(t) = Σ_{i≤t} B_i·cφ_i/(cφ_i + B_i) since the run's first step; fit
-    L_i ≈ a + b·x_i + q·x_i², x = log E_c centred and scaled (a power law L(E) is nearly
+    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step; fit
+    L_i ≈ a + b·x_i + q·x_i², x = log E centred and scaled (a power law L(E) is nearly
     quadratic in log E over a window), weights B_i, over the steps with `fit`; −(n/2)·log WRSS.
     """
     fit = np.array([s.fit for s in steps])
@@ -202,14 +235,16 @@ def window_log_likelihood(steps: list[_Step], log2_grid: np.ndarray,
     if n < min_fit_steps or len(set(batches.tolist())) < 2:
         return None
     loss = np.array([s.loss for s in steps])[fit]
-    clocks = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, grid)
+    clocks = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, G, K)
+    clocks = clocks.reshape(n, -1)
     w = np.sqrt(batches[fit] / np.mean(batches[fit]))
-    out = np.empty(len(log2_grid))
-    for k in range(len(log2_grid)):
+    out = np.empty(clocks.shape[1])
+    for k in range(clocks.shape[1]):
         x = clocks[:, k] - clocks[:, k].mean()
         x = x / max(float(np.ptp(x)), 1e-12)
         design = np.stack([np.ones(n), x, x * x], axis=1) * w[:, None]
         coef, *_ = np.linalg.lstsq(design, loss * w, rcond=None)
         resid = loss * w - design @ coef
         out[k] = -0.5 * n * math.log(max(float(resid @ resid), 1e-300))
+    out = out.reshape(len(lr_exponents), len(log2_grid))
     return out - np.max(out)

@@ -78,7 +78,7 @@ def test_auto_learns_c_from_its_own_batch_changes():
     for c_true in (1.0, 16.0):
         ctrl = _controller(batch_margin=0.02)
         decisions, events = _run(ctrl, c_true)
-        rows = [e for e in events if e.get("kind") == "calibration"]
+        rows = [e for e in events if e.get("event") == "calibration"]
         assert decisions and rows, "no batch change, no experiment"
         assert all(d.calibration is not None and d.to_dict()["calibration"]["p05"] > 0
                    for d in decisions)
@@ -97,7 +97,7 @@ def test_a_fixed_calibration_keeps_the_old_controller():
     assert ctrl.batch_margin == ctrl.margin        # no batch margin unless asked for
     decisions, events = _run(ctrl, 4.0, steps=200)
     assert all(d.calibration is None for d in decisions)
-    assert not [e for e in events if e.get("kind") == "calibration"]
+    assert not [e for e in events if e.get("event") == "calibration"]
 
 
 def test_goodput_copus_is_the_papers_algorithm_alone():
@@ -138,3 +138,16 @@ def test_simulate_crit_ratio_and_grid_flags(capsys):
     assert "--crit-ratio=0.0 is invalid" in capsys.readouterr().err
     assert main(["simulate", "--truth-grid", "--crit-ratios", "2,x"]) == 2
     assert "--crit-ratios='2,x' is invalid" in capsys.readouterr().err
+
+
+def test_report_tabulates_the_posterior(tmp_path):
+    from copus.reporting.calibration import calibration_section
+    from copus.reporting.runs import Run
+
+    ctrl = _controller(batch_margin=0.02)
+    _, events = _run(ctrl, 4.0)
+    run = Run(path=tmp_path, name="r", decisions=json.loads(json.dumps(events)))
+    md = "\n".join(calibration_section(run))
+    assert "Posterior over c" in md and "| c median |" in md
+    last = [e for e in events if e.get("event") == "calibration"][-1]
+    assert f"{last['median']:.3g}" in md

@@ -288,7 +288,7 @@ class Controller:
         row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise)
         if row is not None:
             self._follow_posterior()
-            self.events.append({"step": record.step, "kind": "calibration", **row})
+            self.events.append({"event": "calibration", "step": record.step, **row})
 
     # ---- exploration and audits (core.explore, core.audit) -------------------------------------
 

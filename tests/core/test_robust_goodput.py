@@ -151,3 +151,17 @@ def test_report_tabulates_the_posterior(tmp_path):
     assert "Posterior over c" in md and "| c median |" in md
     last = [e for e in events if e.get("event") == "calibration"][-1]
     assert f"{last['median']:.3g}" in md
+
+
+def test_batch_move_needs_the_step_times_uncertainty_too():
+    ctrl = _controller(batch_margin=0.02)
+    step_s = ctrl.predicted_step_s()
+    kw = dict(batch_margin=0.02, max_growth=2.0, min_batch=16, max_batch=512,
+              allow_shrink=False, lr_aware=False, lr_ref_batch=16.0)
+    i, gain, _ = best_batch_move(ctrl.candidates, step_s, INIT, 100.0, np.array([8.0]),
+                                 np.array([1.0]), **kw)
+    u = np.full(len(ctrl.candidates), 0.0)
+    u[i] = gain     # as uncertain as the gain itself: z = 1.645 puts it out of reach
+    assert best_batch_move(ctrl.candidates, step_s, INIT, 100.0, np.array([8.0]),
+                           np.array([1.0]), uncertainty=u, current_uncertainty=0.0,
+                           step_confidence=1.645, **kw) is None

@@ -50,10 +50,13 @@ def best_batch_move(candidates: CandidateSet, step_s: np.ndarray, current: Paral
                     b_noise: float, c_values: np.ndarray, weights: np.ndarray, *,
                     batch_margin: float, max_growth: float, min_batch: int, max_batch: int,
                     allow_shrink: bool, lr_aware: np.ndarray | bool, lr_ref_batch: float,
-                    required_extra: float = 0.0) -> tuple[int, float, float] | None:
+                    uncertainty: np.ndarray | None = None, current_uncertainty: float = 0.0,
+                    step_confidence: float = 0.0) -> tuple[int, float, float] | None:
     """(candidate index, expected gain, required gain) of the best same-layout plan whose
-    expected goodput beats the current plan's by more than `batch_margin + required_extra`;
-    None when none does (or the current plan is not a candidate)."""
+    expected goodput beats the current plan's by more than batch_margin + step_confidence ·
+    sqrt(u_current² + u_best²) (the step times' relative uncertainty, `core.step_uncertainty`,
+    as in `core.plan.search.evaluate`); None when none does (or the current plan is not a
+    candidate)."""
     cur_i = candidates.index_of(current)
     if cur_i is None or not (math.isfinite(b_noise) and b_noise > 0):
         return None
@@ -73,7 +76,8 @@ def best_batch_move(candidates: CandidateSet, step_s: np.ndarray, current: Paral
                                    lr_aware=lr_aware, lr_ref_batch=lr_ref_batch)[0])
     j = int(np.argmax(g))
     gain = float(g[j]) / g_cur - 1.0 if g_cur > 0 else math.inf
-    required = batch_margin + required_extra
+    u_best = float(uncertainty[idx[j]]) if uncertainty is not None else 0.0
+    required = batch_margin + step_confidence * math.hypot(current_uncertainty, u_best)
     if int(idx[j]) == cur_i or not gain > required:
         return None
     return int(idx[j]), gain, required

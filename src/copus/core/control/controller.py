@@ -254,14 +254,12 @@ class Controller:
             c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]),
                                            np.array([o["lr_aware"]]))
         step_s = self.predicted_step_s()
-        extra = 0.0
-        if u is not None and self.step_confidence > 0:
-            extra = self.step_confidence * math.sqrt(u_cur ** 2 + float(np.max(u)) ** 2)
         found = best_batch_move(self.candidates, step_s, record.plan, phi, c_values, weights,
                                 batch_margin=self.batch_margin, max_growth=o["max_growth"],
                                 min_batch=o["min_batch"], max_batch=o["max_batch"],
                                 allow_shrink=o["allow_shrink"], lr_aware=lr_flags,
-                                lr_ref_batch=o["lr_ref_batch"], required_extra=extra)
+                                lr_ref_batch=o["lr_ref_batch"], uncertainty=u,
+                                current_uncertainty=u_cur, step_confidence=self.step_confidence)
         if found is None:
             return None
         i, gain, required = found

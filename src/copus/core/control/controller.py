@@ -247,8 +247,9 @@ class Controller:
             post = self.posterior
             joint = post.joint()                                  # (γ, c)
             c_values = np.broadcast_to(2.0 ** post.log2_grid, joint.shape)
-            lr_flags = np.broadcast_to(np.array([g > 0 for g in post.lr_exponents])[:, None],
-                                       joint.shape)
+            flags = ([g > 0 for g in post.lr_exponents] if len(post.lr_exponents) > 1
+                     else [o["lr_aware"]])            # one exponent: the configured factor
+            lr_flags = np.broadcast_to(np.array(flags)[:, None], joint.shape)
             weights = joint
         else:
             c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]),
@@ -273,10 +274,12 @@ class Controller:
                         calibration=self.posterior.summary() if self.posterior else None)
 
     def _follow_posterior(self) -> None:
-        """c = the posterior median given the most probable LR exponent; the LR-aware factor
-        on when that exponent is ½ (layout decisions through `core.plan.search.evaluate`)."""
+        """c = the posterior median given the most probable LR exponent; when the posterior
+        weighs several exponents, the LR-aware factor is on when the most probable is > 0
+        (layout decisions through `core.plan.search.evaluate`); else as configured."""
         self.calibration = self.posterior.value()
-        self.search_options["lr_aware"] = self.posterior.lr_exponent() > 0
+        if len(self.posterior.lr_exponents) > 1:
+            self.search_options["lr_aware"] = self.posterior.lr_exponent() > 0
 
     def _learn_calibration(self, record: StepRecord) -> None:
         """gns.calibration = "auto": one step into the posterior over c; follow its median.

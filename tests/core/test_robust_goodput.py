@@ -27,7 +27,7 @@ AUTO = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_ste
 
 def _controller(settings=AUTO, **kw):
     return make_controller(settings, INIT, 8, SHAPE, hardware=HW, memory_capacity_bytes=80e9,
-                           online_fit=False, allow_reconfigure=False, **kw)
+                           online_fit=False, allow_reconfigure=False, lr_aware=False, **kw)
 
 
 def test_batch_move_follows_the_expected_goodput():

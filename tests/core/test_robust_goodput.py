@@ -124,6 +124,10 @@ def test_truth_grid_capture_and_goals():
     assert g["cells_counted"] == 2 and g["median_capture"] == pytest.approx(0.5)
     assert g["cells_below_0.6"] == ["a/sqrt-lr/R=1"] and not g["every_cell_capture_ge_0.6"]
     assert g["cells_behind_1pct"] == ["b/lr-tuned/R=8"]
+    json.dumps(g)       # plain JSON types (numpy floats and bools are not)
+    zero = tg.summarise_cell(tg.Cell("c", "lr-tuned", 2.0),
+                             [{"seed": 0, "oracle_avg": 3.0, "variants": {"g": 0.0}}])
+    assert tg.goals([zero], "g")["never_more_than_1pct_behind"]     # 0.0 is not behind
 
 
 def test_simulate_crit_ratio_and_grid_flags(capsys):
@@ -138,6 +142,13 @@ def test_simulate_crit_ratio_and_grid_flags(capsys):
     assert "--crit-ratio=0.0 is invalid" in capsys.readouterr().err
     assert main(["simulate", "--truth-grid", "--crit-ratios", "2,x"]) == 2
     assert "--crit-ratios='2,x' is invalid" in capsys.readouterr().err
+    assert main(["simulate", "--truth-grid", "--preset", "7b-32xmi210", "--crit-ratios", "2",
+                 "--policies", "static,goodput", "--json"]) == 0
+    grid = json.loads(capsys.readouterr().out)
+    assert [(c["truth"], c["crit_ratio"]) for c in grid["cells"]] == [("lr-tuned", 2.0),
+                                                                      ("sqrt-lr", 2.0)]
+    assert set(grid["goals"]) == {"goodput-copus", "goodput"}
+    assert grid["cells"][0]["variants"]["goodput"]["capture"] is not None
 
 
 def test_report_tabulates_the_posterior(tmp_path):

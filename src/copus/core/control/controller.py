@@ -76,7 +76,7 @@ class Controller:
                  confidence: float = 0.0, recovery_steps: int = 0,
                  step_confidence: float = 0.0,
                  posterior: CalibrationPosterior | None = None,
-                 batch_margin: float | None = None) -> None:
+                 batch_margin: float | None = None, lr_warmup_tokens: float = 0.0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -95,6 +95,7 @@ class Controller:
         self.max_rel_err = max_rel_err
         self.calibration = calibration
         self.posterior = posterior
+        self.lr_warmup_tokens = float(lr_warmup_tokens)   # no calibration evidence before
         # batch-only moves on the current layout need only this gain in goodput expected under
         # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
         self.batch_margin = margin if batch_margin is None else float(batch_margin)
@@ -286,7 +287,8 @@ class Controller:
         A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
         if self.posterior is None or record.skipped:
             return
-        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise)
+        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise,
+                                     usable=record.tokens >= self.lr_warmup_tokens)
         if row is not None:
             self._follow_posterior()
             self.events.append({"event": "calibration", "step": record.step, **row})
@@ -467,7 +469,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
                     audit_steps: int = 0, cores: int | None = None,
                     step_confidence: float = 0.0, plan_options: dict | None = None,
-                    batch_margin: float | None = None) -> Controller:
+                    batch_margin: float | None = None,
+                    lr_warmup_tokens: float = 0.0) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -483,6 +486,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     `core.cpu_model`; None: one core per rank). `plan_options` (`ParallelPlan.options` keys: the
     run's activation checkpointing, pipeline schedule, ...) price every candidate's memory and
     the analytic prior's step time under those options (issue 25); None: the defaults.
+    `lr_warmup_tokens`: the LR schedule's warm-up; gns.calibration = "auto" takes no evidence
+    before it (core.stats.calibration_posterior).
     """
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -527,6 +532,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       confidence=float(getattr(settings, "confidence", 0.0)),
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
                       step_confidence=step_confidence, batch_margin=batch_margin,
+                      lr_warmup_tokens=lr_warmup_tokens,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
                           quantile=float(getattr(settings, "calibration_quantile", 0.5)))

@@ -433,6 +433,7 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                   "micro_batch_sizes": scenario.micro_batch_sizes,
                   "batch_grid": scenario.batch_grid, "online_fit": scenario.online_fit,
                   "lr_aware": scenario.lr_aware,
+                  "lr_warmup_tokens": scenario.sim.trajectory.lr_warmup_tokens,
                   "reconfig_cost_s": planner.switch_cost_s} | dict(variant.controller)
         return make_policy(name, own, plan, scenario.world_size, scenario.shape, **kw)
 

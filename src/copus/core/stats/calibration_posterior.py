@@ -140,16 +140,19 @@ class CalibrationPosterior:
 
     # ---- learning --------------------------------------------------------------------------
 
-    def observe(self, loss: float, batch: float, b_noise: float) -> dict | None:
+    def observe(self, loss: float, batch: float, b_noise: float, usable: bool = True) -> dict | None:
         """One optimizer step (reported loss, global batch in samples, online b_noise).
 
         Returns the experiment's row when this step closed a window (else None). A step with a
-        non-finite loss or noise scale ends the current window without evidence.
+        non-finite loss or noise scale, or `usable` False (the LR warm-up: there the LR, not
+        the batch, limits progress, and a larger batch with its larger LR gains more per
+        sample than any E(B) allows), ends the current window without evidence; the clock
+        still advances.
         """
         if not batch > 0:
             raise ValueError(f"batch={batch!r} is invalid; allowed: a number > 0")
         self._advance_clock(float(batch), b_noise)
-        if not (math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
+        if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
             self._reset()
             return None
         changed = self._last_batch is not None and batch != self._last_batch

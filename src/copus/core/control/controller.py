@@ -76,7 +76,8 @@ class Controller:
                  confidence: float = 0.0, recovery_steps: int = 0,
                  step_confidence: float = 0.0,
                  posterior: CalibrationPosterior | None = None,
-                 batch_margin: float | None = None, lr_warmup_tokens: float = 0.0) -> None:
+                 batch_margin: float | None = None, lr_warmup_tokens: float = 0.0,
+                 shrink_batch: bool | None = None) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -96,6 +97,9 @@ class Controller:
         self.calibration = calibration
         self.posterior = posterior
         self.lr_warmup_tokens = float(lr_warmup_tokens)   # no calibration evidence before
+        # a batch move on the current layout may shrink the batch (None: under "auto", where
+        # the posterior can find an early growth was wrong; the batch margin is the hysteresis)
+        self.shrink_batch = (posterior is not None) if shrink_batch is None else bool(shrink_batch)
         # batch-only moves on the current layout need only this gain in goodput expected under
         # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
         self.batch_margin = margin if batch_margin is None else float(batch_margin)
@@ -259,7 +263,8 @@ class Controller:
         found = best_batch_move(self.candidates, step_s, record.plan, phi, c_values, weights,
                                 batch_margin=self.batch_margin, max_growth=o["max_growth"],
                                 min_batch=o["min_batch"], max_batch=o["max_batch"],
-                                allow_shrink=o["allow_shrink"], lr_aware=lr_flags,
+                                allow_shrink=o["allow_shrink"] or self.shrink_batch,
+                                lr_aware=lr_flags,
                                 lr_ref_batch=o["lr_ref_batch"], uncertainty=u,
                                 current_uncertainty=u_cur, step_confidence=self.step_confidence)
         if found is None:
@@ -470,7 +475,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     audit_steps: int = 0, cores: int | None = None,
                     step_confidence: float = 0.0, plan_options: dict | None = None,
                     batch_margin: float | None = None,
-                    lr_warmup_tokens: float = 0.0) -> Controller:
+                    lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -532,7 +537,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       confidence=float(getattr(settings, "confidence", 0.0)),
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
                       step_confidence=step_confidence, batch_margin=batch_margin,
-                      lr_warmup_tokens=lr_warmup_tokens,
+                      lr_warmup_tokens=lr_warmup_tokens, shrink_batch=shrink_batch,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
                           quantile=float(getattr(settings, "calibration_quantile", 0.5)))

@@ -176,3 +176,20 @@ def test_batch_move_needs_the_step_times_uncertainty_too():
     assert best_batch_move(ctrl.candidates, step_s, INIT, 100.0, np.array([8.0]),
                            np.array([1.0]), uncertainty=u, current_uncertainty=0.0,
                            step_confidence=1.645, **kw) is None
+
+
+def test_auto_may_shrink_a_batch_the_posterior_finds_too_large():
+    big = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=32)   # B = 64
+    ctrl = _controller(batch_margin=0.02)
+    assert ctrl.shrink_batch
+    step_s = ctrl.predicted_step_s()
+    kw = dict(batch_margin=0.02, max_growth=2.0, min_batch=16, max_batch=512,
+              lr_aware=False, lr_ref_batch=16.0)
+    # c·φ = 4 ≪ B = 64: a smaller batch is far better, but only a shrinking move can get there
+    assert best_batch_move(ctrl.candidates, step_s, big, 8.0, np.array([0.5]), np.array([1.0]),
+                           allow_shrink=False, **kw) is None
+    i, gain, _ = best_batch_move(ctrl.candidates, step_s, big, 8.0, np.array([0.5]),
+                                 np.array([1.0]), allow_shrink=True, **kw)
+    assert ctrl.candidates.plan(i).global_batch_size < 64 and gain > 0.02
+    fixed = _controller(settings=replace(AUTO, calibration_mode="fixed"))
+    assert not fixed.shrink_batch

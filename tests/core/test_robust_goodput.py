@@ -193,3 +193,28 @@ def test_auto_may_shrink_a_batch_the_posterior_finds_too_large():
     assert ctrl.candidates.plan(i).global_batch_size < 64 and gain > 0.02
     fixed = _controller(settings=replace(AUTO, calibration_mode="fixed"))
     assert not fixed.shrink_batch
+
+
+def test_excursion_only_when_worth_it_and_held_for_one_experiment():
+    from copus.core.control.excursion import excursion_value
+
+    ctrl = _controller(batch_margin=0.02)
+    step_s = ctrl.predicted_step_s()
+    wide = (np.array([0.25, 4.0, 64.0]), np.array([1 / 3, 1 / 3, 1 / 3]))
+    kw = dict(factor=2.0, steps=70, max_batch=512, lr_aware=False, lr_ref_batch=16.0)
+    i, value, cost = excursion_value(ctrl.candidates, step_s, INIT, 20.0, *wide,
+                                     horizon_steps=2000.0, **kw)
+    assert ctrl.candidates.plan(i).global_batch_size == 32 and value > cost >= 0
+    # a sure posterior has no regret left to remove: never worth a cost
+    _, sure_value, _ = excursion_value(ctrl.candidates, step_s, INIT, 20.0, np.array([4.0]),
+                                       np.array([1.0]), horizon_steps=2000.0, **kw)
+    assert sure_value == pytest.approx(0.0, abs=1e-12)
+    # the controller: off by default; with one allowed, a "probe" batch decision, then a hold
+    assert _controller().max_excursions == 0
+    ctrl = _controller(batch_margin=0.5, max_excursions=1)     # batch moves rarely clear 50 %
+    decisions, _ = _run(ctrl, 16.0, steps=700)
+    exc = [d for d in decisions if d.purpose == "probe"]
+    assert len(exc) == 1 and "calibration excursion 1/1" in exc[0].reason
+    later = [d for d in decisions if d.step > exc[0].step]
+    hold = ctrl.posterior.skip_steps + ctrl.posterior.window_steps
+    assert all(d.step > exc[0].step + hold for d in later)

@@ -43,6 +43,7 @@ import numpy as np
 
 from copus.core.control.audit import Auditor
 from copus.core.control.batch_move import best_batch_move
+from copus.core.control.excursion import excursion_value
 from copus.core.control.explore import ExploreSettings, Explorer
 from copus.core.cost.fit import OnlineFitter, fit_model, prior_model
 from copus.core.stats.calibration_posterior import CalibrationPosterior
@@ -77,7 +78,8 @@ class Controller:
                  step_confidence: float = 0.0,
                  posterior: CalibrationPosterior | None = None,
                  batch_margin: float | None = None, lr_warmup_tokens: float = 0.0,
-                 shrink_batch: bool | None = None) -> None:
+                 shrink_batch: bool | None = None, max_excursions: int = 0,
+                 excursion_factor: float = 2.0, excursion_min_interval: float = 8.0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -100,6 +102,12 @@ class Controller:
         # a batch move on the current layout may shrink the batch (None: under "auto", where
         # the posterior can find an early growth was wrong; the batch margin is the hysteresis)
         self.shrink_batch = (posterior is not None) if shrink_batch is None else bool(shrink_batch)
+        # deliberate calibration excursions (core.control.excursion): at most this many, to
+        # excursion_factor·B, while the posterior's 90 % interval spans > this many-fold
+        self.max_excursions, self.excursion_factor = int(max_excursions), float(excursion_factor)
+        self.excursion_min_interval = float(excursion_min_interval)
+        self.num_excursions = 0
+        self._excursion_end: int | None = None
         # batch-only moves on the current layout need only this gain in goodput expected under
         # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
         self.batch_margin = margin if batch_margin is None else float(batch_margin)
@@ -207,6 +215,13 @@ class Controller:
         follow = self._follow_up(record)
         if follow is not None or self.explorer.busy or self.auditor.busy:
             return follow
+        if self._excursion_end is not None:
+            if record.step < self._excursion_end:
+                self.last_explanation = {"step": record.step, "action": "wait",
+                                         "why": f"calibration excursion until step "
+                                                f"{self._excursion_end}"}
+                return None
+            self._excursion_end = None
         why = self._gate(record)
         if why is not None:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
@@ -230,6 +245,8 @@ class Controller:
         decision = result.decision
         if decision is None and self.batch_margin < self.margin:
             decision = self._batch_move(record, u, u_cur)
+        if decision is None:
+            decision = self._maybe_excursion(record)
         if decision is None:
             return self._maybe_probe(record)
         if self.posterior is not None:
@@ -278,6 +295,39 @@ class Controller:
         return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
                         b_noise=self.calibration * phi,
                         calibration=self.posterior.summary() if self.posterior else None)
+
+    def _maybe_excursion(self, record: StepRecord) -> Decision | None:
+        """A deliberate step to excursion_factor·B on this layout for one experiment's length,
+        when its expected value exceeds its cost (`core.control.excursion`); then ordinary
+        decisions resume (under "auto" a batch move may come back down)."""
+        post = self.posterior
+        since = record.step - (self._batch_change_step or 0)
+        if post is None or self.num_excursions >= self.max_excursions or post.window_open or \
+                record.tokens < self.lr_warmup_tokens or since < post.window_steps or \
+                post.interval_ratio() <= self.excursion_min_interval:
+            return None
+        o = self.search_options
+        steps = post.skip_steps + post.window_steps
+        phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
+        found = excursion_value(self.candidates, self.predicted_step_s(), record.plan, phi,
+                                2.0 ** post.log2_grid, post.probabilities(),
+                                factor=self.excursion_factor, steps=steps,
+                                horizon_steps=float(record.step), max_batch=o["max_batch"],
+                                lr_aware=o["lr_aware"], lr_ref_batch=o["lr_ref_batch"])
+        if found is None or not found[1] > found[2]:
+            return None
+        i, value, cost = found
+        plan = self.candidates.plan(i)
+        self.num_excursions += 1
+        self._excursion_end = record.step + 1 + steps
+        reason = (f"calibration excursion {self.num_excursions}/{self.max_excursions}: B "
+                  f"{record.plan.global_batch_size} -> {plan.global_batch_size} for {steps} steps "
+                  f"(c 5-95 % {post.quantile_c(0.05):.2g}-{post.quantile_c(0.95):.2g}; value "
+                  f"{value:.1f} > cost {cost:.1f} steps of goodput)")
+        self.last_explanation = {**self.last_explanation, "action": "excursion", "why": reason}
+        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
+                        b_noise=self.calibration * phi, purpose="probe",
+                        calibration=post.summary())
 
     def _follow_posterior(self) -> None:
         """c = the posterior median given the most probable LR exponent; when the posterior
@@ -475,7 +525,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     audit_steps: int = 0, cores: int | None = None,
                     step_confidence: float = 0.0, plan_options: dict | None = None,
                     batch_margin: float | None = None,
-                    lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None) -> Controller:
+                    lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None,
+                    max_excursions: int = 0) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -538,6 +589,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
                       step_confidence=step_confidence, batch_margin=batch_margin,
                       lr_warmup_tokens=lr_warmup_tokens, shrink_batch=shrink_batch,
+                      max_excursions=max_excursions,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
                           quantile=float(getattr(settings, "calibration_quantile", 0.5)))

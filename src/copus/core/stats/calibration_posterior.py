@@ -128,6 +128,15 @@ class CalibrationPosterior:
         most probable LR exponent."""
         return self.quantile_c(self.quantile, given_exponent=True)
 
+    @property
+    def window_open(self) -> bool:
+        """Whether a batch change is waiting for its post-window (an experiment under way)."""
+        return self._since_change is not None
+
+    def interval_ratio(self) -> float:
+        """p95 / p05 of c: how many-fold the 90 % interval spans."""
+        return self.quantile_c(0.95) / self.quantile_c(0.05)
+
     def mean_c(self) -> float:
         """Posterior mean of c on the grid (E[c], not exp E[log c])."""
         return float(np.sum(self.probabilities() * 2.0 ** self.log2_grid))

@@ -76,9 +76,12 @@ def _nonempty_str() -> Check:
 
 
 def _real_or_auto() -> Check:
-    """`gns.calibration`: a number > 0 (COPUS: 2.0) or "auto" (measured by branch probes)."""
+    """`gns.calibration`: a number > 0 (COPUS: 2.0), "auto" (learnt in the run from the loss
+    around batch changes, core.stats.calibration_posterior) or "probe" (measured by branch
+    probes, runtime/train/probe.py)."""
     real = _real(0.0, lo_open=True)
-    return lambda v: None if v == "auto" or real(v) is None else "a number > 0 or 'auto'"
+    return lambda v: None if v in ("auto", "probe") or real(v) is None else \
+        "a number > 0, 'auto' or 'probe'"
 
 
 def _probe_multipliers() -> Check:
@@ -229,9 +232,9 @@ class GnsConfig:
     decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
-    calibration: float | str = _opt(1.0, _real_or_auto())
+    calibration: float | str = _opt("auto", _real_or_auto())
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
-    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "auto"
+    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "probe"
     probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
     probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
     estimator: str = _opt("tracking", _choice("tracking", "ema"))
@@ -242,6 +245,9 @@ class GnsConfig:
 @dataclass(**_FROZEN)
 class ControllerConfig:
     margin: float = _opt(0.10, _real(0.0))
+    # a batch change on the current layout needs only this gain in goodput expected under the
+    # posterior over c (core/control/batch_move.py, issue 26); >= margin: COPUS's one margin
+    batch_margin: float = _opt(0.02, _real(0.0))
     lr_aware: bool = _opt(False, _bool())
     # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
     reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)

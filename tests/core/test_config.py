@@ -143,6 +143,24 @@ def test_unknown_section_and_key_list_the_allowed_ones(tmp_path):
         load_config(str(path), [])
 
 
+@pytest.mark.parametrize("override,hint", [
+    ("train.lr_schedul='cosine'", "did you mean train.lr_schedule?"),   # a typo
+    ("batch.maxx=3", "did you mean batch.max?"),
+    ("train.nproc=2", "did you mean parallel.nproc?"),                   # the right key, wrong section
+    ("trian.lr=1", "unknown config section [trian] (did you mean train?)"),
+])
+def test_near_miss_keys_get_a_did_you_mean(override, hint):
+    with pytest.raises(ValueError) as err:
+        load_config(None, [override])
+    assert hint in str(err.value) and "\n" not in str(err.value)
+
+
+def test_far_miss_keys_get_no_guess():
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["train.zzz=1"])
+    assert "did you mean" not in str(err.value)
+
+
 def test_bad_files_and_override_syntax(tmp_path):
     with pytest.raises(ValueError, match="missing.toml"):
         load_config(str(tmp_path / "missing.toml"), [])

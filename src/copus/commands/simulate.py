@@ -16,28 +16,35 @@ import json
 import math
 import sys
 
+from copus.commands.config_defaults import TRAIN_KEYS, add_config_argument, fill_from_config
 from copus.core.sim.simulator import POLICY_FAMILIES
 
 
+SIMULATE_DEFAULTS = {"model": "llama-3.2-3b", "seq_len": 0, "gpus": 8, "tokens": 1e9, "initial_batch": 16,
+                     "max_batch": 1024, "seed": 0}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.2-3b",
-                   help="model shape name (core.models) or a Hugging Face config.json path")
-    p.add_argument("--seq-len", type=int, default=0,
+    add_config_argument(p, "simulate")
+    p.add_argument("--model", default=None,
+                   help="model shape name (core.models) or a Hugging Face config.json path (default "
+                        "llama-3.2-3b)")
+    p.add_argument("--seq-len", type=int, default=None,
                    help="sequence length in tokens (default: the model's; 2048 for a config.json)")
-    p.add_argument("--gpus", type=int, default=8, help="world size")
+    p.add_argument("--gpus", type=int, default=None, help="world size (default 8)")
     p.add_argument("--hardware", default="h100-nvlink-pairs", help="hardware profile name")
     p.add_argument("--target-loss", default="4.0,3.5,3.0",
                    help="comma-separated target training losses")
     p.add_argument("--policies", default=",".join(POLICY_FAMILIES),
                    help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}")
-    p.add_argument("--tokens", type=float, default=1e9, help="token budget of each run")
-    p.add_argument("--initial-batch", type=int, default=16, help="first global batch (samples)")
-    p.add_argument("--max-batch", type=int, default=1024, help="largest global batch (samples)")
+    p.add_argument("--tokens", type=float, default=None, help="token budget of each run (default 1e9)")
+    p.add_argument("--initial-batch", type=int, default=None, help="first global batch (samples; default 16)")
+    p.add_argument("--max-batch", type=int, default=None, help="largest global batch (samples; default 1024)")
     p.add_argument("--reconfig", choices=("online", "restart"), default="online",
                    help="cost of a parallelism change: online resharding or checkpoint-restart")
     p.add_argument("--no-lr-aware", action="store_true",
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulated noise")
+    p.add_argument("--seed", type=int, default=None, help="seed of the simulated noise (default 0)")
     p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
     p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
                    help="--preset: the ground truth (default: each preset's best-fitting one)")
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from copus.core.sim.presets import PRESETS, get_preset
     from copus.core.sim.simulator import compare_policies
 
+    fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICY_FAMILIES]
     if bad or not policies:

@@ -209,6 +209,14 @@ def table(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dump(path: str, args: argparse.Namespace, runs: list[dict], summary: dict | None) -> None:
+    """JSON with the summary indented and one line per run (curves and batches are long)."""
+    head = {"args": vars(args)} | ({"summary": summary} if summary is not None else {})
+    text = json.dumps(head, indent=1)[:-2] + ',\n "runs": [\n'
+    text += ",\n".join("  " + json.dumps(r) for r in runs) + "\n ]\n}\n"
+    Path(path).write_text(text)
+
+
 def main() -> None:
     global CAP
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -232,8 +240,7 @@ def main() -> None:
         runs = [r for f in args.merge.split(",") for r in json.loads(Path(f).read_text())["runs"]]
         args.seeds = ",".join(sorted({str(r["seed"]) for r in runs}))
         summary = summarise(runs)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary,
-                                              "runs": runs}, indent=1))
+        dump(args.out, args, runs, summary)
         Path(args.table).write_text(table(summary, args))
         print(table(summary, args))
         return
@@ -253,10 +260,9 @@ def main() -> None:
             print(json.dumps({k: r[k] for k in ("policy", "seed", "steps", "final_val",
                                                 "mean_batch", "wall_s")}), flush=True)
             runs.append(r)
-            Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+            dump(args.out, args, runs, None)
     summary = summarise(runs)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": runs},
-                                         indent=1))
+    dump(args.out, args, runs, summary)
     Path(args.table).write_text(table(summary, args))
     print(table(summary, args))
 

@@ -133,13 +133,10 @@ class AdaptiveBatch:
         Returns the Decision applied (the batch for the next step), or None.
         """
         p, world = self.plan, self.plan.dp
-        vec = torch.stack([torch.as_tensor(float(loss), dtype=torch.float64) / world,
-                           self.stats.small_sqnorm_sum().double(),
-                           self._big_sqnorm_share().double().cpu()])
+        vec = self._statistics(loss)
         if world > 1:
-            vec = vec.to(self._device())
             dist.all_reduce(vec)
-        mean_loss, small_sum, big_sq = (float(x) for x in vec.cpu())
+        mean_loss, small_sum, big_sq = vec.tolist()     # the step's one host read
         num_small = world * p.num_microbatches
         self.step += 1
         self.samples += p.global_batch_size
@@ -165,11 +162,28 @@ class AdaptiveBatch:
             return decision
         return None
 
-    def _device(self) -> torch.device:
-        backend = dist.get_backend()
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _statistics(self, loss: float | torch.Tensor) -> torch.Tensor:
+        """[loss/world, this rank's Σ_j‖g_j‖², this rank's share of ‖ḡ‖²] as one float64
+        vector on the statistics' device (the gradients' device: CUDA under a CUDA model, and
+        the communication device for NCCL). No host round trip for a device `loss`."""
+        small = self.stats.small_sqnorm_sum()
+        big = self._big_sqnorm_share()
+        device = self._device(small.device)
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().reshape(()).to(device, torch.float64)
+        else:
+            loss_t = torch.tensor(float(loss), dtype=torch.float64, device=device)
+        return torch.stack([loss_t / self.plan.dp, small.to(device, torch.float64),
+                            big.to(device, torch.float64)])
+
+    def _device(self, stats_device: torch.device | None = None) -> torch.device:
+        """The collectives' device: the current CUDA device under NCCL, else the statistics'
+        device (CPU for gloo; the model's device outside a process group)."""
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        return stats_device if stats_device is not None else self.stats.device
 
     def _agree(self, batch: int) -> int:
         """Rank 0's batch for everyone (decisions are deterministic, this makes it certain)."""

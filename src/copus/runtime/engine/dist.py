@@ -2,12 +2,18 @@
 
 Pitfalls encoded here (../shared/cpu-notes.md a, e): FSDP2 on gloo needs a barrier before
 `destroy_process_group`; `init_device_mesh` creates new process groups on every call, so keep ONE
-mesh per layout (`MeshCache`) and never destroy the old sub-groups.
+mesh per layout (`MeshCache`). A layout switch releases the meshes of the layouts it left
+(`MeshCache.release_except`): their sub-groups are destroyed and the mesh forgotten, so a later
+switch back builds fresh groups (destroying a group of a mesh that is still cached is what
+fails, "Could not resolve the process group registered under the name ..."). On NCCL each
+sub-group holds a communicator with its own device buffers, so leaking them grows GPU memory
+with every switch.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,18 +38,32 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device | None = None, backend: str = "auto") -> torch.device:
+DEFAULT_TIMEOUT_S = 1800.0   # = train.nccl_timeout_s's default (config.py)
+
+
+def init_distributed(device: torch.device | None = None, backend: str = "auto",
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Join the default process group from torchrun's environment (idempotent); return the device.
 
-    On CPU sets `torch.set_num_threads(1)` unless OMP_NUM_THREADS says otherwise (cpu-notes g).
+    `timeout_s` (train.nccl_timeout_s): how long a collective may wait for a peer before the
+    group aborts. 30 min by default: one rank may legitimately hold the others at a collective
+    while it writes a large checkpoint, and a 7B model's DCP save with its AdamW moments is
+    ~84 GB (at ~1 GB/s per node to a network file system, minutes); a crashed peer is noticed
+    by the launcher long before. On CUDA the group is bound to this rank's device
+    (`device_id`: NCCL communicators are created eagerly for it and no collective guesses the
+    device). On CPU sets `torch.set_num_threads(1)` unless OMP_NUM_THREADS says otherwise
+    (cpu-notes g).
     """
+    if not timeout_s > 0:
+        raise ValueError(f"train.nccl_timeout_s={timeout_s}: allowed: a number > 0 (seconds)")
     device = default_device() if device is None else torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda":   # CUDA only: bind this process to its device
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device, backend))
+        dist.init_process_group(backend_for(device, backend), timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     return device
 
 
@@ -75,6 +95,25 @@ class MeshCache:
 
     def __len__(self) -> int:
         return len(self._meshes)
+
+    def release_except(self, *, dp: int, tp: int, pp: int) -> int:
+        """Destroy the sub-groups of every cached mesh but the (dp, tp, pp) one and forget those
+        meshes (collective: every rank calls it at the same point, after the last use of the
+        old layout). The default group is never destroyed. Returns the number of groups
+        destroyed."""
+        keep = (pp, dp, tp)
+        default = dist.distributed_c10d.GroupMember.WORLD
+        spared = {id(g) for g in self._meshes[keep].get_all_groups()} if keep in self._meshes \
+            else set()
+        spared.add(id(default))
+        destroyed = 0
+        for key in [k for k in self._meshes if k != keep]:
+            for group in self._meshes.pop(key).get_all_groups():
+                if id(group) not in spared:
+                    dist.destroy_process_group(group)
+                    spared.add(id(group))
+                    destroyed += 1
+        return destroyed
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:

@@ -86,8 +86,8 @@ def weighted_sqnorm(tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
         groups.setdefault((x.device, x.dtype, replication_weight(t, tp)), []).append(x)
     out: torch.Tensor | None = None
     for (_device, _dtype, w), xs in groups.items():
-        norms = torch._foreach_norm(xs, 2.0)
-        part = torch.stack([n.float() for n in norms]).square().sum() * w
+        norms = torch._foreach_norm(xs, 2.0, dtype=torch.float32)   # fp32 accumulation
+        part = torch.stack(norms).square().sum() * w
         out = part if out is None else out + part.to(out.device)
     return out if out is not None else torch.zeros((), dtype=torch.float32)
 

@@ -94,8 +94,9 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     from copus.runtime.data import shards
     from copus.runtime.data.prepare import prepare
 
-    src = tmp_path / "a.txt"
-    src.write_text("\n\n".join(f"document {i} " + "lorem ipsum " * 40 for i in range(60)))
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * 40}) + "\n"
+                           for i in range(60)))
     out = tmp_path / "p"
     prepare([str(src)], out, progress=False)
     calls: list[str] = []

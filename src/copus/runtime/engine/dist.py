@@ -12,6 +12,7 @@ with every switch.
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -99,8 +100,8 @@ class MeshCache:
     def release_except(self, *, dp: int, tp: int, pp: int) -> int:
         """Destroy the sub-groups of every cached mesh but the (dp, tp, pp) one and forget those
         meshes (collective: every rank calls it at the same point, after the last use of the
-        old layout). The default group is never destroyed. Returns the number of groups
-        destroyed."""
+        old layout and after closing its engine), then collect garbage. The default group is
+        never destroyed. Returns the number of groups destroyed."""
         keep = (pp, dp, tp)
         default = dist.distributed_c10d.GroupMember.WORLD
         spared = {id(g) for g in self._meshes[keep].get_all_groups()} if keep in self._meshes \
@@ -113,6 +114,11 @@ class MeshCache:
                     dist.destroy_process_group(group)
                     spared.add(id(group))
                     destroyed += 1
+        if destroyed:
+            # the old engine's FSDP/DTensor objects sit in reference cycles that still hold
+            # the groups: without a collection their sockets (gloo) or communicators (NCCL)
+            # live on, +8 descriptors per switch at 2 ranks (tests/runtime/test_process_groups.py)
+            gc.collect()
         return destroyed
 
 

@@ -277,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
               "or --dry-run", file=sys.stderr)
         return 2
     s = settings(args.dry_run, nproc)
+    import shutil
+
     from copus.config import load_config
     from copus.runtime.train.launch import launch
 
     out = args.out
     run_dir = out / "runs" / "train"
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     config_path = out / "runs" / "config.json"
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = launch(cfg, str(run_dir), max_restarts=0, entry=worker)
     wall = time.perf_counter() - t0
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)   # 13 GB for the 1.1B model
     if "error" in res:
         print(f"gpu_check: the run failed: {res['error']}", file=sys.stderr)
         return 1

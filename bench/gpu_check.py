@@ -236,8 +236,8 @@ def markdown(res: dict) -> str:
              f"{res['nproc']} rank(s))", "",
              f"model {res['model']['hidden_size']}d x {res['model']['num_hidden_layers']} layers, "
              f"{res['num_params'] / 1e6:,.1f} M parameters, seq {res['seq_len']}, "
-             f"{res['flops_per_token'] / 1e9:.2f} GFLOP/token, peak "
-             f"{res['peak_flops'] / 1e12:.0f} TFLOP/s per device ({res['hardware']}); "
+             f"{res['flops_per_token'] / 1e9:.3g} GFLOP/token, peak "
+             f"{res['peak_flops'] / 1e12:.3g} TFLOP/s per device ({res['hardware']}); "
              f"wall {res['wall_s']:.0f} s (build {res['build_s']:.0f} s, run "
              f"{res['run_s']:.0f} s)", "",
              "| plan | B | steps | median step s | tokens/s | MFU | peak GiB | predicted GiB | "

@@ -3,9 +3,10 @@
 Pitfalls encoded here (../shared/cpu-notes.md a, e): FSDP2 on gloo needs a barrier before
 `destroy_process_group`; `init_device_mesh` creates new process groups on every call, so keep ONE
 mesh per layout (`MeshCache`). A layout switch releases the meshes of the layouts it left
-(`MeshCache.release_except`): their sub-groups are destroyed and the mesh forgotten, so a later
-switch back builds fresh groups (destroying a group of a mesh that is still cached is what
-fails, "Could not resolve the process group registered under the name ..."). On NCCL each
+(`MeshCache.release_except`): their sub-groups are destroyed, the mesh forgotten (also by
+DTensor's planner cache, which would hand a new equal mesh the old one's destroyed groups:
+"Could not resolve the process group registered under the name ..."), so a later switch back
+builds fresh groups. On NCCL each
 sub-group holds a communicator with its own device buffers, so leaking them grows GPU memory
 with every switch.
 """
@@ -115,11 +116,30 @@ class MeshCache:
                     spared.add(id(group))
                     destroyed += 1
         if destroyed:
-            # the old engine's FSDP/DTensor objects sit in reference cycles that still hold
-            # the groups: without a collection their sockets (gloo) or communicators (NCCL)
-            # live on, +8 descriptors per switch at 2 ranks (tests/runtime/test_process_groups.py)
-            gc.collect()
+            _forget_meshes()
         return destroyed
+
+
+def _forget_meshes() -> None:
+    """Drop what still refers to released meshes. DTensor caches one redistribute planner per
+    (weakref(mesh), tensor meta), and its sharding propagation caches output specs per op
+    schema, both holding meshes: a new mesh of a layout used before compares equal to the
+    released one (DeviceMesh equality ignores the groups) and would get the cached entries,
+    whose groups are destroyed ("Could not resolve the process group
+    registered under the name ...", the cpu-notes e pitfall). Then the old engine's FSDP/DTensor
+    objects sit in reference cycles that still hold the groups: without a collection their
+    sockets (gloo) or communicators (NCCL) live on, +8 descriptors per switch at 2 ranks
+    (tests/runtime/test_process_groups.py)."""
+    try:   # torch-internal caches (torch 2.13); absent elsewhere: nothing to clear
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+        clear_redistribute_planner_cache()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()   # the C++ fast path's copy
+    except (ImportError, AttributeError):
+        pass
+    gc.collect()
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:

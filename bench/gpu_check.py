@@ -138,7 +138,7 @@ def _timed_steps(trainer, pairs: int) -> dict:
             "overhead": statistics.median(w) / statistics.median(wo) - 1.0,
             "pair_ratios": [a / b for a, b in zip(w, wo)],
             "peak_memory_bytes": peak,
-            "predicted_memory_bytes": perf.predicted_memory_bytes(trainer.memory_model,
+            "predicted_memory_bytes": perf.predicted_memory_bytes(trainer.memory.model,
                                                                   trainer.plan),
             "tokens": int(np.asarray(tokens.shape).prod())}
 
@@ -161,7 +161,7 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     run_s = time.perf_counter() - t0
     gns = _timed_steps(trainer, opts["gns_pairs"])
     result = {"build_s": build_s, "run_s": run_s, "summary": summary, "gns": gns,
-              "memory_capacity_bytes": trainer.memory_capacity,
+              "memory_capacity_bytes": trainer.memory.capacity,
               "device_memory_bytes": perf.device_memory_bytes(device, trainer.hardware),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "hardware": trainer.hardware.name if trainer.hardware is not None else "cpu",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -33,8 +32,8 @@ from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan, plan_problems
 from copus.core.plan.records import Decision, StepRecord
 from copus.runtime.state import checkpoint as ckpt
-from copus.runtime.state import infeasible
 from copus.runtime.train import perf, stop
+from copus.runtime.train.memory_guard import MemoryGuard
 from copus.runtime.train.setup import (
     default_micro_batch_size,
     elastic_run_id,
@@ -101,16 +100,15 @@ class Trainer:
         self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
                                      if device.type == "cuda" else "")
         self.writer = self._make_writer()
-        self.memory_model = perf.runtime_memory_model(cfg, self.shape, device.type)
-        self.memory_capacity = perf.memory_capacity_bytes(
-            device, self.hardware, cfg.parallel.memory_budget_gb, cfg.parallel.memory_margin)
-        self.infeasible = infeasible.load(self.run_dir)   # plans that ran out of memory here
-        self.plan = self.feasible(self.plan)
+        self.memory = MemoryGuard(cfg, self.shape, device, self.hardware, self.run_dir,
+                                  rank=self.rank, world=self.world, log=self.log,
+                                  error=TrainingError)   # runtime/train/memory_guard.py
+        self.plan = self.memory.feasible(self.plan)
         self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
                        else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware,
-                                            memory_capacity_bytes=self.memory_capacity,
-                                            memory_model=self.memory_model))
-        self._forbid_infeasible()
+                                            memory_capacity_bytes=self.memory.capacity,
+                                            memory_model=self.memory.model))
+        self.memory.forbid_in(self.policy)
         self.peak_flops = perf.peak_flops(self.hardware)
         self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
         self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
@@ -128,13 +126,11 @@ class Trainer:
         self.engine: Any = None          # built by resume() under the plan it chooses
         self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
         self._remove_stale_stages()
-        if self.rank == 0:      # a marker of an earlier attempt (infeasible.py); before any
-            (self.run_dir / infeasible.STOP_FILE).unlink(missing_ok=True)   # collective
+        self.memory.clear_marker()     # before any collective
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
-        self._check_memory(self.plan)
-        self.oom_watch = infeasible.OomWatch(self.run_dir, self.rank).start() \
-            if self.world > 1 else None
+        self.memory.check(self.plan)
+        self.memory.start_watch()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -196,10 +192,10 @@ class Trainer:
                 return stop.graceful_stop(self, signum)
             if checkpoint_due and self.boundary.saved_step != self.progress.step:
                 self.periodic_checkpoint()
-            record = self.guarded(self.train_step)
+            record = self.memory.guarded(self.train_step, self._where)
             step = record.step
             if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
-                self.guarded(self.evaluate)
+                self.memory.guarded(self.evaluate, self._where)
             decision = self.decide(record)
             if self.prober is not None and self.prober.due(self, decision):
                 self.prober.run(self, decision)    # continues from the best branch
@@ -380,63 +376,9 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    # -- memory -------------------------------------------------------------------------------
-
-    def guarded(self, fn: Callable[[], Any]) -> Any:
-        """`fn()`, with an out-of-memory error turned into a stop of every rank
-        (`runtime/state/infeasible.py`): the plan is recorded as infeasible in the run folder,
-        one line names it and its micro-batch, and this rank ends (one rank: TrainingError)."""
-        try:
-            return fn()
-        except torch.OutOfMemoryError as err:
-            self.out_of_memory(err)
-            raise   # not reached
-
-    def out_of_memory(self, err: BaseException) -> None:
-        plan, step = self.plan, self.progress.step + 1
-        infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
-        line = (f"copus: rank {self.rank} ran out of device memory at step {step} under plan "
-                f"{plan.describe()} (micro-batch {plan.micro_batch_size}, "
-                f"{plan.num_microbatches} micro-batches; predicted "
-                f"{perf.predicted_memory_bytes(self.memory_model, plan) / 2**30:.1f} GiB of "
-                f"{self.memory_capacity / 2**30:.1f} GiB usable); recorded as infeasible in "
-                f"{self.run_dir / infeasible.RECORD_FILE}, a resume will not pick it again")
-        if self.world == 1:
-            raise TrainingError(line.removeprefix("copus: ")) from None
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        os._exit(infeasible.EXIT_CODE)   # peers are blocked in a collective: OomWatch ends them
-
-    def feasible(self, plan: ParallelPlan) -> ParallelPlan:
-        """`plan`, or its fallback when an out-of-memory event of this run covers it (the same
-        layout and batch with a smaller micro-batch, `infeasible.fallback_plan`)."""
-        if not self.infeasible:
-            return plan
-        new = infeasible.fallback_plan(plan, self.infeasible)
-        if new is None:
-            raise TrainingError(f"plan {plan.describe()} ran out of device memory earlier in "
-                                f"this run ({self.run_dir / infeasible.RECORD_FILE}) and no "
-                                "smaller micro-batch remains; allowed: a plan with less memory "
-                                "per rank (more tp/pp, activation checkpointing)")
-        if new != plan:
-            self.log(f"plan {plan.describe()} ran out of memory earlier in this run: "
-                     f"{new.describe()} instead")
-        return new
-
-    def _forbid_infeasible(self) -> None:
-        """The goodput controller never chooses a plan that ran out of memory here."""
-        forbid = getattr(self.policy, "forbid", None)
-        if forbid is not None and self.infeasible:
-            forbid(lambda plan: infeasible.is_infeasible(plan, self.infeasible))
-
-    def _check_memory(self, plan: ParallelPlan) -> None:
-        """One line when the memory model predicts `plan` over the usable memory."""
-        need = perf.predicted_memory_bytes(self.memory_model, plan)
-        if need > self.memory_capacity:
-            self.log(f"plan {plan.describe()} is predicted to need {need / 2**30:.1f} GiB per "
-                     f"rank, over the {self.memory_capacity / 2**30:.1f} GiB usable "
-                     f"(parallel.memory_margin={self.cfg.parallel.memory_margin}); it may run "
-                     "out of memory")
+    def _where(self) -> tuple[ParallelPlan, int]:
+        """The plan and step an out-of-memory error happened at (`MemoryGuard.guarded`)."""
+        return self.plan, self.progress.step + 1
 
     def apply_decision(self, decision: Decision) -> bool:
         """Switch to `decision.plan` at this step boundary; return whether it was applied.
@@ -449,7 +391,7 @@ class Trainer:
         """
         new, old = decision.plan, self.plan
         problems = plan_problems(new, self.world, self.shape)
-        if not problems and infeasible.is_infeasible(new, self.infeasible):
+        if not problems and self.memory.is_infeasible(new):
             problems = ["it ran out of device memory earlier in this run"]
         if problems:
             self.writer.log_decision(decision, applied=False, note=f"refused: {problems[0]}")
@@ -623,7 +565,7 @@ class Trainer:
     def engine_for(self, plan: ParallelPlan) -> None:
         """An engine for `plan` (its fallback if it ran out of memory earlier in this run):
         the current one if its layout matches, else a new one."""
-        plan = self.feasible(plan)
+        plan = self.memory.feasible(plan)
         if self.engine is not None and self.engine.plan.layout == plan.layout:
             self.engine.set_plan(plan)
         else:
@@ -657,8 +599,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        if self.oom_watch is not None:
-            self.oom_watch.close()
+        self.memory.close()
         self.writer.close()
         self.engine.close()
 

@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner,
                                          FileSystemReader)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from copus.atomic import atomic_write_json, fsync_path
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -67,15 +68,6 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory (directory entries, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -266,13 +258,7 @@ def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = Non
         entry = known.get(name)
         files[name] = entry if entry is not None and entry["bytes"] == size else \
             {"bytes": size, "sha256": _sha256(p)}
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    _fsync_path(folder)
+    atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -333,12 +319,12 @@ def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
     _write_json(tmp / TRAINER_STATE, trainer_state)
     for f in _files(tmp):
-        _fsync_path(f)
+        fsync_path(f)
     _write_manifest(tmp, step, known)
     if final.exists():
         _remove(final)
     os.rename(tmp, final)
-    _fsync_path(root)
+    fsync_path(root)
     _apply_retention(root, keep)
 
 

@@ -104,16 +104,16 @@ class MeshCache:
         old layout and after closing its engine), then collect garbage. The default group is
         never destroyed. Returns the number of groups destroyed."""
         keep = (pp, dp, tp)
-        default = dist.distributed_c10d.GroupMember.WORLD
-        spared = {id(g) for g in self._meshes[keep].get_all_groups()} if keep in self._meshes \
-            else set()
-        spared.add(id(default))
+        kept = self._meshes[keep].get_all_groups() if keep in self._meshes else []
+        # by name: NCCL's split_group may name a subgroup after its ranks, so two meshes can
+        # hold the same group through different Python objects
+        spared = {g.group_name for g in [*kept, dist.group.WORLD]}
         destroyed = 0
         for key in [k for k in self._meshes if k != keep]:
             for group in self._meshes.pop(key).get_all_groups():
-                if id(group) not in spared:
+                if group.group_name not in spared:
                     dist.destroy_process_group(group)
-                    spared.add(id(group))
+                    spared.add(group.group_name)
                     destroyed += 1
         if destroyed:
             _forget_meshes()

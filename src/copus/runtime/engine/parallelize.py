@@ -9,8 +9,9 @@ mesh that contains "dp" (one code path for norms, clipping and state dicts).
 
 TP plan (Megatron-LM; cpu-notes c): column-wise `wq, wk, wv, w1, w3`, row-wise `wo, w2`, the
 embedding row-wise (vocab-sharded, replicated output), the head column-wise (vocab-sharded,
-replicated logits). Norm weights stay replicated. With `sequence_parallel` the norms run on
-sequence shards (`SequenceParallel`) and the block inputs are all-gathered at attention / MLP.
+replicated logits); tied embeddings share one vocab-sharded weight. Norm weights stay
+replicated. With `sequence_parallel` the norms run on sequence shards (`SequenceParallel`) and
+the block inputs are all-gathered at attention / MLP.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
                                         output_layouts=Replicate())
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # both weights are vocab-sharded (Shard(0)): the head takes the embedding's DTensor back
+        model.output.weight = model.tok_embeddings.weight
     if model.output is not None:    # after TP's own output hook, so it sees the local logits
         model.output.register_forward_hook(_plain_logits)
     for block in model.layers.values():
@@ -97,8 +101,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool
                 activation_checkpointing: bool = False,
                 reshard_after_forward: bool = True) -> Transformer:
     """TP → AC → FSDP2 on a (possibly meta, possibly stage-split) model; returns it."""
-    if model.shape.tie_embeddings and mesh["tp"].size() > 1:
-        raise ValueError("tie_embeddings=True is not supported with tp > 1; allowed: tp = 1")
     apply_tp(model, mesh["tp"], sequence_parallel)
     if activation_checkpointing:
         apply_ac(model)

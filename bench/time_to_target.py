@@ -188,6 +188,17 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     return specs
 
 
+def default_policies(static: list[int], given: str = "") -> list[str]:
+    """The legs to run: `given` (comma-separated) when set, else static-B for each static batch
+    B (the ones profiled and given a plan) and every adaptive policy. Before, the default was
+    every name of ALL_POLICIES, whose static-16 and static-64 have no spec unless --static
+    lists them (bench/gpu.sh passed 8,32,128 and failed with "--policies ... unknown")."""
+    if given:
+        return [p for p in given.split(",") if p]
+    return [f"static-{b}" for b in static] + [p for p in ALL_POLICIES
+                                                if not p.startswith("static-")]
+
+
 def group_of(policy: str) -> str:
     if policy.startswith("static-"):
         return STATIC_GROUP
@@ -602,7 +613,9 @@ def _floats(text: str) -> list[float] | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--policies", default=",".join(ALL_POLICIES))
+    ap.add_argument("--policies", default="",
+                    help="comma-separated; default: static-B for each --static B, then every "
+                         "adaptive policy")
     ap.add_argument("--static", default="8,32,128", help="static global batch sizes")
     ap.add_argument("--initial-batch", type=int, default=8, help="B0: start of adaptive policies")
     ap.add_argument("--max-tokens", type=int, default=250_000)
@@ -634,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile_steps = 1
     args.static = [int(x) for x in args.static.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
-    policies = [p for p in args.policies.split(",") if p]
+    policies = default_policies(args.static, args.policies)
     out = Path(args.out) if args.out else RESULTS / ("time_to_target_quick.json" if args.quick
                                                       else "time_to_target.json")
     roots = [Path(r) for r in (args.from_ or args.runs or (

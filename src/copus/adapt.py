@@ -152,21 +152,19 @@ class AdaptiveBatch:
         Returns the Decision applied (the batch for the next step), or None.
         """
         p, world = self.plan, self.plan.dp
-        vec = torch.stack([torch.as_tensor(float(loss), dtype=torch.float64) / world,
-                           self.stats.small_sqnorm_sum().double(),
-                           self._big_sqnorm_share().double().cpu()])
-        vec = torch.cat([vec, self._extras()])
+        vec = self._statistics(loss)
+        vec = torch.cat([vec, self._extras().to(vec.device, torch.float64)])
         if world > 1:
-            vec = vec.to(self._device())
             dist.all_reduce(vec)
-        vec = vec.cpu()
-        mean_loss, small_sum, big_sq = (float(x) for x in vec[:3])
+        host = vec.tolist()                              # the step's one host read
+        mean_loss, small_sum, big_sq = host[:3]
+        extras = host[3:]
         num_small = world * p.num_microbatches
-        ip_sq_mean = float((vec[3:] ** 2).mean()) if self.dots else None
+        ip_sq_mean = sum(x * x for x in extras) / len(extras) if self.dots else None
         small_batch = p.micro_batch_size
         gns_small_sqnorm = small_sum / num_small     # the GNS keeps micro-batch gradients
         if self.per_worker:                          # Lau eq. 5: J = world per-worker gradients
-            small_sum, num_small = float(vec[3]), world
+            small_sum, num_small = float(extras[0]), world
             small_batch = p.micro_batch_size * p.num_microbatches
         self.stats.kept.clear()
         self.step += 1
@@ -200,23 +198,40 @@ class AdaptiveBatch:
         gradients (the per-worker gradient, "paper" form), or g_jᵀḡ for every micro-batch
         gradient j of the global batch, this rank's at rank·K … rank·K + K − 1."""
         if self.per_worker:
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=self.stats.device)
             for kept in self.stats.kept.values():
                 mean = kept[0].double()
                 for g in kept[1:]:
                     mean = mean + g.double()
-                total = total + (mean / len(kept)).pow(2).sum().cpu()
+                total = total + (mean / len(kept)).pow(2).sum().to(total.device)
             return total.reshape(1)
         if self.dots:
             k = self.plan.num_microbatches
             return self.stats.dots(self.model, self.rank * k, self.plan.dp * k)
-        return torch.zeros(0, dtype=torch.float64)
+        return torch.zeros(0, dtype=torch.float64, device=self.stats.device)
 
-    def _device(self) -> torch.device:
-        backend = dist.get_backend()
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _statistics(self, loss: float | torch.Tensor) -> torch.Tensor:
+        """[loss/world, this rank's Σ_j‖g_j‖², this rank's share of ‖ḡ‖²] as one float64
+        vector on the statistics' device (the gradients' device: CUDA under a CUDA model, and
+        the communication device for NCCL). No host round trip for a device `loss`."""
+        small = self.stats.small_sqnorm_sum()
+        big = self._big_sqnorm_share()
+        device = self._device(small.device)
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().reshape(()).to(device, torch.float64)
+        else:
+            loss_t = torch.tensor(float(loss), dtype=torch.float64, device=device)
+        return torch.stack([loss_t / self.plan.dp, small.to(device, torch.float64),
+                            big.to(device, torch.float64)])
+
+    def _device(self, stats_device: torch.device | None = None) -> torch.device:
+        """The collectives' device: the current CUDA device under NCCL, else the statistics'
+        device (CPU for gloo; the model's device outside a process group)."""
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        return stats_device if stats_device is not None else self.stats.device
 
     def _agree(self, batch: int) -> int:
         """Rank 0's batch for everyone (decisions are deterministic, this makes it certain)."""

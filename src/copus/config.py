@@ -189,6 +189,9 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, _real(0.0))
     max_nonfinite_steps: int = _opt(5, _int(1))
     dtype: str = _opt("auto", _choice("auto", "fp32", "bf16"))
+    # seconds a collective may wait before the process group aborts (init_process_group's
+    # timeout): a rank-0-only step (a checkpoint's hash, a large DCP save) must fit in it
+    nccl_timeout_s: float = _opt(1800.0, _real(0.0, lo_open=True))
 
 
 @dataclass(**_FROZEN)
@@ -202,6 +205,8 @@ class ParallelConfig:
     activation_checkpointing: bool = _opt(False, _bool())
     reshard_after_forward: bool = _opt(True, _bool())
     memory_budget_gb: float = _opt(0.0, _real(0.0))
+    # share of the device's memory the controller's plans leave free (runtime/train/perf.py)
+    memory_margin: float = _opt(0.1, _real(0.0, 1.0, lo_open=True, hi_open=True))
     layouts: str = _opt("", _layout_map())
     backend: str = _opt("auto", _choice("auto", "gloo", "nccl"))
 

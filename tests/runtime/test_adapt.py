@@ -70,3 +70,51 @@ def test_example_runs_under_torchrun_and_its_batch_grows():
     assert rows[0]["global_batch_size"] == 8
     assert rows[-1]["global_batch_size"] > 8, rows[-1]
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def _meta_step(loss_as_tensor: bool):
+    import torch
+    from torch import nn
+
+    from copus.adapt import AdaptiveBatch
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)).to("meta")
+    adapt = AdaptiveBatch(model, policy="constant", initial_batch=4, micro_batch_size=2)
+    adapt.begin_step()
+    for _ in range(adapt.num_microbatches):
+        loss = model(torch.randn(2, 8, device="meta")).pow(2).mean()
+        (loss / adapt.num_microbatches).backward()
+    vec = adapt._statistics(loss if loss_as_tensor else 0.5)
+    adapt.close()
+    return vec
+
+
+def test_statistics_vector_lives_on_the_models_device():
+    """The statistics of a model on a non-default device (meta: shapes and devices, no data)
+    stay on that device: loss (a device tensor or a float), Σ_j‖g_j‖² from the hooks and ‖ḡ‖²
+    from `_foreach_norm` are stacked there. Before issue 23 a CPU loss tensor was stacked with
+    the device's norms ("Tensor on device meta is not on the expected device cpu"; on CUDA the
+    same error at every step of the torchtitan integration)."""
+    import torch
+
+    from copus.runtime.engine.grad_stats import weighted_sqnorm
+
+    for as_tensor in (True, False):
+        vec = _meta_step(as_tensor)
+        assert vec.device.type == "meta" and vec.dtype == torch.float64 and vec.shape == (3,)
+    grads = [torch.ones(3, device="meta"), torch.ones(2, 2, device="meta")]
+    assert weighted_sqnorm(grads, tp=1).device.type == "meta"
+
+
+def test_foreach_norm_matches_the_per_tensor_sum():
+    """‖ḡ‖² from the grouped `_foreach_norm` equals Σ‖g‖² summed tensor by tensor (fp32)."""
+    import torch
+
+    from copus.runtime.engine.grad_stats import weighted_sqnorm
+
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=gen) for s in ((5, 7), (11,), (3, 3, 3))]
+    ts.append(torch.randn(4, 4, generator=gen).to(torch.bfloat16))
+    want = sum(float(t.float().pow(2).sum()) for t in ts)
+    assert abs(float(weighted_sqnorm(ts, tp=1)) - want) <= 1e-5 * want
+    assert abs(float(weighted_sqnorm(ts, tp=2)) - want / 2) <= 1e-5 * want

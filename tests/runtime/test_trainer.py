@@ -381,7 +381,8 @@ def test_run_hardware_prices_groups_across_launched_nodes():
     env = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}
     assert run_hardware("cpu", "", env) is None
     hw = run_hardware("cuda", "NVIDIA H200", env)
-    assert hw.name == "h100-sxm" and hw.gpus_per_node == 8
+    assert hw.name == "h200" and hw.gpus_per_node == 8            # 141 GB, not an 80 GB H100
+    assert hw.memory_bytes == 141e9 and hw.memory_bw == 4.8e12
     assert run_hardware("cuda", "NVIDIA A100-SXM4-80GB", env).name == "a100-80gb"
     one_node = run_hardware("cuda", "NVIDIA H100 80GB HBM3",
                             {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "16"})

@@ -51,6 +51,8 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
             "batch_end": int(last.get("global_batch_size") or 0),
             "plans": " -> ".join(s[2] for s in plan_segments(run)),
             "num_decisions": len(decision_rows(run)),
+            "mfu": _median(run.series("mfu")),
+            "peak_memory_gib": _max(run.series("peak_memory_bytes")) / 2**30,
         }
         for target in targets:
             row[f"time_to_{target:g}"] = first_time_below(val_t, val, target)
@@ -58,14 +60,31 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
     return rows
 
 
+def _median(values: list[float]) -> float:
+    """Median of the finite values (NaN if none): a run's typical MFU."""
+    xs = sorted(v for v in values if math.isfinite(v))
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _max(values: list[float]) -> float:
+    xs = [v for v in values if math.isfinite(v)]
+    return max(xs) if xs else float("nan")
+
+
 def markdown_table(rows: list[dict], targets: list[float]) -> str:
+    """The summary table; MFU is the median over steps, peak memory the largest of any rank."""
     head = ["run", "policy", "steps", "tokens", "wall s", "final loss", "val loss", "batch",
-            "plans"] + [f"t→{t:g} (s)" for t in targets]
+            "plans", "MFU", "peak GiB"] + [f"t→{t:g} (s)" for t in targets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["run"], r["policy"], str(r["steps"]), f"{r['tokens']:,}", _fmt(r["wall_s"], ".1f"),
                  _fmt(r["final_loss"]), _fmt(r["final_val_loss"]),
-                 f"{r['batch_start']}→{r['batch_end']}", r["plans"]]
+                 f"{r['batch_start']}→{r['batch_end']}", r["plans"],
+                 _fmt(r["mfu"] * 100, ".1f") + "%" if math.isfinite(r["mfu"]) else "–",
+                 _fmt(r["peak_memory_gib"], ".2f")]
         cells += [_fmt(r[f"time_to_{t:g}"], ".1f") for t in targets]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

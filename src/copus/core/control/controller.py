@@ -35,7 +35,7 @@ Every call leaves `last_explanation` (JSON-able dict: action, why, top candidate
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -456,6 +456,19 @@ class Controller:
             return (f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > "
                     f"max_rel_err {self.max_rel_err}")
         return None
+
+    def forbid(self, rule: Callable[[ParallelPlan], bool]) -> int:
+        """Drop every candidate plan for which `rule(plan)` holds (e.g. one that ran out of
+        device memory in this run): it is never chosen again. Returns how many were dropped."""
+        c = self.candidates
+        keep = np.array([not rule(ParallelPlan(dp=int(c.dp[i]), tp=int(c.tp[i]), pp=int(c.pp[i]),
+                                               micro_batch_size=int(c.micro_batch_size[i]),
+                                               num_microbatches=int(c.num_microbatches[i])))
+                         for i in range(len(c))], dtype=bool)
+        if keep.all():
+            return 0
+        self.candidates, self._predicted = c.subset(keep), None
+        return int((~keep).sum())
 
     # ---- checkpointing -------------------------------------------------------------------------
 

@@ -117,6 +117,11 @@ HARDWARE: dict[str, HardwareProfile] = {
         HardwareProfile(name="h100-sxm", peak_flops=989e12, mfu=0.40, memory_bytes=80 * GB,
                         memory_bw=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                         gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
+        # NVIDIA H200 SXM datasheet: the H100's compute (989 TFLOPS dense BF16) and NVLink 4,
+        # 141 GB HBM3e at 4.8 TB/s; the same 8-GPU HGX board and NICs as the DGX H100.
+        HardwareProfile(name="h200", peak_flops=989e12, mfu=0.40, memory_bytes=141 * GB,
+                        memory_bw=4.8e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
+                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
         # COPUS's NVIDIA cluster (§5.1): H100 in NVLink pairs, PCIe between pairs, SR-IOV at
         # 350 Gb/s between nodes, Megatron-LM with a replicated optimizer (§4.4). (inferred)
         # PCIe cards with an NVLink bridge: H100 PCIe datasheet 756 TFLOPS dense BF16, 2.0 TB/s

@@ -71,6 +71,17 @@ class ModelShape:
         """Training FLOPs per token ≈ 6·N + 12·L·dim·seq (Kaplan et al. 2020; PaLM App. B)."""
         return 6.0 * self.num_params() + 12.0 * self.n_layers * self.dim * self.seq_len
 
+    def model_flops_per_token(self) -> float:
+        """Model FLOPs per trained token for MFU: 6·N' + 12·L·dim·seq, N' = parameters less the
+        input embedding (a lookup, not a matmul; tied weights count once, as the head). The
+        count of torchtitan's `get_num_flop_per_token` and PaLM (Chowdhery et al. 2022, App. B:
+        6N plus 6·L·H·Q·T forward+backward attention FLOPs per token with causal masking
+        ignored, i.e. 12·L·dim·seq for T = seq, H·Q = dim); activation recomputation is not
+        counted (model FLOPs, not hardware FLOPs)."""
+        embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return (6.0 * (self.num_params() - embedding)
+                + 12.0 * self.n_layers * self.dim * self.seq_len)
+
 
 MODELS: dict[str, ModelShape] = {
     m.name: m

@@ -59,24 +59,62 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+VERIFIED = "verified.json"   # {file: [bytes, mtime_ns, sha256]} of shards whose sha256 matched
+
+
 def verify_folder(path: str | Path, *, checksums: bool = True) -> None:
     """Every shard listed in index.json exists with its byte size (always) and sha256 (when
-    `checksums`). ValueError names the first bad file."""
+    `checksums`). ValueError names the first bad file.
+
+    A shard's sha256 is computed once: when it matches, its (size, mtime_ns, sha256) goes to
+    `verified.json` in the folder, and later starts re-hash only a shard whose size or mtime
+    changed since (any rewrite, e.g. a flipped byte or a re-prepare, changes the mtime), instead
+    of reading every byte of the dataset on every rank at every start. Not detected that way:
+    damage that keeps the mtime (media bit rot, a copy with `cp -p`); delete `verified.json` to
+    hash everything again. A read-only folder is hashed at every start, as before."""
     root = Path(path)
     index = json.loads((root / INDEX).read_text())
+    stamp = _read_stamp(root) if checksums else {}
+    fresh: dict[str, list] = {}
     for entry in index["shards"] + list(index.get("docs", {}).values()):
         f = root / entry["file"]
         if not f.is_file():
             raise ValueError(f"data.source={str(root)!r}: shard {entry['file']} is missing; "
                              "prepare the folder again (copus prepare)")
-        size = f.stat().st_size
-        if size != entry["bytes"]:
-            raise ValueError(f"data.source={str(root)!r}: shard {entry['file']} has {size} bytes, "
-                             f"the index says {entry['bytes']} (truncated or replaced); prepare "
-                             "the folder again")
-        if checksums and file_sha256(f) != entry["sha256"]:
-            raise ValueError(f"data.source={str(root)!r}: shard {entry['file']} fails its sha256 "
-                             "checksum (corrupted); prepare the folder again")
+        st = f.stat()
+        if st.st_size != entry["bytes"]:
+            raise ValueError(f"data.source={str(root)!r}: shard {entry['file']} has {st.st_size} "
+                             f"bytes, the index says {entry['bytes']} (truncated or replaced); "
+                             "prepare the folder again")
+        if not checksums:
+            continue
+        seen = [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        if stamp.get(entry["file"]) != seen:
+            if file_sha256(f) != entry["sha256"]:
+                raise ValueError(f"data.source={str(root)!r}: shard {entry['file']} fails its "
+                                 "sha256 checksum (corrupted); prepare the folder again")
+        fresh[entry["file"]] = seen
+    if checksums and fresh != stamp:
+        _write_stamp(root, fresh)
+
+
+def _read_stamp(root: Path) -> dict:
+    try:
+        data = json.loads((root / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_stamp(root: Path, stamp: dict) -> None:
+    """Atomic (tmp + rename; concurrent ranks write the same content); skipped when the folder
+    is read-only."""
+    tmp = root / f".{VERIFIED}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(stamp, sort_keys=True))
+        os.replace(tmp, root / VERIFIED)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,9 +206,8 @@ class Engine:
             dots = self.stats.dots(self.model, self.dp_rank * per_rank, num_small)
             vec = torch.cat([vec, dots.to(self.device)])
         dist.all_reduce(vec)  # the step's only statistics collective: [loss, Σ‖g_j‖², ‖ḡ‖², dots]
-        vec = vec.cpu()
-        loss, small_sum, big_sq = (float(x) for x in vec[:3])
-        ip = float((vec[3:] ** 2).mean()) if self.settings.ip_extras else None
+        loss, small_sum, big_sq, *dots = vec.tolist()   # the step's one host read of it
+        ip = sum(d * d for d in dots) / len(dots) if self.settings.ip_extras else None
         finite = all(math.isfinite(x) for x in (loss, small_sum, big_sq))
         grad_norm = math.sqrt(big_sq) if finite and big_sq >= 0 else float("nan")
         if finite:

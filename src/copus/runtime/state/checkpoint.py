@@ -6,6 +6,12 @@ Layout of one checkpoint, `<root>/step-N/`:
     trainer_state.json             step, samples, tokens, sampler offset, plan, GNS, policy, LR, RNG
     manifest.json                  {"step": N, "files": {name: {"bytes": n, "sha256": hex}}}
 
+Integrity off the critical path: each rank hashes the DCP files it wrote, all ranks at once,
+after the save's barrier; rank 0 gathers the checksums (one small all_gather_object) and hashes
+only `.metadata` and the trainer state. On load every rank verifies an interleaved share of the
+files (`agree_on_latest`). Before, rank 0 read the whole checkpoint while every other rank
+waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
+
 Atomicity (design §6): everything is written to `<root>/tmp-step-N`, every file is fsync'ed,
 `manifest.json` (checksums of every other file) is written last, the folder is renamed to `step-N`
 and the parent folder is fsync'ed. A crash at any point leaves either a complete `step-N` or a
@@ -153,9 +159,14 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path) -> str | None:
-    """None if `path` is a complete checkpoint, else a one-line problem naming the bad file."""
+def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
+
+    `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
+    file's size and presence, and the metadata on r = 0, always), so n ranks verify a
+    checkpoint in parallel (`agree_on_latest`)."""
     path = Path(path)
+    r, n = share
     manifest = path / MANIFEST
     try:
         entries = json.loads(manifest.read_text())["files"]
@@ -163,22 +174,23 @@ def verify(path: str | Path) -> str | None:
         return f"{manifest} is missing (incomplete checkpoint)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({exc.__class__.__name__})"
-    for name, meta in sorted(entries.items()):
+    for i, (name, meta) in enumerate(sorted(entries.items())):
         f = path / name
         if not f.is_file():
             return f"{f} is missing"
         size = f.stat().st_size
         if size != meta["bytes"]:
             return f"{f} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
-        if _sha256(f) != meta["sha256"]:
+        if i % n == r and _sha256(f) != meta["sha256"]:
             return f"{f} fails its sha256 checksum (corrupt)"
     for name in (TRAINER_STATE, ".metadata"):
         if name not in entries:
             return f"{path} has no {name} in its manifest"
-    try:
-        read_metadata(path)
-    except CheckpointError as exc:
-        return str(exc)
+    if r == 0:
+        try:
+            read_metadata(path)
+        except CheckpointError as exc:
+            return str(exc)
     return None
 
 
@@ -198,20 +210,54 @@ def find_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | 
 
 
 def agree_on_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
-    """`find_latest` decided on rank 0 and broadcast, so every rank loads the same step."""
-    found = [str(p) if (p := find_latest(root, log if _rank() == 0 else _quiet)) else ""]
-    if _distributed():
-        dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else None
+    """`find_latest`, verified by every rank in parallel (each hashes 1/world of the files,
+    `verify(share=)`; the first problem any rank finds rejects the checkpoint), so every rank
+    loads the same step and none waits while one rank reads the whole checkpoint. Rank 0's
+    listing of `root` is the one used; rank 0 logs."""
+    if not _distributed():
+        return find_latest(root, log)
+    rank, world = _rank(), dist.get_world_size()
+    say = log if rank == 0 else _quiet
+    names = [[str(p) for _, p in step_dirs(root)] if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    bad: list[str] = []
+    for name in names[0]:
+        problems: list[str | None] = [None] * world
+        dist.all_gather_object(problems, verify(name, share=(rank, world)))
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            for msg in bad:
+                say(f"checkpoint: {msg}; using {Path(name).name}")
+            return Path(name)
+        bad.append(problem)
+    for msg in bad:
+        say(f"checkpoint: {msg}; no older good checkpoint")
+    return None
 
 
 def _quiet(_: str) -> None:
     return None
 
 
-def _write_manifest(folder: Path, step: int) -> None:
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _files(folder)}
+def _own_files(folder: Path, rank: int) -> dict[str, dict]:
+    """This rank's DCP files (`__<rank>_<i>.distcp`: FileSystemWriter's names): size and sha256,
+    hashed here, in parallel with the other ranks, instead of all by rank 0."""
+    out = {}
+    for p in sorted(folder.glob(f"__{rank}_*.distcp")):
+        out[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = None) -> None:
+    """manifest.json: every file's size and sha256; the entries of `known` (hashed by the rank
+    that wrote the file) are taken as they are when the size still matches."""
+    known = known or {}
+    files = {}
+    for p in _files(folder):
+        name, size = str(p.relative_to(folder)), p.stat().st_size
+        entry = known.get(name)
+        files[name] = entry if entry is not None and entry["bytes"] == size else \
+            {"bytes": size, "sha256": _sha256(p)}
     atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
@@ -246,11 +292,16 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
             shutil.rmtree(tmp, ignore_errors=True)   # free the space a full disk needs back
         raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
                               "checkpoints are intact") from None
-    _barrier()
+    # every rank hashes the files it wrote (in parallel), rank 0 gathers the checksums
+    known = _own_files(tmp, _rank())
+    if _distributed():
+        parts: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, known)
+        known = {k: v for part in parts for k, v in (part or {}).items()}
     problem = ""
     if _rank() == 0:
         try:
-            _finalize(root, tmp, final, step, trainer_state, keep)
+            _finalize(root, tmp, final, step, trainer_state, keep, known)
         except (OSError, TypeError, ValueError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -262,14 +313,14 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
 
 
 def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict,
-              keep: int) -> None:
-    """Rank 0, after every rank's DCP files are written: trainer state, fsync, manifest, rename,
-    fsync of the parent, retention."""
+              keep: int, known: dict[str, dict] | None = None) -> None:
+    """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,
+    fsync, manifest, rename, fsync of the parent, retention."""
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
     _write_json(tmp / TRAINER_STATE, trainer_state)
     for f in _files(tmp):
         fsync_path(f)
-    _write_manifest(tmp, step)
+    _write_manifest(tmp, step, known)
     if final.exists():
         _remove(final)
     os.rename(tmp, final)

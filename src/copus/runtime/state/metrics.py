@@ -41,10 +41,11 @@ LOG_FILES = ("metrics.jsonl", "eval.jsonl", "decisions.jsonl")
 # The keys every metrics.jsonl line has (design.md §2 vocabulary).
 METRIC_KEYS = ("step", "samples", "tokens", "wall_s", "step_s", "loss", "lr",
                "global_batch_size", "micro_batch_size", "dp", "tp", "pp", "grad_sqnorm",
-               "grad_trace_cov", "b_noise", "tokens_per_s")
+               "grad_trace_cov", "b_noise", "tokens_per_s", "mfu", "peak_memory_bytes")
 
 TB_KEYS = ("loss", "lr", "global_batch_size", "micro_batch_size", "num_microbatches", "step_s",
-           "tokens_per_s", "grad_sqnorm", "grad_trace_cov", "b_noise", "dp", "tp", "pp")
+           "tokens_per_s", "grad_sqnorm", "grad_trace_cov", "b_noise", "dp", "tp", "pp", "mfu",
+           "peak_memory_bytes")
 
 
 def json_safe(value: Any) -> Any:
@@ -87,7 +88,9 @@ def last_wall_s(path: Path, tail_bytes: int = 1 << 16) -> float:
 def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = None,
              **extra: Any) -> dict[str, Any]:
     """One metrics.jsonl row. tokens_per_s defaults to global_batch_size·seq_len / step_s, with
-    seq_len = tokens / samples (both cumulative, so it holds after a resume)."""
+    seq_len = tokens / samples (both cumulative, so it holds after a resume). `mfu` (model FLOPs
+    utilisation, `runtime/train/perf.py`) and `peak_memory_bytes` (the fullest rank's peak
+    so far) come from the trainer in `extra`; null when not given."""
     plan = record.plan
     if tokens_per_s is None:
         seq_len = record.tokens / record.samples if record.samples else 0.0
@@ -101,6 +104,7 @@ def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = Non
         "grad_sqnorm": record.grad_sqnorm, "grad_trace_cov": record.grad_trace_cov,
         "b_noise": record.b_noise, "b_noise_rel_err": record.b_noise_rel_err,
         "tokens_per_s": tokens_per_s, "skipped": record.skipped,
+        "mfu": None, "peak_memory_bytes": None,
     }
     row.update(extra)
     return row
@@ -259,7 +263,7 @@ class RunWriter:
         self._bar.set_postfix_str(
             f"loss {_fmt(row['loss'], '.4f')} | {_fmt(row['tokens_per_s'], ',.0f')} tok/s | "
             f"B {row['global_batch_size']} {row_layout(row)} "
-            f"| b_noise {_fmt(row['b_noise'], '.1f')}", refresh=False)
+            f"| b_noise {_fmt(row['b_noise'], '.1f')}{_perf_text(row, ' | ')}", refresh=False)
         pos = row["step"] if self._bar_unit == "step" else row["tokens"]
         self._bar.update(max(0, pos - self._bar_pos))
         self._bar_pos = pos
@@ -383,7 +387,18 @@ def progress_line(row: dict[str, Any], total_steps: int = 0, total_tokens: int =
             f" ({row['step'] / total_steps:.0%})" if total_steps > 0 else "")
     return (f"copus: step {row['step']}, {row['tokens']:,} tokens{done}, loss "
             f"{_fmt(row['loss'], '.4f')}, {_fmt(row['tokens_per_s'], ',.0f')} tokens/s, "
-            f"B {row['global_batch_size']} {row_layout(row)}, {_fmt(row['wall_s'], '.0f')} s")
+            f"B {row['global_batch_size']} {row_layout(row)}{_perf_text(row, ', ')}, "
+            f"{_fmt(row['wall_s'], '.0f')} s")
+
+
+def _perf_text(row: dict[str, Any], sep: str) -> str:
+    """"MFU 41.2%" and "peak 37.9 GiB" when the row has them ("" otherwise)."""
+    parts = []
+    if isinstance(row.get("mfu"), (int, float)) and math.isfinite(row["mfu"]):
+        parts.append(f"MFU {row['mfu']:.1%}")
+    if isinstance(row.get("peak_memory_bytes"), (int, float)):
+        parts.append(f"peak {row['peak_memory_bytes'] / 2**30:.1f} GiB")
+    return "".join(sep + p for p in parts)
 
 
 def supersede_jsonl(path: Path, step: int) -> int:

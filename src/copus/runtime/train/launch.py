@@ -147,7 +147,7 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
         stop.request.install().watch(run_dir)
     else:
         stop.request.install()
-    device = init_distributed(backend=cfg.parallel.backend)
+    device = init_distributed(backend=cfg.parallel.backend, timeout_s=cfg.train.nccl_timeout_s)
     trainer = None
     try:
         trainer = Trainer(cfg, run_dir, device, resume=resume, auto_resume=elastic,
@@ -177,7 +177,7 @@ def calibrate_worker(cfg, run_dir: str, resume: bool) -> dict:
     from copus.runtime.train.trainer import Trainer
 
     request = json.loads((Path(run_dir) / REQUEST).read_text())
-    device = init_distributed(backend=cfg.parallel.backend)
+    device = init_distributed(backend=cfg.parallel.backend, timeout_s=cfg.train.nccl_timeout_s)
     trainer = None
     out: dict = {"checkpoints": []}
     try:

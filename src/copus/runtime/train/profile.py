@@ -86,7 +86,7 @@ def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
     from copus.runtime.engine.engine import Engine, settings_from_config
 
     request = json.loads((Path(run_dir) / REQUEST).read_text())
-    device = init_distributed(backend=cfg.parallel.backend)
+    device = init_distributed(backend=cfg.parallel.backend, timeout_s=cfg.train.nccl_timeout_s)
     shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     settings = settings_from_config(cfg)
     meshes = MeshCache(device.type)

@@ -72,9 +72,14 @@ def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPla
 
 
 def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape,
-                    hardware: HardwareProfile | None = None):
+                    hardware: HardwareProfile | None = None, *,
+                    memory_capacity_bytes: float | None = None, memory_model: Any = None):
     """The configured batch policy (core.policies), starting from `plan`. `hardware` is the
-    goodput controller's step-time prior (`run_hardware`; None: the "cpu" coefficients)."""
+    goodput controller's step-time prior (`run_hardware`; None: the "cpu" coefficients).
+    `memory_capacity_bytes` (the trainer: the device's real memory less parallel.memory_margin,
+    `runtime/train/perf.py`) bounds every plan the controller may choose, predicted by
+    `memory_model` (a `core.cost.memory.MemoryModel`; None: the controller's default); without
+    it, parallel.memory_budget_gb when set."""
     from copus.core.control.policies import PolicySettings, make_policy
 
     settings = PolicySettings.from_config(cfg)
@@ -92,7 +97,11 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
                   explore=explore_settings(cfg), audit_steps=c.audit_steps,
                   step_confidence=c.step_confidence,
                   cores=job_cores(world_size) if hardware is None else None)
-        if cfg.parallel.memory_budget_gb > 0:
+        if memory_capacity_bytes is not None:
+            kw["memory_capacity_bytes"] = memory_capacity_bytes
+            if memory_model is not None:
+                kw["memory_model"] = memory_model
+        elif cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
     policy = make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
     layouts = parse_layout_map(cfg.parallel.layouts)
@@ -134,7 +143,7 @@ def switch_cost_prior_s(configured: float, shape: ModelShape, world_size: int,
 
 
 # Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.
-DEVICE_PROFILES = (("H100", "h100-sxm"), ("H200", "h100-sxm"), ("H800", "h100-sxm"),
+DEVICE_PROFILES = (("H100", "h100-sxm"), ("H200", "h200"), ("H800", "h100-sxm"),
                    ("A100", "a100-80gb"), ("A800", "a100-80gb"), ("MI2", "mi210"))
 
 

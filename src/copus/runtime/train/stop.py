@@ -234,18 +234,25 @@ class Boundary:
     def checkpoint_name(self) -> str | None:
         return None if self.saved_step is None else f"step-{self.saved_step}"
 
+    def local(self) -> tuple[int, bool]:
+        """This rank's view, no collective: (pending signal or 0, time-based checkpoint due).
+        The trainer folds it into its end-of-step all-reduce (`Trainer.step_end`)."""
+        due = self.interval_s > 0 and time.monotonic() - self.last_save_t >= self.interval_s
+        return self.stop.pending(), due
+
     def poll(self, device: Any = None) -> tuple[int, bool]:
         """(signal number or 0, time-based checkpoint due); identical on every rank."""
         import torch
         import torch.distributed as dist
 
-        due = self.interval_s > 0 and time.monotonic() - self.last_save_t >= self.interval_s
+        signum, due = self.local()
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.stop.pending(), due
-        flags = torch.tensor([self.stop.pending(), int(due)], dtype=torch.int64,
+            return signum, due
+        flags = torch.tensor([signum, int(due)], dtype=torch.int64,
                              device=device if device is not None else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0].item()), bool(flags[1].item())
+        signum, due = flags.tolist()
+        return int(signum), bool(due)
 
 
 def graceful_stop(trainer: Any, signum: int) -> dict:

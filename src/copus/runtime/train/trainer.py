@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan, plan_problems
 from copus.core.plan.records import Decision, StepRecord
 from copus.runtime.state import checkpoint as ckpt
-from copus.runtime.train import stop
+from copus.runtime.train import perf, stop
+from copus.runtime.train.memory_guard import MemoryGuard
 from copus.runtime.train.setup import (
     default_micro_batch_size,
     elastic_run_id,
@@ -42,7 +43,6 @@ from copus.runtime.train.setup import (
     run_hardware,
     validate_before_launch,
 )
-from copus.runtime.engine.dist import max_over_ranks
 from copus.runtime.engine.optim import LearningRate, build_learning_rate
 from copus.runtime.train.probe import Prober
 from copus.runtime.train.progress import Progress, plan_from_dict, plan_to_dict  # noqa: F401 (re-exported)
@@ -54,6 +54,20 @@ __all__ = ["Trainer", "TrainingError", "default_micro_batch_size", "initial_plan
 
 class TrainingError(RuntimeError):
     """The run cannot continue (e.g. too many consecutive non-finite steps)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnd:
+    """What the ranks agree on at the end of a step, in ONE all-reduce MAX (`Trainer.step_end`):
+    the slowest rank's step time and peak memory, a pending stop signal, a due time-based
+    checkpoint, and whether rank 0's policy took a decision (then, and only then, it is
+    broadcast)."""
+
+    step_s: float
+    peak_memory_bytes: float
+    signum: int
+    checkpoint_due: bool
+    decided: bool
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -85,8 +99,20 @@ class Trainer:
         self.plan = initial_plan(cfg, self.world, self.shape)
         self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
                                      if device.type == "cuda" else "")
+        self.writer = self._make_writer()
+        self.memory = MemoryGuard(cfg, self.shape, device, self.hardware, self.run_dir,
+                                  rank=self.rank, world=self.world, log=self.log,
+                                  error=TrainingError)   # runtime/train/memory_guard.py
+        self.plan = self.memory.feasible(self.plan)
         self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
-                       else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware))
+                       else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware,
+                                            memory_capacity_bytes=self.memory.capacity,
+                                            memory_model=self.memory.model))
+        self.memory.forbid_in(self.policy)
+        self.peak_flops = perf.peak_flops(self.hardware)
+        self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
+        self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
+        self.last_step_end: StepEnd | None = None
         self.gns = make_estimator(cfg.gns.estimator, ref_batch=cfg.batch.initial,
                                   decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
                                   decay_switch_tokens=cfg.gns.decay_switch_tokens)
@@ -96,14 +122,16 @@ class Trainer:
         self.prober = Prober.from_config(cfg)    # gns.calibration = "auto" (runtime/train/probe.py)
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.writer = self._make_writer()
         self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)
         self.engine: Any = None          # built by resume() under the plan it chooses
         self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
         self._remove_stale_stages()
+        self.memory.clear_marker()     # before any collective
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
             self._init_from_hf()
+        self.memory.check(self.plan)
+        self.memory.start_watch()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -180,15 +208,15 @@ class Trainer:
                      "already reach train.max_steps / train.max_tokens")
             return self.finish()
         while not self.done():
-            signum, checkpoint_due = self.boundary.poll(self.device)   # runtime/train/stop.py
+            signum, checkpoint_due = self.boundary_flags()
             if signum:
                 return stop.graceful_stop(self, signum)
-            if checkpoint_due:
+            if checkpoint_due and self.boundary.saved_step != self.progress.step:
                 self.periodic_checkpoint()
-            record = self.train_step()
+            record = self.memory.guarded(self.train_step, self._where)
             step = record.step
             if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
-                self.evaluate()
+                self.memory.guarded(self.evaluate, self._where)
             decision = self.decide(record)
             if self.prober is not None and self.prober.due(self, decision):
                 self.prober.run(self, decision)    # continues from the best branch
@@ -209,61 +237,120 @@ class Trainer:
 
         return local_slice(global_ids, self.engine.dp_rank, self.plan.dp)
 
-    def step_once(self, on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None
+    def batch_to_device(self, rows: np.ndarray) -> torch.Tensor:
+        """This rank's token rows on the device. CUDA: through pinned memory and a
+        non-blocking copy (a copy from pageable memory waits for the stream: a host sync)."""
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        if self.device.type == "cuda":   # CUDA only: asynchronous host-to-device copy
+            return tokens.pin_memory().to(self.device, non_blocking=True)
+        return tokens
+
+    def step_once(self, on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                  observe: Callable[[StepRecord], Decision | None] | None = None
                   ) -> tuple[StepRecord, float]:
         """One optimizer step on the next global batch, written nowhere: the B sample ids at the
-        progress's offset, this rank's slice, the LR at the token count, the timed engine step
-        (slowest rank), the progress counters and, on a finite step, the GNS update. The run
-        (`train_step`) and a calibration branch (`runtime.branching`) both take this step.
-        `on_ids(global_ids, local_ids)` sees the ids before the step. Returns the record and
-        the gradient norm (logged beside it)."""
+        progress's offset, this rank's slice, the LR at the token count, the timed engine step,
+        the progress counters and, on a finite step, the GNS update. The run (`train_step`)
+        and a calibration branch (`runtime.branching`) both take this step.
+        `on_ids(global_ids, local_ids)` sees the ids before the step; `observe` (rank 0: the
+        policy) sees the record with this rank's step time before the ranks agree.
+
+        Blocking host syncs (design: at most 2 on a step without logging or decision): the
+        engine's statistics all-reduce read once (loss, Σ‖g_j‖², ‖ḡ‖²: it decides whether the
+        optimizer runs), and `step_end`'s one all-reduce MAX after the optimizer's work is done
+        (`perf.wait_for_device`: on CUDA the clock stops after the optimizer's kernels, not at
+        their launch). The record's step_s is the slowest rank's. Returns the record and the
+        gradient norm (logged beside it)."""
         p, plan = self.progress, self.plan
         B, seq = plan.global_batch_size, self.shape.seq_len
         global_ids = self.sampler.ids(p.samples, B)
         local = self.local_ids(global_ids)
         if on_ids is not None:
             on_ids(global_ids, local)
-        tokens = torch.from_numpy(self.train_set.batch(local).astype(np.int64)).to(self.device)
+        tokens = self.batch_to_device(self.train_set.batch(local))
         lr = self.lr.lr(p.tokens)
         t0 = time.perf_counter()
         out = self.engine.train_step(tokens, lr)
-        step_s = max_over_ranks(time.perf_counter() - t0, self.device)
+        perf.wait_for_device(self.device)
+        local_s = time.perf_counter() - t0
         p.step += 1
         p.samples += B
         p.tokens += B * seq
-        p.train_s += step_s
         finite = bool(out.finite)
         if finite:
             self.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
         else:
             p.num_skipped += 1
         g = self.gns
-        return StepRecord(
-            step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=step_s,
+        record = StepRecord(
+            step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=local_s,
             loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
             small_batch=float(out.small_batch), num_small=int(out.num_small),
             big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
             grad_sqnorm=g.grad_sqnorm, grad_trace_cov=g.grad_trace_cov, b_noise=g.b_noise,
-            b_noise_rel_err=g.rel_err, skipped=not finite), float(out.grad_norm)
+            b_noise_rel_err=g.rel_err, skipped=not finite)
+        decision = observe(record) if observe is not None and self.rank == 0 else None
+        end = self.step_end(local_s, decided=decision is not None)
+        self.last_step_end = end
+        p.train_s += end.step_s
+        if observe is not None:
+            self._decision = (p.step, decision)
+        return replace(record, step_s=end.step_s), float(out.grad_norm)
+
+    def step_end(self, step_s: float, decided: bool = False) -> StepEnd:
+        """The end-of-step agreement (`StepEnd`): one all-reduce MAX of [step_s, peak memory,
+        stop signal, checkpoint due, decided] and one read; no collective on one rank."""
+        signum, due = self.boundary.local()
+        values = [step_s, float(perf.peak_memory_bytes(self.device)), float(signum),
+                  float(due), float(decided)]
+        if self.world > 1:
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            values = t.tolist()
+        return StepEnd(step_s=values[0], peak_memory_bytes=values[1], signum=int(values[2]),
+                       checkpoint_due=bool(values[3]), decided=bool(values[4]))
+
+    def boundary_flags(self) -> tuple[int, bool]:
+        """(stop signal, time-based checkpoint due) at this step boundary, identical on every
+        rank: the last step's `step_end` carried them (no collective of its own); without one
+        (the run's first step), `Boundary.poll`. A signal that arrives after a step's end is
+        acted on at the next boundary."""
+        flags, self._flags = self._flags, None
+        if flags is None:
+            return self.boundary.poll(self.device)   # runtime/train/stop.py
+        return flags.signum, flags.checkpoint_due
 
     def train_step(self) -> StepRecord:
-        """One optimizer step of the run (`step_once`), logged, with the non-finite guard."""
+        """One optimizer step of the run (`step_once`), observed by rank 0's policy, logged
+        with its MFU and peak memory, with the non-finite guard."""
         p = self.progress
         hook = None
         if self.on_batch is not None:
             step = p.step + 1
             hook = lambda global_ids, local: self.on_batch(step, global_ids, local)  # noqa: E731
-        record, grad_norm = self.step_once(hook)
+        record, grad_norm = self.step_once(hook, observe=self._observe)
+        self._flags = self.last_step_end
         p.nonfinite_streak = p.nonfinite_streak + 1 if record.skipped else 0
-        self.writer.log_step(record, grad_norm=grad_norm,
+        tokens_per_s = (record.plan.global_batch_size * self.shape.seq_len / record.step_s
+                        if record.step_s > 0 else float("nan"))
+        self.writer.log_step(record, tokens_per_s=tokens_per_s, grad_norm=grad_norm,
                              small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
-                             num_small=record.num_small, small_batch=record.small_batch)
+                             num_small=record.num_small, small_batch=record.small_batch,
+                             mfu=perf.mfu(tokens_per_s, self.shape, self.world, self.peak_flops),
+                             peak_memory_bytes=int(self.last_step_end.peak_memory_bytes))
         if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
             raise TrainingError(
                 f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
                 f"{self.cfg.train.max_nonfinite_steps}) at step {p.step}; lower train.lr or "
                 "resume from an earlier checkpoint")
         return record
+
+    def _observe(self, record: StepRecord) -> Decision | None:
+        """Rank 0: the policy observes the step; its events go to decisions.jsonl."""
+        decision = self.policy.observe(record)
+        for row in getattr(self.policy, "drain_events", list)():
+            self.writer.log_event(row)      # probe results and audits (core.explore, core.audit)
+        return decision
 
     def eval_rows(self) -> int:
         """Validation rows per dp rank: about eval.num_samples / dp, a multiple of the engine's
@@ -295,13 +382,24 @@ class Trainer:
     # -- decisions ----------------------------------------------------------------------------
 
     def decide(self, record: StepRecord) -> Decision | None:
-        """Rank 0's policy observes the step; its decision (or None) is broadcast to all ranks."""
-        box: list[Decision | None] = [self.policy.observe(record) if self.rank == 0 else None]
-        for row in getattr(self.policy, "drain_events", list)() if self.rank == 0 else ():
-            self.writer.log_event(row)      # probe results and audits (core.explore, core.audit)
+        """The decision rank 0's policy took on `record` (in `train_step`), on every rank: it is
+        broadcast only when there is one (`StepEnd.decided`), so a step without a decision
+        costs no collective here. A record the policy has not seen is observed now (and the
+        result broadcast)."""
+        taken, self._decision = self._decision, None
+        if taken is None or taken[0] != record.step:
+            box: list[Decision | None] = [self._observe(record) if self.rank == 0 else None]
+        elif not (self.last_step_end is not None and self.last_step_end.decided):
+            return None
+        else:
+            box = [taken[1]]
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _where(self) -> tuple[ParallelPlan, int]:
+        """The plan and step an out-of-memory error happened at (`MemoryGuard.guarded`)."""
+        return self.plan, self.progress.step + 1
 
     def apply_decision(self, decision: Decision) -> bool:
         """Switch to `decision.plan` at this step boundary; return whether it was applied.
@@ -314,6 +412,8 @@ class Trainer:
         """
         new, old = decision.plan, self.plan
         problems = plan_problems(new, self.world, self.shape)
+        if not problems and self.memory.is_infeasible(new):
+            problems = ["it ran out of device memory earlier in this run"]
         if problems:
             self.writer.log_decision(decision, applied=False, note=f"refused: {problems[0]}")
             return False
@@ -360,7 +460,9 @@ class Trainer:
         else:
             self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine,
                                                    fallback_root=self.run_dir)
-        return report.to_dict()
+        # after either path: the old layout's sub-groups (NCCL communicators and their buffers) go with it
+        released = self.mesh_cache.release_except(dp=plan.dp, tp=plan.tp, pp=plan.pp)
+        return {**report.to_dict(), "groups_released": released}
 
     def reconfigure_through_checkpoint(self, plan: ParallelPlan) -> None:
         """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
@@ -482,13 +584,16 @@ class Trainer:
         return self.restarted
 
     def engine_for(self, plan: ParallelPlan) -> None:
-        """An engine for `plan`: the current one if its layout matches, else a new one."""
+        """An engine for `plan` (its fallback if it ran out of memory earlier in this run):
+        the current one if its layout matches, else a new one."""
+        plan = self.memory.feasible(plan)
         if self.engine is not None and self.engine.plan.layout == plan.layout:
             self.engine.set_plan(plan)
         else:
             if self.engine is not None:
                 self.engine.close()
             self.engine = self._make_engine(plan)
+            self.mesh_cache.release_except(dp=plan.dp, tp=plan.tp, pp=plan.pp)
         self.plan = plan
 
     def resume_plan(self, saved: ParallelPlan, saved_world: int) -> Decision | None:
@@ -515,6 +620,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.memory.close()
         self.writer.close()
         self.engine.close()
 

@@ -1,0 +1,91 @@
+"""What a training step costs the device: model FLOPs utilisation, peak memory, the memory
+bound the controller plans under, and the wait for the device's queued work.
+
+    MFU = tokens/s · F / (devices · peak_flops)          F = ModelShape.model_flops_per_token()
+                                                            = 6·N' + 12·L·dim·seq (docs/metrics.md)
+
+peak_flops: the device's datasheet dense bf16 FLOP/s from its hardware profile
+(`core/specs/hardware.py`; CPU: the "cpu" profile). Peak memory: `torch.cuda.max_memory_allocated`
+on CUDA (what the caching allocator handed out, the quantity the memory model predicts), the
+process's resident-set high-water mark on CPU (`resource.getrusage(...).ru_maxrss`).
+Memory bound: the device's real capacity (`torch.cuda.get_device_properties(...).total_memory`
+on CUDA; on CPU the "cpu" profile's memory, or `parallel.memory_budget_gb` when set) less
+`parallel.memory_margin` of it.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from copus.core.specs.hardware import HardwareProfile, get_hardware
+from copus.core.specs.models import ModelShape
+
+__all__ = ["device_memory_bytes", "memory_capacity_bytes", "mfu", "peak_flops",
+           "peak_memory_bytes", "wait_for_device"]
+
+
+def peak_flops(hardware: HardwareProfile | None) -> float:
+    """Dense peak FLOP/s of one device: the profile's datasheet figure (None: "cpu")."""
+    return (hardware if hardware is not None else get_hardware("cpu")).peak_flops
+
+
+def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int, device_peak: float) -> float:
+    """Model FLOPs utilisation: tokens/s · model_flops_per_token / (devices · peak FLOP/s)."""
+    if not (tokens_per_s > 0 and num_devices > 0 and device_peak > 0):
+        return float("nan")
+    return tokens_per_s * shape.model_flops_per_token() / (num_devices * device_peak)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: CUDA max allocated, else the RSS high-water mark."""
+    if device.type == "cuda":   # CUDA only: the caching allocator's high-water mark
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)   # Linux: KiB, macOS: bytes
+
+
+def device_memory_bytes(device: torch.device, hardware: HardwareProfile | None = None) -> float:
+    """The device's memory: read from the device on CUDA (an H200 has 141 GB, not a profile's
+    80), else the hardware profile's (None: the "cpu" profile)."""
+    if device.type == "cuda":   # CUDA only: the real capacity
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return (hardware if hardware is not None else get_hardware("cpu")).memory_bytes
+
+
+def memory_capacity_bytes(device: torch.device, hardware: HardwareProfile | None,
+                          budget_gb: float, margin: float) -> float:
+    """Bytes a plan may use per rank: (budget_gb·1e9 if > 0, else the device's memory) · (1 −
+    margin). The margin covers what the memory model does not count: the CUDA context, NCCL
+    buffers, allocator fragmentation."""
+    capacity = budget_gb * 1e9 if budget_gb > 0 else device_memory_bytes(device, hardware)
+    return capacity * (1.0 - margin)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the device's queued work (the optimizer's kernels) is done, so a wall-clock
+    step time includes it; on CPU the work is already done when the call returns."""
+    if device.type == "cuda":   # CUDA only: kernels run asynchronously
+        torch.cuda.synchronize(device)
+
+
+def runtime_memory_model(cfg, shape: ModelShape, device_type: str):
+    """The memory model (`core/cost/memory.py`) of copus's runtime under `cfg`: bf16 autocast
+    when train.dtype is "bf16", or "auto" on CUDA (engine.py), else fp32; the configured
+    activation checkpointing, resharding and pipeline schedule."""
+    from copus.core.cost.memory import MemoryModel
+
+    dtype = cfg.train.dtype
+    mixed = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
+    return MemoryModel(shape, mixed_precision=mixed, autocast=True,
+                       activation_checkpointing=cfg.parallel.activation_checkpointing,
+                       reshard_after_forward=cfg.parallel.reshard_after_forward,
+                       pp_schedule=cfg.parallel.pp_schedule)
+
+
+def predicted_memory_bytes(model, plan) -> float:
+    """The memory model's peak bytes per rank of `plan`."""
+    return float(model.bytes_per_rank(plan.dp, plan.tp, plan.pp, plan.micro_batch_size,
+                                      plan.num_microbatches))

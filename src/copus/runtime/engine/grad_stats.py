@@ -104,13 +104,22 @@ class GradStats:
         self._partial: list[torch.Tensor] = []
         self._partial_group = None
         self._k, self._scale = 1, 1.0
+        # one pre-hook per transformer block (all its parameters; it runs outside a compiled
+        # block forward, after FSDP2's unshard, so torch.compile sees no hook registration)
+        # and one per other module that owns parameters (embeddings, final norm, head)
+        blocks = {f"layers.{k}" for k in getattr(model, "layers", {})}
         for mod_name, mod in model.named_modules():
-            if any(p is not None for p in mod._parameters.values()):
-                self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(mod_name)))
+            in_block = any(mod_name.startswith(b + ".") for b in blocks)
+            if mod_name in blocks or (not in_block and any(
+                    p is not None for p in mod._parameters.values())):
+                self._handles.append(mod.register_forward_pre_hook(
+                    self._make_pre_hook(mod_name, recurse=mod_name in blocks)))
 
-    def _make_pre_hook(self, mod_name: str):
+    def _make_pre_hook(self, mod_name: str, recurse: bool = False):
         def pre_hook(module: nn.Module, args) -> None:
-            for pname, p in module._parameters.items():
+            named = (module.named_parameters(remove_duplicate=False) if recurse
+                     else module._parameters.items())
+            for pname, p in named:
                 if p is None or not p.requires_grad or id(p) in self._fqn:
                     continue
                 self._fqn[id(p)] = f"{mod_name}.{pname}" if mod_name else pname

@@ -88,7 +88,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         parallelize_module(model, tp_mesh, top)
     if model.output is not None and not loss_parallel:
         # after TP's own output hook, so it sees the local logits
-        model.output.register_forward_hook(_plain_logits)
+        model.output.register_forward_hook(_plain_output)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_plain_output)
     for block in model.layers.values():
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
@@ -108,12 +110,15 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         parallelize_module(block, tp_mesh, plan)
 
 
-def _plain_logits(_module: object, _inputs: object, output: torch.Tensor) -> torch.Tensor:
-    """The TP head's logits as a plain tensor, not a view. `DTensor.to_local()` returns
-    `local.view_as(local)`; the model returns those logits, so FSDP2's root module would warn
-    "returned a view tensor ... wrong gradients" on every forward (an in-place op on a view
-    would bypass its pre-backward hook; copus never does one). `aten._unsafe_view` re-exposes
-    the same storage as a non-view, with the same gradient (no copy), which removes the cause."""
+def _plain_output(_module: object, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+    """A TP module's local output as a plain tensor, not a view. `DTensor.to_local()` returns
+    `local.view_as(local)`. For the head: the model returns those logits, so FSDP2's root module
+    would warn "returned a view tensor ... wrong gradients" on every forward (an in-place op on
+    a view would bypass its pre-backward hook; copus never does one). For the embedding: its
+    output is the first block's input, and a compiled block (torch 2.13) returned NO gradient
+    for an input that is such a view (embedding gradient 0 under tp=2; test_compile.py).
+    `aten._unsafe_view` re-exposes the same storage as a non-view, with the same gradient (no
+    copy), which removes both causes."""
     if isinstance(output, torch.Tensor) and output._base is not None:
         return torch.ops.aten._unsafe_view(output, output.shape)
     return output
@@ -174,14 +179,25 @@ def apply_ac(model: Transformer, mode: bool | str = "full") -> None:
 def apply_compile(model: Transformer) -> None:
     """`torch.compile` (inductor) of each block's forward, in place (names unchanged).
 
-    Only the block's own computation is compiled: the block-level FSDP2 hooks run eagerly around
-    it, the submodules' hooks (TP redistribution, the noise-scale pre-hooks) are traced. Batch
-    dimension: dynamo's automatic dynamic shapes: the first call compiles for its micro-batch
-    size, the first call at another size recompiles once with a symbolic batch dimension, later
-    sizes reuse it (measured by tests/runtime/test_compile.py: 2 compiles through 3 sizes)."""
+    Only the block's own computation is compiled: the block-level hooks (FSDP2's unshard /
+    reshard, the noise-scale pre-hook that registers gradient hooks) run eagerly around it; the
+    submodules' TP redistribution hooks are traced. Batch dimension: marked dynamic before each
+    call (`maybe_mark_dynamic`), so one graph serves every micro-batch size ≥ 2; size 1 is
+    specialised by dynamo (0/1 specialisation), one more graph. Compiles per block code object
+    are thus bounded by 2 per layout (measured: tests/runtime/test_compile.py)."""
     check_compile_available()
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward)
+        block.forward = _dynamic_batch(torch.compile(block.forward))
+
+
+def _dynamic_batch(compiled):
+    """Call `compiled(x, ...)` with x's batch dimension marked dynamic (no recompile per size)."""
+    @functools.wraps(compiled)
+    def run(x: torch.Tensor, *args, **kwargs):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        return compiled(x, *args, **kwargs)
+
+    return run
 
 
 def check_compile_available() -> None:

@@ -201,13 +201,20 @@ def _dynamic_batch(compiled):
 
 
 def check_compile_available() -> None:
-    """Raise ValueError (one line) when inductor cannot compile here (no C++ compiler on CPU)."""
+    """Raise ValueError (one line) when inductor cannot compile here: no working C++ compiler
+    (its CPU backend; `CXX` / `torch._inductor.config.cpp.cxx`), or CUDA without Triton."""
     try:
         from torch._inductor import cpp_builder
 
         cpp_builder.get_cpp_compiler()
+        if torch.cuda.is_available():
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise RuntimeError("CUDA without a working Triton")
     except Exception as exc:  # noqa: BLE001 - any failure means "unavailable"
-        raise ValueError(f"train.compile=true is unavailable here (inductor: {exc}); "
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"train.compile=true is unavailable here (inductor: {first}); "
                          "allowed: train.compile=false") from None
 
 

@@ -79,10 +79,12 @@ def _two_rank_work():
         eng = Engine(SHAPE, p, EngineSettings(**kw), "cpu", cache, seed=0)
         res[key] = [_out(eng.train_step(_local(eng, batch(s)), LR)) for s in range(3)]
         eng.close()
-    # (h) bf16 through FSDP2's MixedPrecisionPolicy: dp=2 (bf16 all-gathers over gloo) and
-    # tp=2 with selective AC and loss parallel; fp32 masters, fp32 statistics
+    # (h) bf16 through FSDP2's MixedPrecisionPolicy: dp=2 (bf16 all-gathers over gloo), tp=2
+    # with selective AC and loss parallel, pp=2 (bf16 activations between stages) with
+    # selective AC; fp32 masters, fp32 statistics
     for key, lay, kw in (("bf16_dp2", (2, 1, 1), {}),
-                         ("bf16_tp2_sel", (1, 2, 1), dict(activation_checkpointing="selective"))):
+                         ("bf16_tp2_sel", (1, 2, 1), dict(activation_checkpointing="selective")),
+                         ("bf16_pp2_sel", (1, 1, 2), dict(activation_checkpointing="selective"))):
         p = ParallelPlan(dp=lay[0], tp=lay[1], pp=lay[2], micro_batch_size=2,
                          num_microbatches=GBS // (2 * lay[0]))
         eng = Engine(SHAPE, p, EngineSettings(dtype="bf16", **kw), "cpu", cache, seed=0)
@@ -152,7 +154,7 @@ def test_tp_sp_ac_and_gpipe_match_reference(results, reference, key):
     assert o["small_sqnorm"] == pytest.approx(reference["micro"]["small_sqnorm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("key", ["bf16_dp2", "bf16_tp2_sel"])
+@pytest.mark.parametrize("key", ["bf16_dp2", "bf16_tp2_sel", "bf16_pp2_sel"])
 def test_bf16_mixed_precision_tracks_fp32_reference(results, reference, key):
     """bf16 compute (2⁻⁸ relative rounding per op) against the fp32 reference. Step 0 (same
     weights): loss within 0.1 %, ‖ḡ‖² and s̄ within 1 %. Later steps: loss within 1 % only (Adam's

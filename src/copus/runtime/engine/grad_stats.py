@@ -26,6 +26,10 @@ world then sums over tp and pp shards and dp ranks. A tensor's local data is cou
 1/(number of ranks holding the same data): 1/tp for tensors replicated over tp (RMSNorm weights,
 plain tensors in a TP model), and 1/size for every mesh dim on which a DTensor is `Replicate`.
 
+Precision: under bf16 (FSDP2's MixedPrecisionPolicy) the hooks see bf16 unsharded gradients;
+every squared norm is accumulated in fp32 (`_sqnorm`: `vector_norm(dtype=float32)`; `local_sqnorm`
+casts to fp32) and the per-step sums travel as fp64 in the engine's one all-reduce.
+
 Inner-product extras (opt-in, `keep_grads=True`): ip_sq_mean = (1/J) Σ_j (g_jᵀḡ)² needs every
 g_j until ḡ is known. Memory: "microbatch" keeps num_microbatches copies of this rank's local
 (tp/pp-sharded, dp-unsharded) gradient, "rank" keeps one; computing g_jᵀḡ all-gathers ḡ over
@@ -107,7 +111,9 @@ class GradStats:
         # one pre-hook per transformer block (all its parameters; it runs outside a compiled
         # block forward, after FSDP2's unshard, so torch.compile sees no hook registration)
         # and one per other module that owns parameters (embeddings, final norm, head)
-        blocks = {f"layers.{k}" for k in getattr(model, "layers", {})}
+        layers = getattr(model, "layers", None)
+        blocks = ({f"layers.{k}" for k, _ in layers.named_children()}
+                  if isinstance(layers, nn.Module) else set())
         for mod_name, mod in model.named_modules():
             in_block = any(mod_name.startswith(b + ".") for b in blocks)
             if mod_name in blocks or (not in_block and any(

@@ -163,16 +163,9 @@ def switch_open(log: Path) -> bool:
 
 def read_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl lines in file order; a crash-truncated line is skipped."""
-    rows: list[dict] = []
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    from copus.reporting.runs import read_jsonl
+
+    return read_jsonl(run_dir / "metrics.jsonl", include_superseded=True)
 
 
 def attempts(rows: list[dict]) -> list[list[dict]]:

@@ -38,10 +38,9 @@ ARGS = ["--nproc", "2", "--max-steps", "400", "--policy", "constant",
 
 
 def _rows(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        return []
+    from copus.reporting.runs import read_jsonl
+
+    return read_jsonl(path)
 
 
 def trial(root: Path, sig: int, after: int) -> dict:

@@ -13,26 +13,13 @@ measured step time for it (counted in `unprofiled_steps`).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 
+from copus.reporting.runs import read_jsonl  # noqa: F401 (the one run-folder reader; re-exported for the benches)
+
 PLAN_KEYS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(row, dict) and row.get("superseded")):   # superseded by a resume
-            out.append(row)
-    return out
 
 
 def first_crossing(xs: list[float], losses: list[float], target: float) -> float:

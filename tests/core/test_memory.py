@@ -23,32 +23,45 @@ def test_hand_computed_fp32_data_parallel():
     sbh = 128 * 2 * 192
     acts = 4 * sbh * (10 + 24) * (4 / 2) + 128 * 2 * 256 * (4 + 4)          # 13,369,344 + 524,288
     assert states + buffers + acts == 32_000_000
-    assert float(mm.bytes_per_rank(2, 1, 1, 2, 4)) == pytest.approx(32_000_000, abs=1)
-    parts = mm.breakdown(2, 1, 1, 2, 4)
+    assert float(mm.bytes_per_rank(2, 1, 1, 2, 1)) == pytest.approx(32_000_000, abs=1)
+    parts = mm.breakdown(2, 1, 1, 2, 1)
     assert float(parts["states"]) == states and float(parts["buffers"]) == buffers
+    # 4 micro-batches: gradient accumulation keeps the whole model's gradients unsharded in fp32
+    # (FSDP2 without gradient sync) instead of one unit (issue 25: a deliberate model change)
+    acc = mm.breakdown(2, 1, 1, 2, 4)
+    assert float(acc["grads_unsharded"]) == 4 * params
+    assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params, abs=1)
 
 
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
-    """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 params with fp32 master."""
+    """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 params with fp32 master.
+    Under a pipeline with ≥ 2 micro-batches FSDP2 keeps the stage's parameters unsharded (bf16)
+    and its gradients unsharded in fp32 (torch.distributed.pipelining; issue 25)."""
     mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
     first = (2 * layer + 256 * 192) / 2 * (2 + 2 + 4 + 8)                  # 6,690,816
-    buffers = 3 * (layer / 2) * 2                                           # 1,180,800
+    buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)                         # 2,509,056
     per_block = 128 * 1 * 192 * (10 + 24 / 2)                               # 540,672 (16-bit)
     first_acts = 2 * 2 * per_block                                          # min(pp, m)=2 in flight, 2 blocks
-    last = (2 * layer + 256 * 192 + 192) / 2 * 16 + buffers + 1 * 2 * per_block + 128 * 256 * (2 + 4)
+    last = (2 * layer + 256 * 192 + 192) / 2 * (16 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4)
     expected = first + buffers + first_acts
-    assert expected == 10_034_304 and last == 9_151_104
+    assert expected == 11_362_560 and last == 10_479_936
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
+    # one micro-batch: 2 gathered units + 1 gradient unit, as before issue 25
+    # (the last stage is then the fuller: its head's logits)
+    last_one = (2 * layer + 256 * 192 + 192) / 2 * 16 + 3 * (layer / 2) * 2 + 2 * per_block + 128 * 256 * 6
+    assert last_one == 9_151_104
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one, abs=1)
 
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():
     """copus on CUDA: fp32 params/grads/all-gathers, bf16 autocast (saved bf16 weight copies),
-    activations × the measured factor 55.6/34. dp=2, micro-batch 1, 2 micro-batches."""
+    activations × the measured factor 55.6/34. dp=2, micro-batch 1, 2 micro-batches (the whole
+    model's fp32 gradients unsharded during accumulation, issue 25)."""
     mm = MemoryModel(TINY)
     layer, params = 393_600, 1_672_896
     states = params / 2 * (4 + 4 + 8)
-    buffers = 3 * layer * 4 + 2 * params * 1                               # + bf16 copies, 1 in flight
+    buffers = 2 * layer * 4 + 4 * params + 2 * params * 1                  # + bf16 copies, 1 in flight
     sbh = 128 * 1 * 192
     acts = 4 * sbh * 55.6 + 128 * 256 * (2 + 4)
     assert float(mm.bytes_per_rank(2, 1, 1, 1, 2)) == pytest.approx(states + buffers + acts)
@@ -101,8 +114,12 @@ def test_pipeline_schedules_micro_batches_in_flight():
     assert np.all(a1 == a1[0])              # 1F1B: the first stage holds pp micro-batches
     assert np.all(np.diff(ag) > 0)          # GPipe: every micro-batch until the backward starts
     assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
-    # no pipeline: gradient accumulation frees each micro-batch, m does not matter
-    assert float(one_f.bytes_per_rank(8, 1, 1, 1, 1)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 64))
+    # no pipeline: gradient accumulation frees each micro-batch's activations, so m ≥ 2 does not
+    # matter; m = 1 → 2 adds the unsharded fp32 gradients (issue 25)
+    assert float(one_f.bytes_per_rank(8, 1, 1, 1, 2)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 64))
+    extra = float(one_f.bytes_per_rank(8, 1, 1, 1, 2) - one_f.bytes_per_rank(8, 1, 1, 1, 1))
+    unit = SEVEN_B.layer_params()
+    assert extra == pytest.approx(4 * SEVEN_B.num_params() - 4 * unit)
 
 
 def test_stored_attention_scores_add_korthikanti_term():
@@ -178,3 +195,48 @@ def test_activation_bytes_match_what_the_runtime_block_saves(mixed):
     assert per_sample == pytest.approx(float(mm.activation_bytes_per_block(1, 1)), rel=0.03)
     if mixed:
         assert saved[0] - per_sample == pytest.approx(2 * shape.layer_params(), rel=0.05)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_selective_count_matches_the_op_policy_on_the_runtime_block(mixed):
+    """torchtitan's selective policy (save every second matmul's output, counting from the first,
+    and attention's outputs; recompute the rest) applied to copus's runtime block through a
+    dispatch mode: the bytes it keeps per sample (+ the block input) equal
+    `selective_bytes_per_block` exactly, in fp32 and under bf16 autocast (issue 25)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from copus.runtime.engine.model import build_model
+
+    sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+    class Kept(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten.mm.default:
+                self.mm += 1
+                if self.mm % 2 == 1:
+                    self.bytes += out.numel() * out.element_size()
+            elif func in sdpa:
+                self.bytes += sum(o.numel() * o.element_size() for o in out[:2])
+            return out
+
+    shape = get_model_shape("small")
+    model = build_model(shape, "cpu")
+    kept = []
+    for b in (1, 3):
+        x = torch.randn(b, shape.seq_len, shape.dim, requires_grad=True)
+        mode = Kept()
+        with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            model.layers["0"](x, model.rope)
+        assert mode.mm == 7
+        kept.append(mode.bytes + x.numel() * x.element_size())
+    per_sample = (kept[1] - kept[0]) / 2
+    assert kept[0] == pytest.approx(per_sample)          # nothing independent of the batch
+    mm = MemoryModel(shape, mixed_precision=mixed)
+    assert per_sample == float(mm.selective_bytes_per_block(1, 1))

@@ -11,7 +11,10 @@ from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan, plan_problems
 
 KEYS = ["dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_size", "step_s",
-        "samples_per_s", "memory_bytes", "goodput"]
+        "samples_per_s", "memory_bytes", "goodput",
+        # issue 25: the plan options and per-device figures
+        "activation_checkpointing", "pipeline_schedule", "virtual_stages", "sequence_parallel",
+        "reshard_after_forward", "tokens_per_s_per_device", "mfu"]
 BASE = ["plan", "--model", "llama-3.2-3b", "--gpus", "8", "--hardware", "h100-nvlink-pairs"]
 
 
@@ -26,7 +29,7 @@ def _check_rows(rows, min_b, max_b):
     goodputs = [r["goodput"] for r in rows]
     assert goodputs == sorted(goodputs, reverse=True)
     for r in rows:
-        plan = ParallelPlan(**{k: r[k] for k in KEYS[:5]})
+        plan = ParallelPlan(**{k: r[k] for k in KEYS[:5] + KEYS[10:15]})
         assert not plan_problems(plan, 8, shape)
         assert r["global_batch_size"] == plan.global_batch_size and min_b <= plan.global_batch_size <= max_b
         assert r["samples_per_s"] == pytest.approx(r["global_batch_size"] / r["step_s"])

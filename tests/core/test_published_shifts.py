@@ -22,8 +22,13 @@ def _args(preset, batch: int):
     from copus.commands.plan import add_arguments
 
     add_arguments(p)
+    # COPUS searched only dp, tp, pp (copus-notes §5: "sequence parallelism and activation
+    # checkpointing are not searched"), on Megatron's default 1F1B: its measured layouts are
+    # compared under those options (issue 25 added the others as plan dimensions)
     return p.parse_args(["--model", preset.model, "--gpus", str(preset.world_size), "--hardware",
-                         preset.hardware, "--global-batch", str(batch), "--by-layout", "--top", "100"])
+                         preset.hardware, "--global-batch", str(batch), "--by-layout", "--top", "100",
+                         "--activation-checkpointing", "none", "--pipeline-schedule", "1f1b",
+                         "--sequence-parallel", "off"])
 
 
 def _gap(preset, batch: int, layout: tuple[int, int, int]) -> float:

@@ -9,7 +9,7 @@ import tokenizers.trainers
 
 from copus.config import load_config
 from copus.runtime.data.stream import (
-    ByteTokenizer,
+    ByteCodec,
     GlobalSampler,
     TokenDataset,
     build_datasets,
@@ -78,7 +78,7 @@ def test_load_text_errors_name_the_path(tmp_path):
 
 
 def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
+    tok = ByteCodec()
     text = "Hamlet: to be, or not — ☃ 漢字\n"
     ids = tok.encode(text)
     assert ids.dtype == np.int32 and tok.vocab_size == 256
@@ -111,7 +111,7 @@ def test_bpe_trains_offline_caches_and_is_deterministic(tmp_path, monkeypatch):
     other = train_bpe(text, 400, cache_dir=tmp_path / "b")
     assert np.array_equal(other.encode(text), ids)
     model = json.loads(next((tmp_path / "b").glob("bpe-*.json")).read_text())["model"]
-    assert len(model["merges"]) == 400 - 256
+    assert len(model["merges"]) == 400 - 257   # 256 bytes + <|endoftext|> + merges
     # a different vocabulary size is a different cache entry
     train_bpe(text, 300, cache_dir=tmp_path / "b")
     assert len(list((tmp_path / "b").glob("bpe-*.json"))) == 2
@@ -159,12 +159,12 @@ def test_build_datasets_from_config():
     cfg = load_config(None, ["data.max_chars=50000", "data.val_fraction=0.1"])
     train, val, tok = build_datasets(cfg.data, seq_len=64, vocab_size=256)
     assert tok.vocab_size == 256
-    n = len(ByteTokenizer().encode(load_text("embedded", 50_000)))
+    n = len(ByteCodec().encode(load_text("embedded", 50_000)))
     n_val = int(np.ceil(0.1 * n))
     assert len(train) == (n - n_val - 1) // 64 and len(val) == (n_val - 1) // 64
     assert train.tokens.dtype == np.int32
     assert np.array_equal(np.concatenate([train.tokens, val.tokens]),
-                          ByteTokenizer().encode(load_text("embedded", 50_000)))
+                          ByteCodec().encode(load_text("embedded", 50_000)))
 
 
 def test_build_datasets_rejects_a_vocab_larger_than_the_model(tmp_path):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
+
+from copus.atomic import atomic_write_text
 
 DEFAULT_MULTIPLIERS = "0.5,1,2,4,8"
 DEFAULT_BASE_STEPS = 64     # default --tokens: 64 steps at the checkpoint's batch
@@ -213,15 +214,6 @@ def plot(rows: list[dict], metrics_path: Path, path: Path) -> None:
     plt.close(fig)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_outputs(rows: list[dict], run_dir: Path, out: Path, command: str) -> str:
     from copus.runtime.state.metrics import json_safe
 
@@ -230,10 +222,10 @@ def write_outputs(rows: list[dict], run_dir: Path, out: Path, command: str) -> s
     cost_tokens = sum(r["cost"]["tokens"] for r in rows)
     cost_s = sum(r["cost"]["seconds"] for r in rows)
     footer = f"\ncost: {cost_tokens:,} tokens, {cost_s:.1f} s ({command})\n"
-    _write_atomic(out / "calibration.json", json.dumps(
+    atomic_write_text(out / "calibration.json", json.dumps(
         json_safe({"command": command, "checkpoints": rows,
                    "cost": {"tokens": cost_tokens, "seconds": cost_s}}), indent=1))
-    _write_atomic(out / "calibration.md", text + footer)
+    atomic_write_text(out / "calibration.md", text + footer)
     plot(json_safe(rows), run_dir / "metrics.jsonl", out / "calibration.png")
     return text + footer
 
@@ -249,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
           f"tokens per branch, {request['repeats']} repeats", file=sys.stderr)
     work = out / "workers"
     work.mkdir(parents=True, exist_ok=True)
-    _write_atomic(work / REQUEST, json.dumps(request))
+    atomic_write_text(work / REQUEST, json.dumps(request))
     try:
         result = launch.launch(cfg, str(work), max_restarts=0, entry=calibrate_worker)
     except Exception as exc:  # ChildFailedError and friends

@@ -34,9 +34,11 @@ class Run:
         return out
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, *, include_superseded: bool = False) -> list[dict]:
     """Lines of a JSON-lines file; a truncated last line (crash mid-write) is ignored, and so
-    are rows a resume marked `"superseded": true` (runtime/state/metrics.py)."""
+    are rows a resume marked `"superseded": true` (runtime/state/metrics.py) unless
+    `include_superseded` (every attempt's rows in file order, as bench/faults.py needs).
+    The one reader of run folders for `copus report` and the benches."""
     if not path.exists():
         return []
     rows = []
@@ -48,7 +50,7 @@ def read_jsonl(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not (isinstance(row, dict) and row.get("superseded")):
+        if include_superseded or not (isinstance(row, dict) and row.get("superseded")):
             rows.append(row)
     return rows
 

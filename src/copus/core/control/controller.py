@@ -384,7 +384,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     batch_grid: str = "multiples", online_fit: bool = True,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
                     audit_steps: int = 0, cores: int | None = None,
-                    step_confidence: float = 0.0) -> Controller:
+                    step_confidence: float = 0.0, plan_options: dict | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -397,7 +397,9 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     COPUS leaves it open; with a noisy b_noise, shrinking makes B oscillate) or an audit undoes
     a growth. `explore` bounds the in-run probes (None: none); `audit_steps` measured steps
     check each decision (0: no audits).  `cores`: CPU cores the ranks share (CPU prior only,
-    `core.cpu_model`; None: one core per rank).
+    `core.cpu_model`; None: one core per rank). `plan_options` (`ParallelPlan.options` keys: the
+    run's activation checkpointing, pipeline schedule, ...) price every candidate's memory and
+    the analytic prior's step time under those options (issue 25); None: the defaults.
     """
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -406,6 +408,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
         default_micro_batch_sizes(initial_plan, max_b)
     if memory_capacity_bytes is not None and memory_model is None:
         memory_model = MemoryModel(shape=shape, mixed_precision=(hw is None or hw.dtype_bytes == 2))
+    if plan_options and memory_model is not None:
+        memory_model = memory_model.with_plan_options(**plan_options)
     cands = build_candidates(world_size, shape, min_batch=min_b, max_batch=max_b,
                              micro_batch_sizes=mbs, batch_grid=batch_grid,
                              memory_model=memory_model, memory_capacity_bytes=memory_capacity_bytes)
@@ -416,7 +420,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
     else:
-        prior = step_time_model or prior_model(shape, hw, world_size, cores=cores)
+        prior = step_time_model or prior_model(shape, hw, world_size, cores=cores, **(plan_options or {}))
         if step_time_model is None and profile_observations is not None:
             prior = fit_model(list(profile_observations), prior)
         if online_fit:

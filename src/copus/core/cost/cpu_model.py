@@ -71,7 +71,6 @@ from copus.core.specs.models import ModelShape
 from copus.core.cost.throughput import (
     GRAD_BYTES,
     TP_ALLREDUCES_PER_BLOCK,
-    TP_RECOMPUTE_PER_BLOCK,
     StepTimeModel,
     StepTimeParams,
 )
@@ -131,7 +130,7 @@ class GlooCpuStepTimeModel(SharedCoreStepTimeModel):
     def tp_calls(self, tp, pp) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduces, all-gathers) of tensor parallelism per micro-batch on the last stage."""
         layers = self.stage_layers(_f(pp))
-        per_block = TP_ALLREDUCES_PER_BLOCK + TP_RECOMPUTE_PER_BLOCK * self.activation_checkpointing
+        per_block = TP_ALLREDUCES_PER_BLOCK + self.tp_recompute_per_block(self.ac_codes())
         ends = np.where(_f(pp) > 1, 1.0, 2.0)        # embedding forward (pp = 1) + head backward
         on = _f(tp) > 1
         return np.where(on, per_block * layers + ends, 0.0), np.where(on, 1.0, 0.0)

@@ -7,6 +7,7 @@ copus's FSDP2 runtime:
     layers     = ceil(L/pp); units = layers + 1 (embedding or head)
     t_compute  = α_c·units + β_c·flops_stage(b_m)/(tp·ε_tp^log2(tp))  slowest (last) stage: blocks +
                  head; ε_tp = `HardwareProfile.tp_efficiency`, per-GPU efficiency kept per TP doubling
+                 (+ eager attention's score traffic, `StepTimeModel.attention_scores_s`)
     t_tp       = n_tp·[2(tp−1)·α_tp + 2(tp−1)/tp·b_m·s·h·e·β_tp·slow_tp]    Megatron TP, 4 all-reduces
                                                                   per block (+2 when recomputing)
     t_p2p      = 2·[α_pp + b_m·s·h·e·β_pp·slow_pp]                1F1B send/recv, blocking (no overlap)
@@ -52,11 +53,15 @@ def _f(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
+def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *, ac=None, chunks=1.0,
+                       sequence_parallel=False) -> dict[str, np.ndarray]:
     """Every term of the module equation (seconds), broadcast; "step_s" is the total.
 
-    `model` is a `copus.core.cost.throughput.StepTimeModel` (params, shape, tiers, options).
+    `model` is a `copus.core.cost.throughput.StepTimeModel` (params, shape, tiers, options);
+    `ac` AC mode codes (None: the model's), `chunks` the v of an interleaved schedule (bubble
+    (pp−1)/v, v× the p2p messages), `sequence_parallel` splits t_elem over tp.
     """
+    ac = model.ac_codes() if ac is None else np.asarray(ac)
 
     p, s = model.params, model.shape
     dp_f, tp_f, pp_f, b, m = (_f(x) for x in (dp, tp, pp, micro_batch_size, num_microbatches))
@@ -68,13 +73,16 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches) ->
 
     tp_eff = model.hardware.tp_efficiency if model.hardware is not None else 1.0
     compute = (p.layer_overhead_s * units
-               + p.s_per_flop * model.stage_flops_per_sample(pp_f) * b / tp_f / tp_eff ** np.log2(tp_f))
-    n_tp = (4.0 + 2.0 * model.activation_checkpointing) * layers + 2.0
+               + p.s_per_flop * model.stage_flops_per_sample(pp_f, ac) * b / tp_f / tp_eff ** np.log2(tp_f)
+               / model.compile_speedup + model.attention_scores_s(tp_f, pp_f, b, ac))
+    n_tp = (4.0 + model.tp_recompute_per_block(ac)) * layers + 2.0
     tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                    + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * slow_tp)
-    p2p = np.where(pp_f > 1, 2.0 * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * slow_pp), 0.0)
+    v = _f(chunks)
+    p2p = np.where(pp_f > 1, 2.0 * v * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * slow_pp), 0.0)
     memory_bw = model.hardware.memory_bw if model.hardware is not None else np.inf
-    elementwise = layers * b * s.seq_len * s.dim * ELEMENTWISE_BYTES / memory_bw
+    elementwise = (layers * b * s.seq_len * s.dim * ELEMENTWISE_BYTES / memory_bw
+                   / np.where(np.asarray(sequence_parallel) & (tp_f > 1), tp_f, 1.0))
     microbatch = compute + elementwise + tp_s + p2p
 
     grad = grad_sync_s(model, dp_f, local_params, slow_dp)
@@ -82,11 +90,12 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches) ->
     last = gamma_sum(microbatch, grad, p.gamma)
     shard = dp_f if model.distributed_optimizer else 1.0
     optimizer = p.optimizer_s_per_param * local_params / shard + p.step_overhead_s
-    step = (m + pp_f - 2.0) * microbatch + last + emb + optimizer
+    bubble = (pp_f - 1.0) / v * microbatch
+    step = (m - 1.0) * microbatch + bubble + last + emb + optimizer
     zero = np.zeros_like(step)
     return {"compute_s": compute, "elementwise_s": elementwise, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": zero,
             "microbatch_s": microbatch, "sync_s": grad, "embedding_sync_s": emb,
-            "optimizer_s": optimizer, "bubble_s": (pp_f - 1.0) * microbatch, "step_s": step}
+            "optimizer_s": optimizer, "bubble_s": bubble, "step_s": step}
 
 
 def grad_sync_s(model, dp_f: np.ndarray, local_params: np.ndarray, slow_dp: np.ndarray) -> np.ndarray:

@@ -18,7 +18,31 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
                  FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
     t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
     t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
-    step_s     = (m + pp − 2)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
+    step_s     = (m − 2 + 1 + (pp − 1)/v)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
+
+Plan options (issue 25; per candidate, `breakdown(..., activation_checkpointing=...)`):
+- activation checkpointing `ac` multiplies the FLOPs by the recomputed share of the forward:
+  full 4/3 (one more forward), selective 1 + r/3 with r = `selective_recompute_share` — the
+  forward FLOPs of the matmuls torchtitan's op policy recomputes (wk, wo, w3: every second
+  one) over the block's forward FLOPs (0.28 for Llama-3.1-8B at seq 8192); TP all-reduces
+  repeated: +2 per block (full), +1 (selective: wo);
+- interleaved 1F1B with v chunks per rank: bubble (pp − 1)/v stage-times instead of pp − 1
+  (Narayanan et al. SC'21 §2.2.2) and v times the point-to-point messages; GPipe's bubble is
+  1F1B's;
+- sequence parallel: an all-gather before and a reduce-scatter after attention and the MLP,
+  the bytes of 2 all-reduces forward and 2 backward (Korthikanti et al. 2022 §4.2.2): the three
+  (two) column-wise inputs share one all-gather, so their input gradients are summed before one
+  reduce-scatter: n_tp = 4 per block instead of copus's 7 (`TP_COLLECTIVES_SP`); the Megatron
+  stack's element-wise term is split by tp;
+- reshard-after-forward: n_ag = 2 all-gathers per micro-batch, else 1.
+Eager attention (`flash_attention=False`, e.g. Megatron-LM of 2021): the a·s² scores per sample
+and block are written and read in memory, t_attn = layers·a·s²·b/t·E_attn/memory_bw per
+micro-batch with E_attn = 30 bytes per 16-bit score (forward: QKᵀ writes 2, the fused
+scale-mask-softmax reads 2 and writes 2, dropout reads 2, writes 2 and a 1-byte mask, AV reads
+2 = 13; backward 17) + 13 per recomputed forward (`ATTN_SCORE_BYTES`); flash attention keeps the
+scores on chip (Dao et al. 2022), no term.
+`compile_speedup` divides t_compute (torch.compile; `COMPILE_SPEEDUP`, fitted on torchtitan's
+Llama-3.1-8B FSDP 8 pair in bench/published.py, other rows held out).
 
 The last line is Pollux's `T_iter = s·T_acc + (T_acc^γ + T_net^γ)^(1/γ)` (Qiao et al. OSDI'21,
 §4.1) with the pipeline's fill and drain added: `(m + pp − 1)` stage-times per step, i.e. a
@@ -44,11 +68,17 @@ from copus.core.specs.hardware import STACKS, HardwareProfile, get_hardware, lin
 from copus.core.cost.megatron_cost import megatron_breakdown
 from copus.core.cost.overlap import gamma_sum
 from copus.core.specs.models import ModelShape
-from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, ac_mode_name, option_codes
 
 GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
 TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
 TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
+ATTN_SCORE_BYTES = (30.0, 13.0)  # eager attention: bytes per score (fwd + bwd, per recomputed fwd)
+TP_COLLECTIVES_SP = 4           # sequence parallel: 2 all-gathers + 2 reduce-scatters, fwd and bwd
+TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wise): 1 all-reduce
+# torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
+# tokens/s/GPU, Table 1) by bench/published.py; Table 3 (128 GPUs) held out.
+COMPILE_SPEEDUP = 1.16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,8 +153,10 @@ class StepTimeModel:
 
     def __init__(self, params: StepTimeParams, shape: ModelShape, hardware: HardwareProfile | None = None,
                  *, world_size: int | None = None, dtype_bytes: int | None = None, param_bytes: int = 4,
-                 activation_checkpointing: bool = False, reshard_after_forward: bool = True,
-                 stack: str | None = None, distributed_optimizer: bool | None = None) -> None:
+                 activation_checkpointing: bool | str = False, reshard_after_forward: bool = True,
+                 stack: str | None = None, distributed_optimizer: bool | None = None,
+                 pipeline_schedule: str = "1f1b", virtual_stages: int = 1, sequence_parallel: bool = False,
+                 compile_speedup: float = 1.0, flash_attention: bool = True) -> None:
         self.params = params
         self.shape = shape
         self.hardware = hardware
@@ -132,7 +164,16 @@ class StepTimeModel:
         self.dtype_bytes = int(dtype_bytes or (hardware.dtype_bytes if hardware else 4))
         self.param_bytes = int(param_bytes)
         self.activation_checkpointing = activation_checkpointing
+        self.ac_mode = ac_mode_name(activation_checkpointing)
         self.reshard_after_forward = reshard_after_forward
+        option_codes(pipeline_schedule, "1f1b", PIPELINE_SCHEDULES, "pipeline_schedule")
+        self.pipeline_schedule = pipeline_schedule
+        self.virtual_stages = int(virtual_stages)
+        self.sequence_parallel = bool(sequence_parallel)
+        if not compile_speedup > 0:
+            raise ValueError(f"compile_speedup={compile_speedup!r} is invalid; allowed: a number > 0")
+        self.compile_speedup = float(compile_speedup)
+        self.flash_attention = bool(flash_attention)
         self.stack = stack or (hardware.stack if hardware else "fsdp2")
         if self.stack not in STACKS:
             raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
@@ -155,7 +196,10 @@ class StepTimeModel:
                              dtype_bytes=self.dtype_bytes, param_bytes=self.param_bytes,
                              activation_checkpointing=self.activation_checkpointing,
                              reshard_after_forward=self.reshard_after_forward, stack=self.stack,
-                             distributed_optimizer=self.distributed_optimizer)
+                             distributed_optimizer=self.distributed_optimizer,
+                             pipeline_schedule=self.pipeline_schedule, virtual_stages=self.virtual_stages,
+                             sequence_parallel=self.sequence_parallel, compile_speedup=self.compile_speedup,
+                             flash_attention=self.flash_attention)
 
     # ---- shape arithmetic -------------------------------------------------------------------
 
@@ -169,17 +213,54 @@ class StepTimeModel:
         emb = np.where(_i(pp) > 1, s.vocab_size * s.dim + s.dim, s.embedding_params())
         return self.stage_layers(pp) * s.layer_params() + emb
 
-    def stage_flops_per_sample(self, pp) -> np.ndarray:
+    def selective_recompute_share(self) -> float:
+        """Share of a block's forward FLOPs torchtitan's op policy recomputes: the matmuls wk,
+        wo, w3 (every second one), h·kv + h² + h·f, over layer_params + 2·h·s (matmuls + attention)."""
+        s = self.shape
+        kv = s.n_kv_heads * s.head_dim
+        return (s.dim * kv + s.dim * s.dim + s.dim * s.ffn_dim) / (s.layer_params() + 2.0 * s.dim * s.seq_len)
+
+    def ac_codes(self, activation_checkpointing=None) -> np.ndarray:
+        """AC mode codes (indices into AC_MODES) of the candidates; the model's own by default."""
+        return option_codes(activation_checkpointing, self.ac_mode, AC_MODES, "activation_checkpointing")
+
+    def recompute_factor(self, ac) -> np.ndarray:
+        """FLOPs multiplier of AC codes: none 1, selective 1 + r/3, full 4/3 (one more forward)."""
+        ac = np.asarray(ac)
+        return np.where(ac == 2, 4.0 / 3.0, np.where(ac == 1, 1.0 + self.selective_recompute_share() / 3.0, 1.0))
+
+    def tp_recompute_per_block(self, ac) -> np.ndarray:
+        """TP all-reduces repeated per block by the recompute: full 2, selective 1, none 0."""
+        ac = np.asarray(ac)
+        return np.where(ac == 2, TP_RECOMPUTE_PER_BLOCK, np.where(ac == 1, TP_RECOMPUTE_SELECTIVE, 0)) * 1.0
+
+    def bubble_chunks(self, pp, pipeline_schedule=None, virtual_stages=None) -> np.ndarray:
+        """v of the bubble (pp − 1)/v: the virtual stages under interleaved 1F1B, else 1."""
+        code = option_codes(pipeline_schedule, self.pipeline_schedule, PIPELINE_SCHEDULES, "pipeline_schedule")
+        v = _i(self.virtual_stages if virtual_stages is None else virtual_stages)
+        return np.where(code == 2, np.maximum(v, 1.0), 1.0) + 0.0 * _i(pp)
+
+    def attention_scores_s(self, tp, pp, micro_batch_size, ac) -> np.ndarray:
+        """Eager attention's score traffic per micro-batch (module docstring; 0 with flash)."""
+        if self.flash_attention or self.hardware is None:
+            return np.zeros(np.broadcast(_i(tp), _i(pp), _i(micro_batch_size), np.asarray(ac)).shape)
+        s = self.shape
+        recomputed = np.where(np.asarray(ac) > 0, 1.0, 0.0)
+        per_score = ATTN_SCORE_BYTES[0] + ATTN_SCORE_BYTES[1] * recomputed
+        scores = s.n_heads * float(s.seq_len) ** 2 * _i(micro_batch_size) / _i(tp)
+        return self.stage_layers(pp) * scores * per_score / self.hardware.memory_bw
+
+    def stage_flops_per_sample(self, pp, activation_checkpointing=None) -> np.ndarray:
         """Training FLOPs of one sample on the largest stage (forward + backward).
 
         Per block per token 6·layer_params + 12·dim·seq (Kaplan et al. 2020; PaLM App. B, as
         `ModelShape.flops_per_token`), plus the output head 6·vocab·dim; the embedding lookup
-        is free. With activation checkpointing the forward is recomputed: × 4/3.
+        is free. Activation checkpointing recomputes (part of) the forward: `recompute_factor`.
         """
         s = self.shape
         per_layer = 6.0 * s.layer_params() + 12.0 * s.dim * s.seq_len
         flops = (self.stage_layers(pp) * per_layer + 6.0 * s.vocab_size * s.dim) * s.seq_len
-        return flops * (4.0 / 3.0 if self.activation_checkpointing else 1.0)
+        return flops * self.recompute_factor(self.ac_codes(activation_checkpointing))
 
     def tiers(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Link tiers of the tp, dp and pp groups (0 fast domain, 1 node, 2 network)."""
@@ -191,10 +272,21 @@ class StepTimeModel:
 
     # ---- the model ----------------------------------------------------------------------------
 
-    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
-        """Every term of the equation (seconds), broadcast over the inputs; "step_s" is the total."""
+    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches, *, activation_checkpointing=None,
+                  pipeline_schedule=None, virtual_stages=None, sequence_parallel=None,
+                  reshard_after_forward=None) -> dict[str, np.ndarray]:
+        """Every term of the equation (seconds), broadcast over the inputs; "step_s" is the total.
+
+        The keywords are the plan options per candidate (names, or code / bool arrays as
+        `MemoryModel.breakdown`); None takes the model's own.
+        """
+        ac = self.ac_codes(activation_checkpointing)
+        v = self.bubble_chunks(pp, pipeline_schedule, virtual_stages)
+        sp = self.sequence_parallel if sequence_parallel is None else np.asarray(sequence_parallel)
         if self.stack == "megatron":
-            return megatron_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches)
+            return megatron_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches,
+                                      ac=ac, chunks=v, sequence_parallel=sp)
+        raf = self.reshard_after_forward if reshard_after_forward is None else np.asarray(reshard_after_forward)
         p = self.params
         dp_f, tp_f, pp_f, b, m = (_i(x) for x in (dp, tp, pp, micro_batch_size, num_microbatches))
         t_tier, d_tier, p_tier = self.tiers(dp, tp, pp)
@@ -203,14 +295,15 @@ class StepTimeModel:
         local_params = self.stage_params(pp_f) / tp_f
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
-        compute = p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f) * b / tp_f
-        n_tp = (TP_ALLREDUCES_PER_BLOCK + TP_RECOMPUTE_PER_BLOCK * self.activation_checkpointing) \
-            * layers + 2.0
+        compute = (p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f, ac) * b / tp_f
+                   / self.compile_speedup + self.attention_scores_s(tp_f, pp_f, b, ac))
+        per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
+        n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                        + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier])
-        p2p = np.where(pp_f > 1, 2.0 * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)
+        p2p = np.where(pp_f > 1, 2.0 * v * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)
         dp_frac = (dp_f - 1) / dp_f
-        n_ag = 2.0 if self.reshard_after_forward else 1.0
+        n_ag = np.where(raf, 2.0, 1.0)
         allgather = n_ag * ((dp_f - 1) * units * p.dp_latency_s
                             + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte * self._slow[d_tier])
         microbatch = gamma_sum(compute, allgather, p.gamma) + tp_s + p2p
@@ -218,10 +311,11 @@ class StepTimeModel:
                 + dp_frac * local_params * GRAD_BYTES * p.dp_s_per_byte * self._slow[d_tier])
         last = gamma_sum(microbatch, sync, p.gamma)
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
-        step = (m + pp_f - 2.0) * microbatch + last + optimizer
+        bubble = (pp_f - 1.0) / v * microbatch
+        step = (m - 1.0) * microbatch + bubble + last + optimizer
         return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
                 "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
-                "bubble_s": (pp_f - 1.0) * microbatch, "step_s": step}
+                "bubble_s": bubble, "step_s": step}
 
     def slowdowns(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Seconds per byte of the tp, dp and pp groups relative to tier 0 (module docstring).
@@ -242,9 +336,9 @@ class StepTimeModel:
             slow = [np.where(tier == 2, s / k, s) for tier, s, k in zip((t_tier, d_tier, p_tier), slow, shares)]
         return tuple(slow)
 
-    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray:
-        """Seconds per optimizer step, numpy-broadcast over integer arrays."""
-        return self.breakdown(dp, tp, pp, micro_batch_size, num_microbatches)["step_s"]
+    def predict(self, dp, tp, pp, micro_batch_size, num_microbatches, **options) -> np.ndarray:
+        """Seconds per optimizer step, numpy-broadcast over integer arrays; `options` as `breakdown`."""
+        return self.breakdown(dp, tp, pp, micro_batch_size, num_microbatches, **options)["step_s"]
 
     def predict_plans(self, plans: Sequence[ParallelPlan]) -> np.ndarray:
         cols = plan_columns(plans)

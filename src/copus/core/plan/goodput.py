@@ -13,6 +13,14 @@ Batch grids (`batch_grid`):
   very large batch ranges (thousands of GPUs).
 Validity follows `core.plan.plan_problems`: dp·tp·pp = world, tp divides heads/KV heads/ffn/dim,
 pp ≤ layers (via `layouts`), and num_microbatches ≥ pp when pp > 1.
+
+Plan options (issue 25): `build_candidates(..., options=[{...}, ...])` crosses every plan with
+each option set (AC mode, pipeline schedule + virtual stages, sequence parallel, reshard after
+forward; `option_grid` builds the list) and keeps the valid ones (`plan_problems`); the set
+then carries them as code columns (a schedule other than 1f1b only with pp ≥ 2: without a
+pipeline the schedule is moot, and one spelling avoids duplicate candidates) and hands them to
+the step-time and memory models as keywords, so every (layout, micro-batch, options) is
+ranked in one vectorised pass.
 """
 
 from __future__ import annotations
@@ -25,10 +33,14 @@ import numpy as np
 
 from copus.core.stats.efficiency import lr_aware_factor, statistical_efficiency
 from copus.core.specs.models import ModelShape
-from copus.core.plan.plan import ParallelPlan, layouts
+from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, layouts
 
 BATCH_GRIDS = ("multiples", "geometric")
 _FIELDS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
+_OPTIONS = ("activation_checkpointing", "pipeline_schedule", "virtual_stages", "sequence_parallel",
+            "reshard_after_forward")
+_DEFAULTS = {"activation_checkpointing": "none", "pipeline_schedule": "1f1b", "virtual_stages": 1,
+             "sequence_parallel": False, "reshard_after_forward": True}
 
 
 class StepTimePredictor(Protocol):
@@ -46,6 +58,9 @@ class CandidateSet:
     """Every candidate plan as parallel int64 arrays (one entry per plan).
 
     `memory_bytes` is the memory model's per-rank prediction (NaN when no model was given).
+    `options`: None (every plan with the default options), or one array per `_OPTIONS` name:
+    AC-mode and schedule codes (indices into AC_MODES, PIPELINE_SCHEDULES), virtual stages and
+    two boolean columns.
     """
 
     dp: np.ndarray
@@ -55,13 +70,31 @@ class CandidateSet:
     num_microbatches: np.ndarray
     global_batch_size: np.ndarray
     memory_bytes: np.ndarray
+    options: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
 
     def plan(self, i: int) -> ParallelPlan:
         """The i-th candidate as a `ParallelPlan`."""
-        return ParallelPlan(**{f: int(getattr(self, f)[i]) for f in _FIELDS})
+        return ParallelPlan(**{f: int(getattr(self, f)[i]) for f in _FIELDS}, **self.plan_options(i))
+
+    def plan_options(self, i: int) -> dict:
+        """The options of the i-th candidate as `ParallelPlan` keywords ({} without options)."""
+        if self.options is None:
+            return {}
+        o = self.options
+        return {"activation_checkpointing": AC_MODES[int(o["activation_checkpointing"][i])],
+                "pipeline_schedule": PIPELINE_SCHEDULES[int(o["pipeline_schedule"][i])],
+                "virtual_stages": int(o["virtual_stages"][i]),
+                "sequence_parallel": bool(o["sequence_parallel"][i]),
+                "reshard_after_forward": bool(o["reshard_after_forward"][i])}
+
+    def option_kwargs(self, indices: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The option columns as model keywords (of `indices` only); {} without options."""
+        if self.options is None:
+            return {}
+        return {k: (v if indices is None else v[indices]) for k, v in self.options.items()}
 
     def plans(self, indices: Iterable[int]) -> list[ParallelPlan]:
         return [self.plan(int(i)) for i in indices]
@@ -71,6 +104,12 @@ class CandidateSet:
         mask = np.ones(len(self), dtype=bool)
         for f in _FIELDS:
             mask &= getattr(self, f) == getattr(plan, f)
+        codes = option_columns([plan.options])
+        if self.options is not None:
+            for k, v in self.options.items():
+                mask &= v == codes[k][0]
+        elif plan.options != _DEFAULTS:
+            return None
         hits = np.flatnonzero(mask)
         return int(hits[0]) if hits.size else None
 
@@ -79,8 +118,9 @@ class CandidateSet:
         return (self.dp == plan.dp) & (self.tp == plan.tp) & (self.pp == plan.pp)
 
     def subset(self, mask: np.ndarray) -> CandidateSet:
+        opts = None if self.options is None else {k: v[mask] for k, v in self.options.items()}
         return CandidateSet(**{f: getattr(self, f)[mask] for f in (*_FIELDS, "global_batch_size",
-                                                                    "memory_bytes")})
+                                                                    "memory_bytes")}, options=opts)
 
     def predict_step_s(self, model: StepTimePredictor, indices: np.ndarray | None = None
                        ) -> np.ndarray:
@@ -88,8 +128,56 @@ class CandidateSet:
         cols = [getattr(self, f) for f in _FIELDS]
         if indices is not None:
             cols = [c[indices] for c in cols]
-        out = np.asarray(model.predict(*cols), dtype=float)
+        out = np.asarray(model.predict(*cols, **self.option_kwargs(indices)), dtype=float)
         return np.broadcast_to(out, cols[0].shape).astype(float, copy=False)
+
+
+def option_columns(option_sets: Sequence[dict]) -> dict[str, np.ndarray]:
+    """Option dicts (`ParallelPlan.options` keys, missing = default) as code / bool columns."""
+    full = [{**_DEFAULTS, **o} for o in option_sets]
+    unknown = {k for o in option_sets for k in o} - set(_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown plan options {sorted(unknown)}; allowed: {', '.join(_OPTIONS)}")
+    for o in full:   # validates the names
+        ParallelPlan(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=1, **o)
+    return {"activation_checkpointing": np.array([AC_MODES.index(o["activation_checkpointing"]) for o in full]),
+            "pipeline_schedule": np.array([PIPELINE_SCHEDULES.index(o["pipeline_schedule"]) for o in full]),
+            "virtual_stages": np.array([int(o["virtual_stages"]) for o in full], dtype=np.int64),
+            "sequence_parallel": np.array([bool(o["sequence_parallel"]) for o in full]),
+            "reshard_after_forward": np.array([bool(o["reshard_after_forward"]) for o in full])}
+
+
+def option_grid(ac_modes: Sequence[str] = AC_MODES, schedules: Sequence[str] = ("1f1b",),
+                virtual_stages: Sequence[int] = (2,), sequence_parallel: Sequence[bool] = (False,),
+                reshard_after_forward: Sequence[bool] = (True,)) -> list[dict]:
+    """Every combination of the given choices (interleaved-1f1b once per v, the others with v = 1)."""
+    out = []
+    for ac in ac_modes:
+        for sched in schedules:
+            for v in (virtual_stages if sched == "interleaved-1f1b" else (1,)):
+                for sp in sequence_parallel:
+                    for raf in reshard_after_forward:
+                        out.append({"activation_checkpointing": ac, "pipeline_schedule": sched,
+                                    "virtual_stages": int(v), "sequence_parallel": bool(sp),
+                                    "reshard_after_forward": bool(raf)})
+    return out
+
+
+def _option_valid(cols: dict[str, np.ndarray], option: dict[str, np.ndarray], shape: ModelShape | None
+                  ) -> np.ndarray:
+    """`plan_problems`' option rules, vectorised over plans for one option set (code scalars)."""
+    tp, pp, m = cols["tp"], cols["pp"], cols["num_microbatches"]
+    ok = np.ones(tp.shape, dtype=bool)
+    if int(option["pipeline_schedule"]) != 0:   # without a pipeline the schedule is moot: 1f1b only
+        ok &= pp >= 2
+    if int(option["pipeline_schedule"]) == 2:
+        v = int(option["virtual_stages"])
+        ok &= (pp >= 2) & (m % np.maximum(pp, 1) == 0)
+        if shape is not None:
+            ok &= pp * v <= shape.n_layers
+    if bool(option["sequence_parallel"]):
+        ok &= tp >= 2
+    return ok
 
 
 def batch_values(min_batch: int, max_batch: int, step: int, *, batch_grid: str = "multiples",
@@ -123,11 +211,14 @@ def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: in
                      max_batch: int, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
                      batch_grid: str = "multiples", steps_per_octave: int = 4,
                      memory_model: MemoryPredictor | None = None,
-                     memory_capacity_bytes: float | None = None) -> CandidateSet:
+                     memory_capacity_bytes: float | None = None,
+                     options: Sequence[dict] | None = None) -> CandidateSet:
     """Every valid plan for `world_size` ranks with global batch in [min_batch, max_batch].
 
     Plans whose predicted per-rank memory exceeds `memory_capacity_bytes` are pruned (needs
     `memory_model`); COPUS §4.4 prunes OOM configurations the same way, by measurement.
+    With `options` (dicts of `ParallelPlan` option keywords, e.g. from `option_grid`) every
+    plan is crossed with every option set that is valid for it.
     """
     _check_range(world_size, min_batch, max_batch, micro_batch_sizes)
     cols: dict[str, list[np.ndarray]] = {f: [] for f in _FIELDS}
@@ -141,17 +232,35 @@ def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: in
                 cols[f].append(np.full(nmb.shape, v, dtype=np.int64))
             cols["num_microbatches"].append(nmb.astype(np.int64))
     arrays = {f: (np.concatenate(v) if v else np.zeros(0, np.int64)) for f, v in cols.items()}
+    opts = None
+    if options is not None:
+        arrays, opts = _cross_options(arrays, option_columns(options), shape)
     gbs = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_microbatches"]
     mem = np.full(gbs.shape, np.nan)
     if memory_model is not None and gbs.size:
         mem = np.broadcast_to(np.asarray(memory_model.bytes_per_rank(
-            *(arrays[f] for f in _FIELDS)), dtype=float), gbs.shape).copy()
-    cands = CandidateSet(**arrays, global_batch_size=gbs, memory_bytes=mem)
+            *(arrays[f] for f in _FIELDS), **(opts or {})), dtype=float), gbs.shape).copy()
+    cands = CandidateSet(**arrays, global_batch_size=gbs, memory_bytes=mem, options=opts)
     if memory_capacity_bytes is not None:
         if memory_model is None:
             raise ValueError("memory_capacity_bytes needs a memory_model to prune with")
         cands = cands.subset(mem <= memory_capacity_bytes)
     return cands
+
+
+def _cross_options(arrays: dict[str, np.ndarray], table: dict[str, np.ndarray],
+                   shape: ModelShape | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Every plan × every option set (rows of `table`) that `_option_valid` admits."""
+    out: dict[str, list[np.ndarray]] = {f: [] for f in (*_FIELDS, *_OPTIONS)}
+    for j in range(len(table["activation_checkpointing"])):
+        option = {k: v[j] for k, v in table.items()}
+        ok = _option_valid(arrays, option, shape)
+        for f in _FIELDS:
+            out[f].append(arrays[f][ok])
+        for k in _OPTIONS:
+            out[k].append(np.full(int(ok.sum()), option[k], dtype=table[k].dtype))
+    cat = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in out.items()}
+    return {f: cat[f] for f in _FIELDS}, {k: cat[k] for k in _OPTIONS}
 
 
 def goodput(step_s: np.ndarray, global_batch_size: np.ndarray, b_noise: float, *,
@@ -193,8 +302,14 @@ def rank(scores: np.ndarray, step_s: np.ndarray | None = None, top: int | None =
         idx = np.flatnonzero(scores <= kth)  # the top ones and anything tied with the last
         scores = scores[idx]
     order = np.argsort(scores, kind="stable")
-    ordered = scores[order]
-    if step_s is not None and np.any(ordered[1:] == ordered[:-1]):  # ties: break by step time
-        steps = np.nan_to_num(np.asarray(step_s, float)[idx], nan=np.inf)
-        order = np.lexsort((steps, scores))
+    if step_s is not None:
+        ordered = scores[order]
+        tied = ordered[1:] == ordered[:-1]
+        if tied.any():  # ties: re-sort only the tied runs by (score, step), stable (index order)
+            pos = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
+            sub = order[pos]
+            steps = np.nan_to_num(np.asarray(step_s, float)[idx][sub], nan=np.inf)
+            key = np.empty(pos.size, dtype=complex)   # numpy sorts complex by (real, imag)
+            key.real, key.imag = ordered[pos], steps
+            order[pos] = sub[np.argsort(key, kind="stable")]
     return idx[order][:top]

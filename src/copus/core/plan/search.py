@@ -62,10 +62,14 @@ def amortisation(reconfig_cost_s: float, elapsed_s: float, useful_s: float | Non
 
 
 def plan_dict(plan: ParallelPlan) -> dict:
-    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-            "micro_batch_size": plan.micro_batch_size,
-            "num_microbatches": plan.num_microbatches,
-            "global_batch_size": plan.global_batch_size}
+    """The plan's degrees and batch (+ its options when not the defaults)."""
+    out = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
+           "micro_batch_size": plan.micro_batch_size,
+           "num_microbatches": plan.num_microbatches,
+           "global_batch_size": plan.global_batch_size}
+    if _option_args(plan):
+        out.update(plan.options)
+    return out
 
 
 def ranked(candidates: CandidateSet, model: StepTimePredictor, b_noise: float = float("inf"), *,
@@ -140,7 +144,8 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     factor = amortisation(reconfig_cost_s, elapsed_s, useful_s, horizon_s)
     adjusted = np.where(candidates.same_layout(current_plan)[idx], raw, raw * factor)
     order = rank(adjusted, step_s, top=max(top_k, 1))  # positions in idx
-    cur_step = float(np.asarray(model.predict(*_plan_args(current_plan)), float).reshape(-1)[0])
+    cur_step = float(np.asarray(model.predict(*_plan_args(current_plan), **_option_args(current_plan)),
+                                float).reshape(-1)[0])
     cur_good = float(goodput(np.array([cur_step]), np.array([current_plan.global_batch_size]),
                              b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
                              lr_ref_batch=lr_ref_batch)[0])
@@ -197,6 +202,14 @@ def _stay(expl: dict, why: str) -> SearchResult:
 def _plan_args(plan: ParallelPlan) -> tuple[np.ndarray, ...]:
     return tuple(np.array([v], dtype=np.int64) for v in
                  (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches))
+
+
+def _option_args(plan: ParallelPlan) -> dict:
+    """The plan's non-default options as model keywords ({} for a plain plan: any predictor)."""
+    default = ParallelPlan(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=1).options
+    if plan.options == default:
+        return {}
+    return {k: np.array([v]) if isinstance(v, (bool, int)) else v for k, v in plan.options.items()}
 
 
 def _num(x: float) -> float | None:

@@ -138,6 +138,15 @@ HARDWARE: dict[str, HardwareProfile] = {
         HardwareProfile(name="a100-80gb", peak_flops=312e12, mfu=0.50, memory_bytes=80 * GB,
                         memory_bw=2.039e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
                         gpus_per_node=8, nvlink_group=8, latency_s=1e-5),
+        # torchtitan's benchmark H100 (benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton):
+        # 96 GB HBM2e at 2.4 TB/s, default 500 W power limit, 8 per host on NVLink (450 GB/s per
+        # direction), 400 Gb/s RDMA per GPU (50 GB/s). Peak: the SXM datasheet's 989 TFLOPS, as
+        # torchtitan computed MFU ("the actual peak is between SXM and NVL"); mfu is fitted on its
+        # Llama-3.1-8B FSDP 8 row (Table 1, 5,762 tokens/s/GPU) by bench/published.py, every other
+        # row held out. Capacity 95.0 GiB: 82.4 GiB is reported as 86.7 %.
+        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=989e12, mfu=0.372, memory_bytes=95.0 * GiB,
+                        memory_bw=2.4e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
+                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
         # AMD Instinct MI210 datasheet: 181 TFLOPS BF16, 64 GB HBM2e at 1.6 TB/s. COPUS §5.1:
         # Infinity Fabric 200 GB/s inside a 4-GPU NUMA domain, PCIe4 64 GB/s across domains
         # (both taken as bidirectional: 100 and 32 GB/s per direction), Ethernet 25 GB/s

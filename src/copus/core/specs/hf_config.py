@@ -12,6 +12,10 @@ Fields read (transformers' `LlamaConfig` / `Qwen2Config` / `MistralConfig` names
     rope_theta           → rope_theta        optional number > 0 (default 10000)
     rms_norm_eps         → norm_eps          optional number > 0 (default 1e-5)
 
+Configs copus cannot price are refused (one line): a mixture of experts (any of
+`num_local_experts`, `num_experts`, `n_routed_experts`, `moe_intermediate_size` > 0: the
+dense-block FLOP and memory counts do not hold) and a `model_type` outside `DENSE_MODEL_TYPES`.
+
 The sequence length is not a model field: `seq_len` (the `--seq-len` flag) or 2048 (COPUS
 §6.1). Pure: json + the dataclass; every bad file is one ValueError line naming the field.
 """
@@ -25,6 +29,8 @@ from pathlib import Path
 from copus.core.specs.models import ModelShape
 
 DEFAULT_SEQ_LEN = 2048
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 _REQUIRED = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"),
              ("num_attention_heads", "n_heads"), ("intermediate_size", "ffn_dim"),
              ("vocab_size", "vocab_size"))
@@ -52,11 +58,25 @@ def _positive_number(data: dict, key: str, default: float, where: str) -> float:
     return float(value)
 
 
+def check_priceable(data: dict, where: str = "config.json") -> None:
+    """ValueError (one line) for a mixture-of-experts config or an unknown `model_type`."""
+    for key in MOE_FIELDS:
+        value = data.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            raise ValueError(f"{where}: field {key}={value!r}: a mixture-of-experts model, which copus "
+                             f"cannot price; allowed: a dense decoder ({', '.join(DENSE_MODEL_TYPES)})")
+    kind = data.get("model_type")
+    if kind is not None and kind not in DENSE_MODEL_TYPES:
+        raise ValueError(f"{where}: field model_type={kind!r} is invalid; allowed: "
+                         f"{', '.join(DENSE_MODEL_TYPES)}")
+
+
 def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
                     where: str = "config.json") -> ModelShape:
     """The `ModelShape` of a parsed config (module docstring); ValueError names the bad field."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: top level is {type(data).__name__}; allowed: a JSON object")
+    check_priceable(data, where)
     dims = {attr: _int_field(data, key, where) for key, attr in _REQUIRED}
     kv = data.get("num_key_value_heads")
     dims["n_kv_heads"] = dims["n_heads"] if kv is None else _int_field(data, "num_key_value_heads", where)

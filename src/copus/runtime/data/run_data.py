@@ -14,11 +14,11 @@ The trainer calls `build_run_data` once; everything data-dependent it needs come
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from copus.atomic import atomic_write_text
 from copus.core.specs.models import ModelShape
 from copus.runtime.data import stream as data_mod
 from copus.runtime.data.sampler import FeistelSampler
@@ -72,9 +72,7 @@ def save_tokenizer(run_dir: Path, tok) -> None:
     if to_json is None:
         return
     path = Path(run_dir) / RUN_TOKENIZER
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(to_json(), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, to_json())
 
 
 def eval_rows(wanted_rows: int, num_val: int, dp: int, micro_batch_size: int, pp: int) -> int:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
+
+from copus.runtime.data.tokenizer import ByteCodec, HfTokenizer, line_chunks, train_bpe_tokenizer
+from copus.atomic import atomic_write_text, atomic_writer
 
 EMBEDDED = "embedded"
 # Order of the package corpus (see src/copus/data/SOURCES.md).
@@ -109,8 +111,6 @@ def check_data(data_cfg) -> None:
 
     check_source(data_cfg.source)
     if data_cfg.tokenizer not in ("auto", "byte", "bpe"):
-        from copus.runtime.data.tokenizer import HfTokenizer
-
         HfTokenizer.from_file(_tokenizer_path(data_cfg.tokenizer))
     if is_prepared(data_cfg.source):
         meta = read_meta(Path(data_cfg.source).expanduser())
@@ -118,77 +118,7 @@ def check_data(data_cfg) -> None:
 
 
 # --------------------------------------------------------------------------------- tokenizers
-
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> np.ndarray: ...
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab 256, lossless, no training (token = byte value)."""
-
-    vocab_size = 256
-    kind = "byte"
-    sha256 = "byte"
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-class BpeTokenizer:
-    """A byte-level BPE model from the `tokenizers` library (lossless on any UTF-8 text)."""
-
-    kind = "bpe"
-
-    def __init__(self, tokenizer, name: str = "") -> None:
-        self._tok = tokenizer
-        self.vocab_size = int(tokenizer.get_vocab_size())
-        self.name = name  # cache file stem, e.g. "bpe-<hash>" ("" if not cached)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> BpeTokenizer:
-        from tokenizers import Tokenizer as HfTokenizer
-
-        return cls(HfTokenizer.from_file(str(path)), name=Path(path).stem)
-
-    @property
-    def sha256(self) -> str:
-        """The tokenizer's identity (runtime/tokenizer.identity)."""
-        from copus.runtime.data.tokenizer import identity
-
-        return identity(self._tok)
-
-    def to_json(self) -> str:
-        return self._tok.to_str()
-
-    def encode(self, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
-        """Encode in line-aligned chunks (batched, multi-threaded in Rust); chunks decode back
-        to the same text because byte-level BPE is lossless and adds no prefix space."""
-        chunks = _line_chunks(text, chunk_chars)
-        out = [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(chunks)]
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def _line_chunks(text: str, chunk_chars: int) -> list[str]:
-    chunks, start = [], 0
-    while start < len(text):
-        end = min(start + chunk_chars, len(text))
-        if end < len(text):
-            cut = text.rfind("\n", start, end)
-            end = cut + 1 if cut > start else end
-        chunks.append(text[start:end])
-        start = end
-    return chunks
-
+# One tokenizer wrapper and one BPE trainer for the whole package: runtime/data/tokenizer.py.
 
 def default_cache_dir() -> Path:
     """$COPUS_CACHE_DIR, else $XDG_CACHE_HOME/copus, else ~/.cache/copus (run-independent)."""
@@ -202,19 +132,17 @@ def bpe_cache_key(text: str, vocab_size: int) -> str:
     """sha256 of (format version, tokenizers version, vocab size, text): same input → same file."""
     import tokenizers
 
-    h = hashlib.sha256(f"copus-bpe-v1|{tokenizers.__version__}|{vocab_size}|".encode())
+    h = hashlib.sha256(f"copus-bpe-v2|{tokenizers.__version__}|{vocab_size}|".encode())
     h.update(text.encode("utf-8"))
     return h.hexdigest()[:24]
 
 
-def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -> BpeTokenizer:
-    """Train (or load from cache) a byte-level BPE of `vocab_size` tokens on `text`, offline.
+def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -> HfTokenizer:
+    """Train (or load from cache) a byte-level BPE of `vocab_size` tokens on `text`, offline, with
+    the package's one trainer (`tokenizer.train_bpe_tokenizer`: `<|endoftext|>` is id 0).
 
     Deterministic for a given text and vocab size; cached as `<cache_dir>/bpe-<hash>.json`, written
     atomically (temp file + rename), so concurrent ranks can race safely."""
-    from tokenizers import Tokenizer as HfTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     if vocab_size < 260:
         raise ValueError(f"data.bpe_vocab_size={vocab_size!r}: allowed: an integer >= 260 "
                          "(256 bytes + merges)")
@@ -222,23 +150,19 @@ def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -
     path = cache / f"bpe-{bpe_cache_key(text, vocab_size)}.json"
     if path.is_file():
         try:
-            return BpeTokenizer.from_file(path)
-        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt, not fatal
+            tok = HfTokenizer.from_file(path)
+            tok.name = path.stem        # the stem names its cached encodings
+            return tok
+        except ValueError:  # a corrupt cache entry is rebuilt, not fatal
             pass
-    tok = HfTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_line_chunks(text, 1 << 16), trainer=trainer, length=None)
+    tok = train_bpe_tokenizer(line_chunks(text, 1 << 16), vocab_size)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
-    return BpeTokenizer(tok, name=path.stem)
+    atomic_write_text(path, tok.to_json(), fsync=False)
+    tok.name = path.stem
+    return tok
 
 
-def encode_cached(tokenizer: ByteTokenizer | BpeTokenizer, text: str,
+def encode_cached(tokenizer: ByteCodec | HfTokenizer, text: str,
                   cache_dir: str | Path | None = None) -> np.ndarray:
     """tokenizer.encode(text); a BPE encoding of a large text (seconds) is cached beside the
     tokenizer as `<tokenizer name>-tokens-<text hash>.npy`. Bytes are never cached (≈ 0.2 s for
@@ -258,25 +182,20 @@ def encode_cached(tokenizer: ByteTokenizer | BpeTokenizer, text: str,
             pass
     tokens = tokenizer.encode(text)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
+    with atomic_writer(path, "wb", fsync=False) as fh:
         np.save(fh, tokens, allow_pickle=False)
-    os.replace(tmp, path)
     return tokens
 
 
 def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
-                    cache_dir: str | Path | None = None) -> ByteTokenizer | BpeTokenizer:
-    """`"byte"`/`"auto"` → ByteTokenizer; `"bpe"` → train_bpe(text, vocab_size, cache_dir); a path
+                    cache_dir: str | Path | None = None) -> ByteCodec | HfTokenizer:
+    """`"byte"`/`"auto"` → ByteCodec; `"bpe"` → train_bpe(text, vocab_size, cache_dir); a path
     → that tokenizer.json (cached encodings keyed by its identity)."""
     if kind in ("byte", "auto"):
-        return ByteTokenizer()
+        return ByteCodec()
     if kind == "bpe":
         return train_bpe(text, vocab_size, cache_dir)
-    from copus.runtime.data.tokenizer import HfTokenizer
-
-    tok = HfTokenizer.from_file(_tokenizer_path(kind))
-    return BpeTokenizer(tok.hf, name=tok.name)
+    return HfTokenizer.from_file(_tokenizer_path(kind))
 
 
 def _tokenizer_path(kind: str) -> Path:
@@ -416,7 +335,7 @@ def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = Tru
     sizes (and sha256 when `verify`), that data.tokenizer agrees with the folder's tokenizer and
     that the tokenizer fits the model (one line naming both hashes / sizes)."""
     from copus.runtime.data import shards
-    from copus.runtime.data.tokenizer import ByteCodec, HfTokenizer, check_vocab
+    from copus.runtime.data.tokenizer import check_vocab
 
     root = Path(data_cfg.source).expanduser()
     meta = shards.read_meta(root)
@@ -444,8 +363,6 @@ def check_tokenizer_agrees(setting: str, folder_sha: str, where: str) -> None:
     if setting == "bpe":
         raise ValueError(f"data.tokenizer='bpe': a prepared folder ({where}) brings its own "
                          "tokenizer; allowed: 'auto', or the tokenizer it was prepared with")
-    from copus.runtime.data.tokenizer import HfTokenizer
-
     mine = "byte" if setting == "byte" else HfTokenizer.from_file(_tokenizer_path(setting)).sha256
     if mine != folder_sha:
         raise ValueError(f"data.tokenizer={setting!r} (sha256 {mine[:16]}) differs from the "

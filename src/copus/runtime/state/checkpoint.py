@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner,
                                          FileSystemReader)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from copus.atomic import atomic_write_json, fsync_path
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -61,15 +62,6 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory (directory entries, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -220,13 +212,7 @@ def _quiet(_: str) -> None:
 def _write_manifest(folder: Path, step: int) -> None:
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in _files(folder)}
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    _fsync_path(folder)
+    atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -282,12 +268,12 @@ def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
     _write_json(tmp / TRAINER_STATE, trainer_state)
     for f in _files(tmp):
-        _fsync_path(f)
+        fsync_path(f)
     _write_manifest(tmp, step)
     if final.exists():
         _remove(final)
     os.rename(tmp, final)
-    _fsync_path(root)
+    fsync_path(root)
     _apply_retention(root, keep)
 
 

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from copus.atomic import atomic_write_bytes
+
 from copus.core.plan.layout_names import layout_name
 from copus.core.plan.records import Decision, StepRecord
 
@@ -403,12 +405,7 @@ def supersede_jsonl(path: Path, step: int) -> int:
             out.append(line + b"\n")
     if not (marked or changed):
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(b"".join(out))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, b"".join(out))
     return marked
 
 

@@ -18,9 +18,10 @@ Pure (no torch): `copus train` calls it before importing the runtime.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from copus.atomic import atomic_write_json
 
 STATE_FILE = "run.json"
 RUN_FILES = (STATE_FILE, "config.toml", "metrics.jsonl", "checkpoints")
@@ -40,13 +41,7 @@ def write_state(run_dir: str | Path, state: str, **info: Any) -> None:
     """Replace run.json atomically (write, fsync, rename), keeping keys not given."""
     run_dir = Path(run_dir)
     data = {**read_state(run_dir), **info, "state": state}
-    tmp = run_dir / (STATE_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, run_dir / STATE_FILE)
+    atomic_write_json(run_dir / STATE_FILE, data)
 
 
 def describe(run_dir: Path) -> str:

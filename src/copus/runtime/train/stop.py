@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any
 
+from copus.atomic import atomic_write_text
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_FILE = "stop-request"
 DUPLICATE_WINDOW_S = 0.25
@@ -178,10 +180,7 @@ class SignalForwarder:
     def _request(self, signum: int) -> None:
         """Write the stop request atomically (tmp + rename) for the workers to find."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(f"{int(signum)}\n")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, f"{int(signum)}\n", fsync=False)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()

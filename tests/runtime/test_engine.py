@@ -196,3 +196,14 @@ def test_settings_validation():
     assert EngineSettings().resolved_dtype(torch.device("cpu")) == "fp32"
     assert EngineSettings().resolved_dtype(torch.device("cuda")) == "bf16"
     assert EngineSettings(dtype="bf16").resolved_dtype(torch.device("cpu")) == "bf16"
+
+
+def test_fused_adamw_only_when_every_parameter_is_on_cuda():
+    from copus.runtime.engine.optim import adamw_impl, build_adamw
+
+    assert adamw_impl({"cuda"}) == "fused"
+    assert adamw_impl({"cpu"}) == adamw_impl({"cpu", "cuda"}) == "default"
+    opt = build_adamw([torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))],
+                      weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert not opt.defaults["fused"]

@@ -191,6 +191,8 @@ def test_settings_validation():
         EngineSettings(pp_schedule="zb")
     with pytest.raises(ValueError, match="dtype"):
         EngineSettings(dtype="fp16")
+    with pytest.raises(ValueError, match="grad_clip"):
+        EngineSettings(grad_clip=-1.0)
     with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
         EngineSettings(activation_checkpointing="partial")
     assert EngineSettings().resolved_dtype(torch.device("cpu")) == "fp32"

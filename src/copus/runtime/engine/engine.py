@@ -74,6 +74,8 @@ class EngineSettings:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: auto, "
                              f"{', '.join(DTYPES)}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
         ac_mode(self.activation_checkpointing)       # raises on an unknown mode
         if self.compile:
             check_compile_available()
@@ -83,8 +85,6 @@ class EngineSettings:
         if self.dtype == "auto":
             return "bf16" if torch.device(device).type == "cuda" else "fp32"
         return self.dtype
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
 
 
 def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
@@ -165,7 +165,7 @@ class Engine:
         self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW (`optim.build_adamw`: fused on CUDA, foreach elsewhere)."""
+        """AdamW (`optim.build_adamw`: fused on CUDA, torch's default elsewhere)."""
         s = self.settings
         return build_adamw(list(self.model.parameters()), weight_decay=s.weight_decay,
                            betas=(s.beta1, s.beta2), eps=s.eps)

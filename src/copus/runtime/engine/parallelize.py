@@ -30,7 +30,8 @@ Activation checkpointing (`AC_MODES`), per transformer block, with names unchang
   (bench/activation_checkpointing.py) it keeps 35.9 % of "none"'s activation bytes (full:
   6.5 %). Eager, the policy runs as a Python dispatch mode on every op of the block (forward
   and recompute); under torch.compile the policy tags the traced graph once (no per-op
-  Python at run time; not timed here).
+  Python at run time). Step time selective / none on `small`, micro-batch 4: 1.06–1.35 eager
+  over 3 runs, 1.13 compiled; micro-batch 1: 1.22–1.29 (shared CPU).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ config file can never run code. Every user mistake raises `ValueError` with one 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -84,9 +86,12 @@ def _nonempty_str() -> Check:
 
 
 def _real_or_auto() -> Check:
-    """`gns.calibration`: a number > 0 (COPUS: 2.0) or "auto" (measured by branch probes)."""
+    """`gns.calibration`: a number > 0 (COPUS: 2.0), "auto" (learnt in the run from the loss
+    around batch changes, core.stats.calibration_posterior) or "probe" (measured by branch
+    probes, runtime/train/probe.py)."""
     real = _real(0.0, lo_open=True)
-    return lambda v: None if v == "auto" or real(v) is None else "a number > 0 or 'auto'"
+    return lambda v: None if v in ("auto", "probe") or real(v) is None else \
+        "a number > 0, 'auto' or 'probe'"
 
 
 def _probe_multipliers() -> Check:
@@ -119,10 +124,12 @@ def _layout_map() -> Check:
 
 def _tokenizer_setting() -> Check:
     """`data.tokenizer`: 'auto' (a prepared folder's own, else bytes), 'byte', 'bpe' (trained at
-    start) or a path ending in .json (a Hugging Face tokenizer.json; checked when loaded)."""
-    text = "'auto', 'byte', 'bpe' or a path to a tokenizer.json file"
+    start), a path ending in .json (a Hugging Face tokenizer.json) or a folder holding one (a
+    Hugging Face model folder); checked when loaded."""
+    text = "'auto', 'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder"
     return lambda v: (None if isinstance(v, str) and (v in ("auto", "byte", "bpe")
-                                                      or v.endswith(".json")) else text)
+                                                      or v.endswith(".json") or os.path.isdir(v))
+                      else text)
 
 
 def _opt(default: Any, check: Check, convert: Callable[[Any], Any] | None = None) -> Any:
@@ -149,10 +156,22 @@ def _model_name() -> Check:
     return check
 
 
+def _hf_folder() -> Check:
+    """`model.init_from`: "" (random init) or a Hugging Face folder with config.json."""
+    def check(v: Any) -> str | None:
+        if v == "":
+            return None
+        if not isinstance(v, str) or not os.path.isfile(os.path.join(v, "config.json")):
+            return "'' or a Hugging Face model folder (config.json + safetensors weights)"
+        return None
+    return check
+
+
 @dataclass(**_FROZEN)
 class ModelConfig:
     name: str = _opt("tiny", _model_name())
     seq_len: int = _opt(0, _int(0, 1_048_576))   # 0 = the shape's own (2048 for a config.json)
+    init_from: str = _opt("", _hf_folder())      # a Hugging Face folder: start from its weights
 
 
 @dataclass(**_FROZEN)
@@ -227,9 +246,9 @@ class GnsConfig:
     decay: float = _opt(0.95, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_late: float = _opt(0.99, _real(0.0, 1.0, lo_open=True, hi_open=True))
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
-    calibration: float | str = _opt(1.0, _real_or_auto())
+    calibration: float | str = _opt("auto", _real_or_auto())
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
-    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "auto"
+    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "probe"
     probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
     probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
     estimator: str = _opt("tracking", _choice("tracking", "ema"))
@@ -240,6 +259,9 @@ class GnsConfig:
 @dataclass(**_FROZEN)
 class ControllerConfig:
     margin: float = _opt(0.10, _real(0.0))
+    # a batch change on the current layout needs only this gain in goodput expected under the
+    # posterior over c (core/control/batch_move.py, issue 26); >= margin: COPUS's one margin
+    batch_margin: float = _opt(0.02, _real(0.0))
     lr_aware: bool = _opt(False, _bool())
     # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
     reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)
@@ -271,11 +293,28 @@ class EvalConfig:
     num_samples: int = _opt(64, _int(1))
 
 
+def _str_list() -> Check:
+    return lambda v: (None if isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
+                      else "a list of non-empty strings, e.g. ['baseline', 'tp2']")
+
+
+def _any_str() -> Check:
+    return lambda v: None if isinstance(v, str) else "a string ('' = the default)"
+
+
 @dataclass(**_FROZEN)
 class LogConfig:
     progress: bool = _opt(True, _bool())
     progress_interval_s: float = _opt(30.0, _real(0.0))   # plain progress line without a tty
     tensorboard: bool = _opt(True, _bool())
+    # experiment trackers (runtime/state/trackers.py), optional extras copus[wandb] / copus[mlflow]
+    wandb: bool = _opt(False, _bool())
+    wandb_project: str = _opt("copus", _nonempty_str())
+    wandb_name: str = _opt("", _any_str())            # "" = the run folder's name (W&B and MLflow)
+    wandb_tags: tuple[str, ...] = _opt((), _str_list())
+    wandb_mode: str = _opt("", _choice("", "online", "offline"))   # "" = WANDB_MODE, else online
+    mlflow: str = _opt("", _any_str())                 # a tracking URI, e.g. "sqlite:///mlflow.db"; "" = off
+    mlflow_experiment: str = _opt("copus", _nonempty_str())
 
 
 @dataclass(**_FROZEN)
@@ -308,6 +347,19 @@ def model_shape(cfg: Any):
     return get_model_shape(cfg.model.name, cfg.model.seq_len)
 
 
+def did_you_mean(name: str, allowed: Iterable[str], section: str = "") -> str:
+    """' (did you mean X?)' for the closest allowed name (difflib ratio >= 0.6, or a key of
+    another section holding `name` exactly), else ''."""
+    close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {section + '.' if section else ''}{close[0]}?)"
+    if section:
+        homes = [s for s in SECTIONS if s != section and name in allowed_keys(s)]
+        if homes:
+            return f" (did you mean {homes[0]}.{name}?)"
+    return ""
+
+
 def _bad(section: str, key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{section}.{key}={value!r}: {allowed}")
 
@@ -319,8 +371,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in by_name:
-            raise ValueError(f"unknown config key {section}.{key}; allowed in [{section}]: "
-                             f"{', '.join(by_name)}")
+            raise ValueError(f"unknown config key {section}.{key}{did_you_mean(key, by_name, section)}; "
+                             f"allowed in [{section}]: {', '.join(by_name)}")
         problem = by_name[key].metadata["check"](value)
         if problem is not None:
             raise _bad(section, key, value, f"allowed: {problem}")
@@ -328,6 +380,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
             value = float(value)
         if by_name[key].metadata.get("convert") is not None:
             value = by_name[key].metadata["convert"](value)
+        if isinstance(value, list):
+            value = tuple(value)   # frozen sections hold tuples
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -338,7 +392,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     data = apply_policy_preset(data)
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown config section [{section}]; allowed: {', '.join(SECTIONS)}")
+            raise ValueError(f"unknown config section [{section}]{did_you_mean(section, SECTIONS)}; "
+                             f"allowed: {', '.join(SECTIONS)}")
         if not isinstance(values, Mapping):
             raise ValueError(f"{section}={values!r}: allowed: a table of keys "
                              f"({', '.join(allowed_keys(section))})")
@@ -363,6 +418,7 @@ def check_consistency(cfg: Config) -> None:
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab != 256:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
                    f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
+    _check_init_from(cfg)
     p = cfg.parallel
     if p.layouts.strip():
         fixed = [f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp") if getattr(p, k)]
@@ -377,6 +433,21 @@ def check_consistency(cfg: Config) -> None:
         raise _bad("data", "val_fraction", 0.0,
                    "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "
                    "(or set eval.interval_steps=0)")
+
+
+def _check_init_from(cfg: Config) -> None:
+    """`model.init_from`'s config.json must describe the shape copus builds (`model.name`)."""
+    if not cfg.model.init_from:
+        return
+    from copus.core.specs.resolve import get_model_shape
+
+    theirs = get_model_shape(os.path.join(cfg.model.init_from, "config.json"), cfg.model.seq_len)
+    ours = model_shape(cfg)
+    for f in dataclasses.fields(ours):
+        if f.name != "name" and getattr(ours, f.name) != getattr(theirs, f.name):
+            raise _bad("model", "init_from", cfg.model.init_from,
+                       f"allowed: a folder whose config.json has {f.name}={getattr(ours, f.name)!r} like "
+                       f"model.name={cfg.model.name!r} (it has {getattr(theirs, f.name)!r})")
 
 
 def check_run_length(cfg: Config) -> None:

@@ -23,7 +23,7 @@ def test_defaults_match_the_documented_contract():
     assert cfg.train.lr == 3e-3 and cfg.train.lr_rule == "sqrt"
     assert cfg.batch.policy == "goodput" and (cfg.batch.min, cfg.batch.initial,
                                               cfg.batch.max) == (8, 8, 256)
-    assert cfg.gns.decay_switch_tokens == 8_000_000 and cfg.gns.calibration == 1.0
+    assert cfg.gns.decay_switch_tokens == 8_000_000 and cfg.gns.calibration == "auto"  # issue 26
     assert cfg.gns.estimator == "tracking" and cfg.gns.confidence == 1.645
     assert cfg.gns.recovery_steps == 20 and cfg.controller.lr_aware is False
     assert cfg.parallel.pp_schedule == "1f1b" and cfg.log.tensorboard is True
@@ -143,6 +143,24 @@ def test_unknown_section_and_key_list_the_allowed_ones(tmp_path):
     path.write_text("[batch]\nmaximum = 3\n")
     with pytest.raises(ValueError, match=r"unknown config key batch\.maximum"):
         load_config(str(path), [])
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("train.lr_schedul='cosine'", "did you mean train.lr_schedule?"),   # a typo
+    ("batch.maxx=3", "did you mean batch.max?"),
+    ("train.nproc=2", "did you mean parallel.nproc?"),                   # the right key, wrong section
+    ("trian.lr=1", "unknown config section [trian] (did you mean train?)"),
+])
+def test_near_miss_keys_get_a_did_you_mean(override, hint):
+    with pytest.raises(ValueError) as err:
+        load_config(None, [override])
+    assert hint in str(err.value) and "\n" not in str(err.value)
+
+
+def test_far_miss_keys_get_no_guess():
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["train.zzz=1"])
+    assert "did you mean" not in str(err.value)
 
 
 def test_bad_files_and_override_syntax(tmp_path):

@@ -146,15 +146,17 @@ def test_summarize_branches_known_answer():
 def test_probe_multipliers_and_auto_calibration_config():
     from copus.config import load_config
     from copus.core.stats.critical_batch import parse_probe_multipliers
-    from copus.core.control.policies import AUTO_CALIBRATION_PRIOR, PolicySettings
+    from copus.core.control.policies import AUTO_CALIBRATION_PRIOR, POSTERIOR_PRIOR_C, PolicySettings
 
     assert parse_probe_multipliers("4,1,2") == [1.0, 2.0, 4.0]
     for bad in ("2,4", "1", "1,-2", "1,x"):
         with pytest.raises(ValueError, match="probe_multipliers"):
             parse_probe_multipliers(bad)
-    cfg = load_config(None, ["gns.calibration='auto'"])
-    assert cfg.gns.calibration == "auto"
+    cfg = load_config(None, ["gns.calibration='probe'"])      # the branch probe: its prior until measured
+    assert cfg.gns.calibration == "probe"
     assert PolicySettings.from_config(cfg).calibration == AUTO_CALIBRATION_PRIOR
+    auto = PolicySettings.from_config(load_config(None, ["gns.calibration='auto'"]))   # learnt in the run
+    assert (auto.calibration, auto.calibration_mode) == (POSTERIOR_PRIOR_C, "auto")
     assert load_config(None, ["gns.calibration=2"]).gns.calibration == 2.0
     for bad in ("gns.calibration='sometimes'", "gns.calibration=0", "gns.probe_multipliers='2,4'"):
         with pytest.raises(ValueError, match="gns"):

@@ -99,3 +99,86 @@ def test_train_config_validates_the_file(tmp_path):
     bad = _write(tmp_path, {**TINY, "vocab_size": -5}, "bad.json")
     with pytest.raises(ValueError, match="vocab_size=-5"):
         load_config(None, [f'model.name="{bad}"'])
+
+
+# transformers' config.json of Qwen/Qwen3-0.6B (the fields that matter): explicit head_dim, QK-norm
+QWEN3 = {**TINY, "model_type": "qwen3", "head_dim": 128, "architectures": ["Qwen3ForCausalLM"]}
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"model_type": "gpt2"}, "model_type='gpt2' is invalid; allowed: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts"),
+    ({"num_local_experts": 8}, "num_local_experts=8: a mixture-of-experts model"),
+    ({"model_type": "qwen2", "moe_intermediate_size": 64}, "moe_intermediate_size=64"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "factor": None}}, "factor=None is invalid"),
+    ({"head_dim": 15}, "head_dim=15 is invalid; allowed: an even integer"),
+    ({"attention_bias": "yes"}, "attention_bias='yes' is invalid"),
+])
+def test_configs_copus_cannot_price_or_read_are_refused_in_one_line(change, needle):
+    with pytest.raises(ValueError) as err:
+        shape_from_dict({**TINY, **change}, name="x")
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"model_type": "qwen3", "head_dim": 128}, "model_type='qwen3' is not supported by copus's model (QK-norm)"),
+    ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window=1024 is not supported by copus's "
+                                                        "model (a window shorter than seq_len=2048)"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 512}, "sliding_window=512"),
+    ({"use_qk_norm": True}, "use_qk_norm=True is not supported by copus's model (QK-norm)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+])
+def test_fields_the_model_cannot_represent_are_priced_but_not_built(change, needle):
+    """The planner prices these (FLOPs and memory hold); copus's model refuses them in one line."""
+    shape = shape_from_dict({**TINY, **change}, name="x")
+    assert needle in shape.unsupported and "\n" not in shape.unsupported
+    from copus.runtime.engine.model import build_model
+
+    with pytest.raises(ValueError) as err:
+        build_model(shape, "meta")
+    assert str(err.value) == shape.unsupported
+    assert shape_from_dict(TINY, name="x").unsupported == ""
+
+
+def test_qwen3_is_planned_but_training_it_exits_2_naming_the_field(tmp_path, capsys):
+    path = _write(tmp_path, QWEN3)
+    assert main(["plan", "--model", path, "--gpus", "2", "--hardware", "cpu", "--top", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--model", path, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type='qwen3'" in err[0] and "QK-norm" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("change,expect", [
+    ({"head_dim": 24}, {"head_dim": 24, "explicit_head_dim": 24}),
+    ({"head_dim": 16}, {"head_dim": 16, "explicit_head_dim": None}),       # = hidden / heads
+    ({"head_dim": 24, "hidden_size": 66}, {"head_dim": 24, "dim": 66}),   # not a multiple: fine
+    ({"attention_bias": True}, {"qkv_bias": True, "o_bias": True}),
+    ({"model_type": "qwen2"}, {"qkv_bias": True, "o_bias": False}),
+    ({"rope_scaling": LLAMA31_ROPE, "rope_theta": 5e5}, {"rope_theta": 5e5}),
+    ({"rope_parameters": {**LLAMA31_ROPE, "rope_theta": 5e5}}, {"rope_theta": 5e5}),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, {"rope_theta": 1e6, "rope_scaling": None}),
+    ({"model_type": "mistral", "sliding_window": 4096}, {"n_layers": 2}),       # window >= seq_len
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 512}, {"n_layers": 2}),
+])
+def test_representable_fields_are_honoured(change, expect):
+    shape = shape_from_dict({**TINY, **change}, name="x")
+    for key, value in expect.items():
+        assert getattr(shape, key) == value, key
+    if "rope_type" in str(change) and "llama3" in str(change):
+        assert shape.rope_scaling.factor == 8.0 and shape.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_param_count_follows_head_dim_and_biases():
+    plain = shape_from_dict(TINY, name="x")
+    wide = shape_from_dict({**TINY, "head_dim": 32, "model_type": "qwen2"}, name="x")
+    q, kv = 4 * 32, 2 * 32
+    per_layer = plain.layer_params() + 2 * 64 * (q - 64) + 2 * 64 * (kv - 32) + q + 2 * kv
+    assert wide.layer_params() == per_layer

@@ -97,3 +97,26 @@ def test_copus_plan_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'copus plan imported torch'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_config_fills_the_flags_not_given_and_flags_win(tmp_path, capsys):
+    conf = tmp_path / "run.toml"
+    conf.write_text("[model]\nname = 'llama-2-7b'\nseq_len = 1024\n[parallel]\nnproc = 16\n"
+                    "micro_batch_size = 2\n[batch]\ninitial = 32\nmax = 64\n")
+    assert main(["plan", "--config", str(conf), "--hardware", "h100-sxm", "--json", "--top", "50"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["micro_batch_size"] for r in rows} == {2}                      # parallel.micro_batch_size
+    assert {r["dp"] * r["tp"] * r["pp"] for r in rows} == {16}               # parallel.nproc
+    assert min(r["global_batch_size"] for r in rows) >= 32 and max(r["global_batch_size"] for r in rows) <= 64
+    assert main(["plan", "--config", str(conf), "--gpus", "8", "--global-batch", "64", "--top", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("llama-2-7b (seq 1024) on 8 x h100-sxm") and "global batch 64..64" in head
+
+
+def test_config_errors_are_one_line(tmp_path):
+    conf = tmp_path / "run.toml"
+    conf.write_text("[batch]\nmaxx = 3\n")
+    out = subprocess.run([sys.executable, "-m", "copus", "plan", "--config", str(conf)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "did you mean batch.max?" in out.stderr

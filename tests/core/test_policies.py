@@ -71,7 +71,15 @@ def test_settings_mirror_config_and_validate():
     cfg = Config()
     s = PolicySettings.from_config(cfg)
     assert s.initial == cfg.batch.initial and s.norm_test_form == cfg.batch.norm_test_form
-    assert s.max_rel_err == cfg.gns.max_rel_err and s.calibration == cfg.gns.calibration
+    assert s.max_rel_err == cfg.gns.max_rel_err
+    # issue 26: gns.calibration defaults to "auto" (learnt in the run), the prior median 4.0
+    assert cfg.gns.calibration == "auto" and s.calibration_mode == "auto" and s.calibration == 4.0
+    from copus.config import load_config
+
+    probe = PolicySettings.from_config(load_config(overrides=["gns.calibration='probe'"]))
+    assert probe.calibration == 1.0 and probe.calibration_mode == "fixed"
+    fixed = PolicySettings.from_config(load_config(overrides=["gns.calibration=3.0"]))
+    assert fixed.calibration == 3.0 and fixed.calibration_mode == "fixed"
     with pytest.raises(ValueError, match="batch.max=4"):
         PolicySettings(min=8, max=4)
     with pytest.raises(ValueError, match="batch.max_growth=0.5"):

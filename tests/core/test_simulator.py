@@ -221,3 +221,19 @@ def test_simulate_command_json_plot_and_errors(tmp_path, capsys):
     assert "--policies" in capsys.readouterr().err
     assert main(["simulate", "--preset", "70b-moon"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_simulate_takes_a_train_config(tmp_path, capsys):
+    import json
+
+    from copus.cli import main
+
+    conf = tmp_path / "run.toml"
+    conf.write_text("[model]\nname = 'llama-3.2-3b'\n[parallel]\nnproc = 16\n[batch]\ninitial = 32\n"
+                    "max = 256\n[train]\nmax_tokens = 200000000\nseed = 3\n")
+    assert main(["simulate", "--config", str(conf), "--policies", "static", "--target-loss", "6.0",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["world_size"], out["seed"], out["token_budget"]) == (16, 3, 200_000_000)
+    assert [int(r["name"].split()[1][2:]) for r in out["runs"]] == [32, 64, 128, 256]  # batch.initial..max
+    assert {s["dp"] * s["tp"] * s["pp"] for r in out["runs"] for s in r["timeline"]} == {16}  # nproc

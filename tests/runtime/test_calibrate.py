@@ -119,7 +119,7 @@ def probe_worker(run_dir: str) -> dict:
     from copus.runtime.train import branching as br
     from copus.runtime.train.trainer import Trainer
 
-    cfg = _cfg("parallel.nproc=2", "train.max_steps=40", "gns.calibration='auto'",
+    cfg = _cfg("parallel.nproc=2", "train.max_steps=40", "gns.calibration='probe'",
                "gns.probe_tokens=2048", "gns.probe_multipliers='1,2,4'")
     trainer = Trainer(cfg, run_dir, torch.device("cpu"), policy_factory=scripted_growth)
     for _ in range(3):

@@ -51,6 +51,48 @@ def test_resume_reads_the_run_folder_config(tmp_path):
     assert cfg.train.seed == 11 and cfg.train.max_steps == 9
 
 
+def test_print_config_prints_the_resolved_toml_that_loads_back(tmp_path, capsys):
+    from copus.cli import main
+    from copus.config import load_config
+
+    conf = tmp_path / "c.toml"
+    conf.write_text("[batch]\npolicy = 'gns'\n")
+    argv = ["--config", str(conf), "--set", "batch.initial=16", "--max-steps", "7"]
+    assert main(["train", *argv, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "[batch]" in text and 'policy = "gns"' in text and "initial = 16" in text
+    (tmp_path / "printed.toml").write_text(text)
+    assert load_config(str(tmp_path / "printed.toml")) == resolve_config(_args(*argv))
+
+
+def test_print_config_reports_a_bad_key_with_exit_2(tmp_path):
+    out = _copus_train("--set", "train.lr_shedule=1", "--print-config", cwd=tmp_path)
+    assert out.returncode == 2 and "did you mean train.lr_schedule?" in out.stderr
+    assert out.stdout == ""
+
+
+def test_resume_auto_decides_from_the_folder(tmp_path):
+    from copus.commands.train import has_complete_checkpoint, holds_failed_attempt, set_aside
+
+    run = tmp_path / "run"
+    assert not has_complete_checkpoint(run) and not holds_failed_attempt(run)   # new folder
+    (run / "checkpoints" / "step-4").mkdir(parents=True)        # a partial save only
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert not has_complete_checkpoint(run) and holds_failed_attempt(run)
+    target = set_aside(run)
+    assert sorted(p.name for p in run.iterdir()) == ["previous-attempts"]
+    assert (target / "metrics.jsonl").is_file() and target.name == "1"
+    assert holds_failed_attempt(run)          # a second requeue before any save: attempt 2
+    (run / "run.json").write_text("{}")
+    assert set_aside(run).name == "2"
+
+
+def test_resume_bad_value_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "copus", "train", "--run-dir", "x", "--resume", "always"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--resume 'always': allowed: --resume, or --resume auto" in out.stderr
+
+
 def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     return subprocess.run([sys.executable, "-m", "copus", "train", *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
@@ -152,3 +194,60 @@ def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path
     assert applied[0]["switch"]["method"] == "direct" and applied[0]["switch_s"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_plan"]["dp"] == 2 and summary["steps"] == 8
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_fresh_then_resumes(tmp_path):
+    """A requeue script's command, run three times: a folder whose first attempt died before any
+    checkpoint starts fresh (the attempt set aside); once a checkpoint exists it resumes."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text('{"state": "running"}')        # died before any save
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    common = ["--nproc", "1", "--run-dir", str(run_dir), "--resume", "auto", "--policy", "constant",
+              "--set", "data.max_chars=100000", "--set", "eval.interval_steps=0",
+              "--set", "checkpoint.interval_steps=2", "--set", "log.progress=false",
+              "--set", "log.tensorboard=false"]
+    out = _copus_train(*common, "--max-steps", "2", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting fresh" in out.stderr
+    assert (run_dir / "previous-attempts" / "1" / "metrics.jsonl").read_text().startswith('{"step": 1, "loss": 9.0}')
+    out = _copus_train(*common, "--max-steps", "3", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]                                        # resumed at step 2, not restarted
+
+
+def test_init_from_sets_model_and_tokenizer_unless_named(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 96, "vocab_size": 256, "head_dim": 24}))
+    from copus.runtime.state.export import byte_tokenizer_json
+
+    (hf / "tokenizer.json").write_text(byte_tokenizer_json())
+    cfg = resolve_config(_args("--init-from", str(hf)))
+    assert cfg.model.init_from == str(hf) and cfg.model.name == str(hf / "config.json")
+    assert cfg.data.tokenizer == str(hf)
+    cfg = resolve_config(_args("--init-from", str(hf), "--set", "data.tokenizer='byte'"))
+    assert cfg.data.tokenizer == "byte"
+    with pytest.raises(ValueError, match=r"model.init_from=.*allowed: a folder whose config.json has n_layers=4"):
+        resolve_config(_args("--init-from", str(hf), "--model", "tiny"))
+    with pytest.raises(ValueError, match="model.init_from="):
+        resolve_config(_args("--init-from", str(tmp_path / "absent")))
+
+
+def test_tokenizer_from_a_hugging_face_folder(tmp_path):
+    from copus.runtime.data.tokenizer import HfTokenizer, parse_spec
+    from copus.runtime.state.export import byte_tokenizer_json
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(byte_tokenizer_json())
+    tok.add_special_tokens(["<|im_end|>"])   # not one of EOS_NAMES: only tokenizer_config names it
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    spec = parse_spec(str(tmp_path))
+    assert spec.path == str(tmp_path / "tokenizer.json")
+    loaded = HfTokenizer.from_file(spec.path)
+    assert loaded.eos_id == 256 and loaded.vocab_size == 257

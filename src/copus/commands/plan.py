@@ -3,6 +3,7 @@
     copus plan --model llama-3.2-3b --gpus 8 --hardware h100-nvlink-pairs --global-batch 16
     copus plan ... --max-batch 512 --b-noise 300 --json
     copus plan --model path/to/config.json --seq-len 4096 --by-layout
+    copus plan --config run.toml --hardware h100-sxm      # the run's model, nproc, batch range
 
 With `--global-batch` alone the batch is fixed and the ranking is by throughput. With
 `--max-batch`, every batch in [global-batch, max-batch] competes, scored by goodput =
@@ -38,6 +39,7 @@ from copus.core.plan.search import RankedPlan, ranked
 from copus.core.specs.hardware import GB, HARDWARE, HardwareProfile, get_hardware
 from copus.core.specs.models import MODELS
 from copus.core.specs.resolve import get_model_shape
+from copus.commands.config_defaults import TRAIN_KEYS, add_config_argument, fill_from_config
 
 JSON_KEYS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_size",
              "step_s", "samples_per_s", "memory_bytes", "goodput", "activation_checkpointing",
@@ -46,16 +48,21 @@ JSON_KEYS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_b
 SWITCHES = ("both", "on", "off")
 
 
+PLAN_DEFAULTS = {"model": "llama-3.2-3b", "seq_len": 0, "gpus": 8, "global_batch": 16, "max_batch": None,
+                 "memory_gb": None, "micro_batch_sizes": "1,2,4,8,16"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3.2-3b",
+    add_config_argument(parser, "plan")
+    parser.add_argument("--model", default=None,
                         help=f"model shape, one of: {', '.join(MODELS)}, or a Hugging Face "
                              "config.json path (default llama-3.2-3b)")
-    parser.add_argument("--seq-len", type=int, default=0,
+    parser.add_argument("--seq-len", type=int, default=None,
                         help="sequence length in tokens (default: the model's; 2048 for a config.json)")
-    parser.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
+    parser.add_argument("--gpus", type=int, default=None, help="world size (default 8)")
     parser.add_argument("--hardware", default="h100-sxm",
                         help=f"hardware profile, one of: {', '.join(HARDWARE)} (default h100-sxm)")
-    parser.add_argument("--global-batch", type=int, default=16,
+    parser.add_argument("--global-batch", type=int, default=None,
                         help="global batch size in samples (default 16)")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="also rank every larger batch up to this one (default: fixed batch)")
@@ -63,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient noise scale in samples (default: unknown, efficiency 1)")
     parser.add_argument("--no-lr-aware", action="store_true",
                         help="no sqrt(B) learning-rate factor in goodput")
-    parser.add_argument("--micro-batch-sizes", default="1,2,4,8,16",
+    parser.add_argument("--micro-batch-sizes", default=None,
                         help="comma-separated micro-batch sizes (default 1,2,4,8,16)")
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="memory per device in GB (default: the hardware profile's)")
@@ -149,6 +156,7 @@ def plan_rows(args: argparse.Namespace, *, hardware: HardwareProfile | None = No
     Library use (bench/published.py): `hardware` replaces the `--hardware` profile and
     `compute_speedup` the `--compile` factor (e.g. compile × a stated float8 factor).
     """
+    fill_from_config(args, TRAIN_KEYS, PLAN_DEFAULTS)
     _check(args)
     shape = get_model_shape(args.model, args.seq_len)
     hw = get_hardware(args.hardware) if hardware is None else hardware

@@ -16,31 +16,47 @@ import json
 import math
 import sys
 
+from copus.commands.config_defaults import TRAIN_KEYS, add_config_argument, fill_from_config
 from copus.core.sim.simulator import POLICY_FAMILIES
 
 
+SIMULATE_DEFAULTS = {"model": "llama-3.2-3b", "seq_len": 0, "gpus": 8, "tokens": 1e9, "initial_batch": 16,
+                     "max_batch": 1024, "seed": 0}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.2-3b",
-                   help="model shape name (core.models) or a Hugging Face config.json path")
-    p.add_argument("--seq-len", type=int, default=0,
+    add_config_argument(p, "simulate")
+    p.add_argument("--model", default=None,
+                   help="model shape name (core.models) or a Hugging Face config.json path (default "
+                        "llama-3.2-3b)")
+    p.add_argument("--seq-len", type=int, default=None,
                    help="sequence length in tokens (default: the model's; 2048 for a config.json)")
-    p.add_argument("--gpus", type=int, default=8, help="world size")
+    p.add_argument("--gpus", type=int, default=None, help="world size (default 8)")
     p.add_argument("--hardware", default="h100-nvlink-pairs", help="hardware profile name")
     p.add_argument("--target-loss", default="4.0,3.5,3.0",
                    help="comma-separated target training losses")
     p.add_argument("--policies", default=",".join(POLICY_FAMILIES),
                    help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}")
-    p.add_argument("--tokens", type=float, default=1e9, help="token budget of each run")
-    p.add_argument("--initial-batch", type=int, default=16, help="first global batch (samples)")
-    p.add_argument("--max-batch", type=int, default=1024, help="largest global batch (samples)")
+    p.add_argument("--tokens", type=float, default=None, help="token budget of each run (default 1e9)")
+    p.add_argument("--initial-batch", type=int, default=None, help="first global batch (samples; default 16)")
+    p.add_argument("--max-batch", type=int, default=None, help="largest global batch (samples; default 1024)")
     p.add_argument("--reconfig", choices=("online", "restart"), default="online",
                    help="cost of a parallelism change: online resharding or checkpoint-restart")
     p.add_argument("--no-lr-aware", action="store_true",
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulated noise")
+    p.add_argument("--seed", type=int, default=None, help="seed of the simulated noise (default 0)")
     p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
     p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
                    help="--preset: the ground truth (default: each preset's best-fitting one)")
+    p.add_argument("--crit-ratio", type=float, default=None, metavar="R",
+                   help="--preset: the truth's B_crit / b_noise (default: the preset's fit)")
+    p.add_argument("--truth-grid", action="store_true",
+                   help="every preset x truth (lr-tuned, sqrt-lr) x --crit-ratios; prints capture "
+                        "= goodput's average speed-up / the oracle's per cell")
+    p.add_argument("--crit-ratios", default="0.5,1,2,4,8",
+                   help="--truth-grid: comma-separated B_crit / b_noise values")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated noise seeds (--truth-grid: default 0; else overrides --seed)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="PNG", help="write loss/batch curves here")
 
@@ -49,11 +65,19 @@ def run(args: argparse.Namespace) -> int:
     from copus.core.sim.presets import PRESETS, get_preset
     from copus.core.sim.simulator import compare_policies
 
+    fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICY_FAMILIES]
     if bad or not policies:
         raise ValueError(f"--policies={args.policies!r} is invalid; allowed: a comma-separated "
                          f"subset of {','.join(POLICY_FAMILIES)}")
+    if args.crit_ratio is not None and not (math.isfinite(args.crit_ratio)
+                                            and args.crit_ratio > 0):
+        raise ValueError(f"--crit-ratio={args.crit_ratio!r} is invalid; allowed: a number > 0")
+    if args.truth_grid:
+        return _run_grid(args, policies)
+    if args.seeds is not None:
+        args.seed = _numbers(args.seeds, "--seeds", int)[0]
     if args.preset is not None:
         names = list(PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
         scenarios = [(PRESETS[n], _preset(PRESETS[n], args)) for n in names]
@@ -89,16 +113,36 @@ def default_variant(no_lr_aware: bool = False):
     s, c = PolicySettings.from_config(cfg), cfg.controller
     return GoodputVariant(
         name="goodput", settings=tuple((k, getattr(s, k)) for k in (
-            "max_growth", "interval_steps", "warmup_steps", "calibration", "max_rel_err")),
-        controller=(("margin", c.margin), ("lr_aware", c.lr_aware and not no_lr_aware)))
+            "max_growth", "interval_steps", "warmup_steps", "calibration", "calibration_mode",
+            "max_rel_err")),
+        controller=(("margin", c.margin), ("batch_margin", c.batch_margin),
+                    ("lr_aware", c.lr_aware and not no_lr_aware)))
 
 
-def _preset(preset, args):
+def _preset(preset, args, truth: str | None = None, crit_ratio: float | None = None,
+            seed: int | None = None):
     from copus.core.sim.simulator import COPUS_FAITHFUL, preset_scenario
 
-    return preset_scenario(preset, seed=args.seed, reconfig_mode=args.reconfig,
+    traj = preset.truth(truth or args.truth)
+    ratio = crit_ratio if crit_ratio is not None else args.crit_ratio
+    if ratio is not None:
+        traj = traj.with_(gns_calibration=float(ratio))   # B_crit kept: only what GNS reads moves
+    return preset_scenario(preset, seed=args.seed if seed is None else seed,
+                           reconfig_mode=args.reconfig,
                            variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)),
-                           trajectory=preset.truth(args.truth))
+                           trajectory=traj)
+
+
+def _numbers(text: str, flag: str, kind=float) -> list:
+    """Comma-separated numbers of `flag`; ValueError naming the bad value."""
+    try:
+        out = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or (kind is float and not all(math.isfinite(x) and x > 0 for x in out)):
+        allowed = "comma-separated integers" if kind is int else "comma-separated numbers > 0"
+        raise ValueError(f"{flag}={text!r} is invalid; allowed: {allowed}")
+    return out
 
 
 def _custom(args):
@@ -208,7 +252,12 @@ def _print_preset(preset, cmp_) -> None:
 
 
 def _truth_label(preset, params) -> str:
-    return next((n for n, t in preset.truths.items() if t == params), "custom")
+    name = next((n for n, t in preset.truths.items() if t == params), None)
+    if name is not None:
+        return name
+    return next((f"{n} (B_crit/b_noise {params.gns_calibration:g})"
+                 for n, t in preset.truths.items()
+                 if t.with_(gns_calibration=params.gns_calibration) == params), "custom")
 
 
 def oracle_speedups(cmp_) -> list[float | None]:
@@ -250,6 +299,7 @@ def _json(preset, cmp_) -> dict:
     if preset is not None:
         d["preset"] = preset.name
         d["truth"] = _truth_label(preset, cmp_.scenario.sim.trajectory)
+        d["crit_ratio"] = cmp_.scenario.sim.trajectory.gns_calibration
         d["oracle_speedup_pct"] = oracle_speedups(cmp_)
         d["published"] = {"minutes": {k: list(v) for k, v in preset.published_minutes.items()},
                           "speedup_pct": list(preset.published_speedup_pct),
@@ -284,3 +334,55 @@ def _plot(out, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
+    """--truth-grid: the capture table (`core.sim.truth_grid`), as a table or JSON."""
+    from copus.core.sim import truth_grid as tg
+    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.simulator import compare_policies
+
+    if "goodput" not in policies or not {"static", "cbs"} & set(policies):
+        raise ValueError(f"--policies={args.policies!r} is invalid with --truth-grid; allowed: "
+                         "goodput and at least one of static, cbs")
+    names = list(PRESETS) if args.preset in (None, "all") else [get_preset(args.preset).name]
+    ratios = _numbers(args.crit_ratios, "--crit-ratios")
+    seeds = _numbers(args.seeds, "--seeds", int) if args.seeds is not None else [args.seed]
+    cells = tg.grid_cells(names, tg.GRID_TRUTHS, ratios)
+
+    def run_one(cell: tg.Cell, seed: int) -> dict:
+        sc = _preset(PRESETS[cell.preset], args, cell.truth, cell.crit_ratio, seed)
+        cmp_ = compare_policies(sc, policies)
+        return {"seed": seed, "oracle_avg": _mean(oracle_speedups(cmp_)),
+                "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
+
+    def show(cell: dict) -> None:
+        if args.json:
+            return
+        parts = [f"{n} {_pct(v['average_speedup_pct'])} ({_capture(v['capture'])})"
+                 for n, v in cell["variants"].items()]
+        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} oracle "
+              f"{_pct(cell['oracle_avg_pct']):>7s}  " + "  ".join(parts), flush=True)
+
+    if not args.json:
+        print(f"== truth grid: average speed-up over the fastest baseline (capture = / oracle), "
+              f"mean of seeds {','.join(map(str, seeds))} ==")
+    out = tg.run_grid(cells, seeds, run_one, show)
+    variants = list(out[0]["variants"]) if out else []
+    result = {"seeds": seeds, "crit_ratios": ratios, "cells": out,
+              "goals": {n: tg.goals(out, n) for n in variants}}
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        for n in variants:
+            g = result["goals"][n]
+            print(f"{n}: median capture {_capture(g['median_capture'])} over {g['cells_counted']} "
+                  f"cells with ceiling >= {tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; "
+                  f"below 0.6: {', '.join(g['cells_below_0.6']) or 'none'}; "
+                  f"> 1 % behind the best baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
+    return 0
+
+
+def _capture(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"

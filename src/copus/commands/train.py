@@ -63,11 +63,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     f"{default('batch', 'policy')})")
     p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "
                    f"default {default('model', 'name')})")
+    p.add_argument("--init-from", metavar="HF_FOLDER",
+                   help="start from a Hugging Face model's weights (config.json + safetensors; "
+                        "model.init_from); its config.json is the model and its tokenizer the "
+                        "tokenizer unless --model / data.tokenizer say otherwise")
     p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; default 0 = the model's)")
     p.add_argument("--seed", type=int, help=f"seed (train.seed, default {default('train', 'seed')})")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest good checkpoint in --run-dir (any plan; "
-                        "default: start a new run)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="auto",
+                   help="continue from the latest good checkpoint in --run-dir (any plan); "
+                        "'--resume auto': resume if --run-dir holds a complete checkpoint, else "
+                        "start fresh there (for requeue scripts; default: start a new run)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as TOML (file <- --set <- flags) and exit")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of failed local workers, each resuming from a checkpoint")
 
@@ -127,6 +134,7 @@ def resolve_config(args: argparse.Namespace):
         config_path = str(run_dir / "config.toml")   # resume the run as it was configured
     user = list(args.overrides) + flag_overrides(args)
     named = _named_keys(config_path, user)
+    user += init_from_overrides(getattr(args, "init_from", None), named)
     defaults = [] if args.resume else [f"{s}.{k}={_toml_value(v)}"
                                        for (s, k), v in DEFAULT_RUN.items() if (s, k) not in named]
     if ("train", "max_steps") in named and ("train", "max_tokens") not in named:
@@ -137,6 +145,20 @@ def resolve_config(args: argparse.Namespace):
         raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
                          "(set one of them)")
     return cfg
+
+
+def init_from_overrides(folder: str | None, named: set[tuple[str, str]]) -> list[str]:
+    """`--init-from DIR`: model.init_from, and DIR's config.json / tokenizer where the user named
+    no model / tokenizer."""
+    if folder is None:
+        return []
+    root = os.path.abspath(folder)
+    out = [f"model.init_from={_toml_str(root)}"]
+    if ("model", "name") not in named:
+        out.append(f"model.name={_toml_str(os.path.join(root, 'config.json'))}")
+    if ("data", "tokenizer") not in named and os.path.isfile(os.path.join(root, "tokenizer.json")):
+        out.append(f"data.tokenizer={_toml_str(root)}")
+    return out
 
 
 def default_run_dir() -> Path:
@@ -153,10 +175,53 @@ def default_run_dir() -> Path:
     return path
 
 
+def print_config(args: argparse.Namespace) -> int:
+    """`--print-config`: the resolved config as TOML on stdout (loadable with --config), exit 0."""
+    from copus.config import config_to_toml
+
+    sys.stdout.write(config_to_toml(resolve_config(args)))
+    return 0
+
+
+ATTEMPTS = "previous-attempts"
+
+
+def has_complete_checkpoint(run_dir: Path) -> bool:
+    """`--resume auto` resumes when `run_dir/checkpoints` holds a verified checkpoint."""
+    from copus.runtime.state.checkpoint import find_latest
+
+    root = run_dir / "checkpoints"
+    return root.is_dir() and find_latest(root, log=lambda _: None) is not None
+
+
+def holds_failed_attempt(run_dir: Path) -> bool:
+    """A copus run (or set-aside attempts) without a complete checkpoint: `--resume auto` restarts it."""
+    from copus.runtime.state.run_folder import RUN_FILES
+
+    return run_dir.is_dir() and any((run_dir / n).exists() for n in (*RUN_FILES, ATTEMPTS))
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move an attempt that never saved a complete checkpoint to `run_dir/previous-attempts/<k>/`
+    (kept for its logs), so the fresh run's metrics do not mix with it."""
+    aside = run_dir / ATTEMPTS
+    k = 1 + sum(1 for _ in aside.iterdir()) if aside.is_dir() else 1
+    target = aside / str(k)
+    target.mkdir(parents=True)
+    for entry in list(run_dir.iterdir()):
+        if entry.name != ATTEMPTS:
+            entry.rename(target / entry.name)
+    return target
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate everything, then train (spawning workers unless under torchrun)."""
+    if args.resume not in (True, False, "auto"):
+        raise ValueError(f"--resume {args.resume!r}: allowed: --resume, or --resume auto")
     if args.resume and not args.run_dir:
         raise ValueError("--resume needs --run-dir DIR (the run folder to continue)")
+    if args.print_config:
+        return print_config(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts}: allowed: an integer >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
@@ -164,9 +229,20 @@ def run(args: argparse.Namespace) -> int:
 
     rank0 = os.environ.get("RANK", "0") == "0"
     run_id = _elastic_run_id()
-    if rank0:   # under torchrun the other ranks' processes see rank 0's folder appear
+    restart = False   # --resume auto on a folder whose attempt never saved a checkpoint
+    if args.resume == "auto":
+        if "RANK" in os.environ:
+            raise ValueError("--resume auto: allowed only with copus's own launcher (under torchrun "
+                             "copus resumes the same elastic run by itself; use --resume)")
+        args.resume = has_complete_checkpoint(run_dir)
+        restart = not args.resume and holds_failed_attempt(run_dir)
+    if rank0 and not restart:   # under torchrun the other ranks' processes see rank 0's folder appear
         run_folder.check_run_dir(run_dir, resume=args.resume, run_id=run_id)
     cfg = resolve_config(args)
+    from copus.config import model_shape
+
+    if model_shape(cfg).unsupported:    # priceable by `copus plan`, not buildable (hf_config.py)
+        raise ValueError(model_shape(cfg).unsupported)
 
     from copus.runtime.train import launch, setup
 
@@ -175,6 +251,18 @@ def run(args: argparse.Namespace) -> int:
         from copus.runtime.engine.parallelize import check_compile_available
 
         check_compile_available()
+    from copus.runtime.state.trackers import check_available
+
+    check_available(cfg.log)
+    if cfg.model.init_from:
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is None:
+            raise ValueError(f"model.init_from={cfg.model.init_from!r}: reading Hugging Face weights "
+                             "needs the safetensors package; allowed: pip install 'copus[export]'")
+    if restart:
+        print(f"copus train: --resume auto: no complete checkpoint in {run_dir}; starting fresh "
+              f"(the earlier attempt's files: {set_aside(run_dir)})", file=sys.stderr)
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         run_folder.write_state(run_dir, "running", run_id=run_id)

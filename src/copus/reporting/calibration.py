@@ -1,5 +1,7 @@
-"""The calibration part of `copus report`: auto probes (decisions.jsonl lines with a "probe"
-entry, runtime/train/probe.py) and `copus calibrate` results (`<run>/calibration/calibration.json`)."""
+"""The calibration part of `copus report`: the posterior over c (gns.calibration = "auto":
+decisions.jsonl lines with "event": "calibration", core/stats/calibration_posterior.py), branch
+probes (gns.calibration = "probe": lines with a "probe" entry, runtime/train/probe.py) and
+`copus calibrate` results (`<run>/calibration/calibration.json`)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,22 @@ def probe_lines(run: Run) -> list[str]:
     return lines
 
 
+def posterior_lines(run: Run) -> list[str]:
+    """One row per natural experiment (a window around batch changes): the batches, the c that
+    window alone fits best, and the posterior after it (median, mean, 5-95 % interval)."""
+    rows = [d for d in run.decisions if d.get("event") == "calibration"]
+    if not rows:
+        return []
+    lines = ["| step | batches | median b_noise | c (window ML) | c median | c mean | 5-95 % "
+             "| experiments |", "|" + "---|" * 8]
+    for r in rows:
+        batches = ",".join(_g(b, "g") for b in r.get("batches", []))
+        lines.append(f"| {r.get('step')} | {batches} | {_g(r.get('b_noise'))} "
+                     f"| {_g(r.get('c_ml'))} | {_g(r.get('median'))} | {_g(r.get('mean'))} "
+                     f"| {_g(r.get('p05'))}–{_g(r.get('p95'))} | {r.get('experiments')} |")
+    return lines
+
+
 def calibrate_lines(run_dir: Path) -> list[str]:
     """`copus calibrate`'s table for this run folder, if it was calibrated."""
     path = run_dir / "calibration" / "calibration.md"
@@ -42,12 +60,16 @@ def calibrate_lines(run_dir: Path) -> list[str]:
 
 def calibration_section(run: Run) -> list[str]:
     """Markdown lines for `copus report` ([] when the run has neither probes nor calibration)."""
-    probes, table = probe_lines(run), calibrate_lines(run.path)
-    if not probes and not table:
+    probes, table, posterior = probe_lines(run), calibrate_lines(run.path), posterior_lines(run)
+    if not probes and not table and not posterior:
         return []
     md = [f"## Calibration of {run.name}", ""]
+    if posterior:
+        md += ["Posterior over c = B_crit / b_noise learnt from the loss around the run's own "
+               "batch changes (gns.calibration = \"auto\", docs/robust-goodput.md):", "",
+               *posterior, ""]
     if probes:
-        md += ["Branch probes (gns.calibration = \"auto\"): the run continued from the chosen "
+        md += ["Branch probes (gns.calibration = \"probe\"): the run continued from the chosen "
                "branch; c = B_noise fit / online b_noise.", "", *probes, ""]
     if table:
         md += ["Branching calibration (copus calibrate):", "", *table, ""]

@@ -25,6 +25,10 @@ Every optimizer step the trainer hands a `StepRecord` to `Controller.observe`:
    margin. With either on, decisions rank plans by their *measured* median step time where
    there is one (`OnlineFitter.profiled`), the fitted model elsewhere. Their rows for
    decisions.jsonl wait in `drain_events()`.
+5. with `gns.calibration = "auto"` (`posterior`), every step's loss, batch and b_noise go to a
+   `core.stats.calibration_posterior.CalibrationPosterior`: each batch change is a natural
+   experiment that updates a grid posterior over log c, and `calibration` follows its median
+   (issue 26, docs/robust-goodput.md). Decisions carry the posterior's summary.
 Every call leaves `last_explanation` (JSON-able dict: action, why, top candidates).
 """
 
@@ -32,13 +36,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from copus.core.control.audit import Auditor
+from copus.core.control.batch_move import best_batch_move
+from copus.core.control.excursion import excursion_value
 from copus.core.control.explore import ExploreSettings, Explorer
 from copus.core.cost.fit import OnlineFitter, fit_model, prior_model
+from copus.core.stats.calibration_posterior import CalibrationPosterior
 from copus.core.stats.gns import lower_bound
 from copus.core.plan.goodput import CandidateSet, StepTimePredictor, build_candidates, goodput
 from copus.core.specs.hardware import HardwareProfile, get_hardware
@@ -67,7 +75,11 @@ class Controller:
                  explore: ExploreSettings | None = None, audit_steps: int = 0,
                  memory_capacity_bytes: float | None = None,
                  confidence: float = 0.0, recovery_steps: int = 0,
-                 step_confidence: float = 0.0) -> None:
+                 step_confidence: float = 0.0,
+                 posterior: CalibrationPosterior | None = None,
+                 batch_margin: float | None = None, lr_warmup_tokens: float = 0.0,
+                 shrink_batch: bool | None = None, max_excursions: int = 0,
+                 excursion_factor: float = 2.0, excursion_min_interval: float = 8.0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -85,6 +97,23 @@ class Controller:
         self.warmup_steps = warmup_steps
         self.max_rel_err = max_rel_err
         self.calibration = calibration
+        self.posterior = posterior
+        self.lr_warmup_tokens = float(lr_warmup_tokens)   # no calibration evidence before
+        # a batch move on the current layout may shrink the batch (None: under "auto", where
+        # the posterior can find an early growth was wrong; the batch margin is the hysteresis)
+        self.shrink_batch = (posterior is not None) if shrink_batch is None else bool(shrink_batch)
+        # deliberate calibration excursions (core.control.excursion): at most this many, to
+        # excursion_factor·B, while the posterior's 90 % interval spans > this many-fold
+        self.max_excursions, self.excursion_factor = int(max_excursions), float(excursion_factor)
+        self.excursion_min_interval = float(excursion_min_interval)
+        self.num_excursions = 0
+        self._excursion_end: int | None = None
+        # batch-only moves on the current layout need only this gain in goodput expected under
+        # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
+        self.batch_margin = margin if batch_margin is None else float(batch_margin)
+        self.margin = margin
+        if posterior is not None:
+            self._follow_posterior()
         self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
         self.step_confidence = float(step_confidence)
         self.step_misses: list[float] = []   # realised/predicted − 1 of checked predictions
@@ -179,12 +208,20 @@ class Controller:
         if math.isfinite(record.step_s) and record.step_s > 0:
             self.elapsed_s += record.step_s
         self._measure(record)
+        self._learn_calibration(record)
         if record.plan.global_batch_size != self.plan.global_batch_size:
             self._batch_change_step = record.step
         self.plan = record.plan
         follow = self._follow_up(record)
         if follow is not None or self.explorer.busy or self.auditor.busy:
             return follow
+        if self._excursion_end is not None:
+            if record.step < self._excursion_end:
+                self.last_explanation = {"step": record.step, "action": "wait",
+                                         "why": f"calibration excursion until step "
+                                                f"{self._excursion_end}"}
+                return None
+            self._excursion_end = None
         why = self._gate(record)
         if why is not None:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
@@ -203,15 +240,113 @@ class Controller:
         self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
                                  "b_noise_rel_err": record.b_noise_rel_err,
                                  "calibration": self.calibration}
-        if result.decision is None:
+        if self.posterior is not None:
+            self.last_explanation["calibration_posterior"] = self.posterior.summary()
+        decision = result.decision
+        if decision is None and self.batch_margin < self.margin:
+            decision = self._batch_move(record, u, u_cur)
+        if decision is None:
+            decision = self._maybe_excursion(record)
+        if decision is None:
             return self._maybe_probe(record)
-        self.history.append(result.decision.to_dict())
+        if self.posterior is not None:
+            decision = replace(decision, calibration=self.posterior.summary())
+        self.history.append(decision.to_dict())
         before_s = self.measured_step_s(record.plan, last=max(self.auditor.steps, 1))
         measured = math.isfinite(before_s)
-        self.auditor.start(result.decision, record.plan,
+        self.auditor.start(decision, record.plan,
                            before_s if measured else result.explanation["current"]["step_s"],
                            measured)
-        return result.decision
+        return decision
+
+    def _batch_move(self, record: StepRecord, u: np.ndarray | None,
+                    u_cur: float) -> Decision | None:
+        """A batch change on the current layout that beats it by `batch_margin` in goodput
+        expected under the posterior over c (`core.control.batch_move`)."""
+        phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
+        o = self.search_options
+        if self.posterior is not None:
+            post = self.posterior
+            joint = post.joint()                                  # (γ, c)
+            c_values = np.broadcast_to(2.0 ** post.log2_grid, joint.shape)
+            flags = ([g > 0 for g in post.lr_exponents] if len(post.lr_exponents) > 1
+                     else [o["lr_aware"]])            # one exponent: the configured factor
+            lr_flags = np.broadcast_to(np.array(flags)[:, None], joint.shape)
+            weights = joint
+        else:
+            c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]),
+                                           np.array([o["lr_aware"]]))
+        step_s = self.predicted_step_s()
+        found = best_batch_move(self.candidates, step_s, record.plan, phi, c_values, weights,
+                                batch_margin=self.batch_margin, max_growth=o["max_growth"],
+                                min_batch=o["min_batch"], max_batch=o["max_batch"],
+                                allow_shrink=o["allow_shrink"] or self.shrink_batch,
+                                lr_aware=lr_flags,
+                                lr_ref_batch=o["lr_ref_batch"], uncertainty=u,
+                                current_uncertainty=u_cur, step_confidence=self.step_confidence)
+        if found is None:
+            return None
+        i, gain, required = found
+        plan = self.candidates.plan(i)
+        reason = (f"batch {record.plan.global_batch_size} -> {plan.global_batch_size} on "
+                  f"{record.plan.describe()}: expected goodput under the posterior over c "
+                  f"+{100 * gain:.1f}% > {100 * required:.1f}% (batch margin)")
+        self.last_explanation = {**self.last_explanation, "action": "batch", "why": reason}
+        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
+                        b_noise=self.calibration * phi,
+                        calibration=self.posterior.summary() if self.posterior else None)
+
+    def _maybe_excursion(self, record: StepRecord) -> Decision | None:
+        """A deliberate step to excursion_factor·B on this layout for one experiment's length,
+        when its expected value exceeds its cost (`core.control.excursion`); then ordinary
+        decisions resume (under "auto" a batch move may come back down)."""
+        post = self.posterior
+        since = record.step - (self._batch_change_step or 0)
+        if post is None or self.num_excursions >= self.max_excursions or post.window_open or \
+                record.tokens < self.lr_warmup_tokens or since < post.window_steps or \
+                post.interval_ratio() <= self.excursion_min_interval:
+            return None
+        o = self.search_options
+        steps = post.skip_steps + post.window_steps
+        phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
+        found = excursion_value(self.candidates, self.predicted_step_s(), record.plan, phi,
+                                2.0 ** post.log2_grid, post.probabilities(),
+                                factor=self.excursion_factor, steps=steps,
+                                horizon_steps=float(record.step), max_batch=o["max_batch"],
+                                lr_aware=o["lr_aware"], lr_ref_batch=o["lr_ref_batch"])
+        if found is None or not found[1] > found[2]:
+            return None
+        i, value, cost = found
+        plan = self.candidates.plan(i)
+        self.num_excursions += 1
+        self._excursion_end = record.step + 1 + steps
+        reason = (f"calibration excursion {self.num_excursions}/{self.max_excursions}: B "
+                  f"{record.plan.global_batch_size} -> {plan.global_batch_size} for {steps} steps "
+                  f"(c 5-95 % {post.quantile_c(0.05):.2g}-{post.quantile_c(0.95):.2g}; value "
+                  f"{value:.1f} > cost {cost:.1f} steps of goodput)")
+        self.last_explanation = {**self.last_explanation, "action": "excursion", "why": reason}
+        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
+                        b_noise=self.calibration * phi, purpose="probe",
+                        calibration=post.summary())
+
+    def _follow_posterior(self) -> None:
+        """c = the posterior median given the most probable LR exponent; when the posterior
+        weighs several exponents, the LR-aware factor is on when the most probable is > 0
+        (layout decisions through `core.plan.search.evaluate`); else as configured."""
+        self.calibration = self.posterior.value()
+        if len(self.posterior.lr_exponents) > 1:
+            self.search_options["lr_aware"] = self.posterior.lr_exponent() > 0
+
+    def _learn_calibration(self, record: StepRecord) -> None:
+        """gns.calibration = "auto": one step into the posterior over c; follow its median.
+        A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
+        if self.posterior is None or record.skipped:
+            return
+        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise,
+                                     usable=record.tokens >= self.lr_warmup_tokens)
+        if row is not None:
+            self._follow_posterior()
+            self.events.append({"event": "calibration", "step": record.step, **row})
 
     # ---- exploration and audits (core.explore, core.audit) -------------------------------------
 
@@ -332,7 +467,8 @@ class Controller:
                 "last_decision_step": self.last_decision_step,
                 "fitter": self.fitter.state_dict() if self.fitter is not None else None,
                 "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict(),
-                "step_misses": list(self.step_misses)}
+                "step_misses": list(self.step_misses),
+                "posterior": self.posterior.state_dict() if self.posterior is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -351,6 +487,9 @@ class Controller:
         if state.get("auditor") is not None:
             self.auditor.load_state_dict(state["auditor"])
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
+        if self.posterior is not None and state.get("posterior") is not None:
+            self.posterior.load_state_dict(state["posterior"])
+            self._follow_posterior()
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:
@@ -384,7 +523,10 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     batch_grid: str = "multiples", online_fit: bool = True,
                     allow_shrink: bool = False, explore: ExploreSettings | None = None,
                     audit_steps: int = 0, cores: int | None = None,
-                    step_confidence: float = 0.0, plan_options: dict | None = None) -> Controller:
+                    step_confidence: float = 0.0, plan_options: dict | None = None,
+                    batch_margin: float | None = None,
+                    lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None,
+                    max_excursions: int = 0) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -400,6 +542,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     `core.cpu_model`; None: one core per rank). `plan_options` (`ParallelPlan.options` keys: the
     run's activation checkpointing, pipeline schedule, ...) price every candidate's memory and
     the analytic prior's step time under those options (issue 25); None: the defaults.
+    `lr_warmup_tokens`: the LR schedule's warm-up; gns.calibration = "auto" takes no evidence
+    before it (core.stats.calibration_posterior).
     """
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -443,4 +587,11 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       memory_capacity_bytes=memory_capacity_bytes,
                       confidence=float(getattr(settings, "confidence", 0.0)),
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
-                      step_confidence=step_confidence)
+                      step_confidence=step_confidence, batch_margin=batch_margin,
+                      lr_warmup_tokens=lr_warmup_tokens, shrink_batch=shrink_batch,
+                      max_excursions=max_excursions,
+                      posterior=(CalibrationPosterior(
+                          prior_c=float(settings.calibration),
+                          quantile=float(getattr(settings, "calibration_quantile", 0.5)))
+                                 if getattr(settings, "calibration_mode", "fixed") == "auto"
+                                 else None))

@@ -72,6 +72,10 @@ class PolicySettings:
     gns_c: float = 2.0
     max_rel_err: float = 0.5      # [gns]; only with confidence = 0
     calibration: float = 1.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
+    # "auto": c learnt in the run (core.stats.calibration_posterior), `calibration` its prior
+    # median; "fixed": `calibration` as is (a number, or "probe"'s measured value)
+    calibration_mode: str = "fixed"
+    calibration_quantile: float = 0.5   # "auto": the posterior quantile of c decisions use
     confidence: float = 1.645     # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
     recovery_steps: int = 20      # [gns]; hold after a batch change
 
@@ -95,6 +99,12 @@ class PolicySettings:
                 and math.isfinite(self.confidence)):
             raise ValueError(f"confidence={self.confidence!r} is invalid; allowed: a finite "
                              "number >= 0")
+        if not 0.0 < self.calibration_quantile < 1.0:
+            raise ValueError(f"calibration_quantile={self.calibration_quantile!r} is invalid; "
+                             "allowed: 0 < q < 1")
+        if self.calibration_mode not in CALIBRATION_MODES:
+            raise ValueError(f"calibration_mode={self.calibration_mode!r} is invalid; allowed: "
+                             f"{', '.join(CALIBRATION_MODES)}")
         if self.ramp_kind not in ("linear", "stepwise"):
             raise ValueError(f"batch.ramp_kind={self.ramp_kind!r} is invalid; "
                              "allowed: linear, stepwise")
@@ -109,12 +119,16 @@ class PolicySettings:
               if hasattr(config.batch, f.name)}
         for name in ("max_rel_err", "calibration", "confidence", "recovery_steps"):
             kw[name] = getattr(config.gns, name)
-        if kw["calibration"] == "auto":   # measured by runtime/train/probe.py; this prior until then
+        if kw["calibration"] == "probe":  # measured by runtime/train/probe.py; this prior until then
             kw["calibration"] = AUTO_CALIBRATION_PRIOR
+        elif kw["calibration"] == "auto":  # learnt in the run: the posterior's prior median
+            kw["calibration"], kw["calibration_mode"] = POSTERIOR_PRIOR_C, "auto"
         return cls(**kw)
 
 
-AUTO_CALIBRATION_PRIOR = 1.0   # gns.calibration="auto" before the first probe (runtime/train/probe.py)
+AUTO_CALIBRATION_PRIOR = 1.0   # gns.calibration="probe" before the first probe (runtime/train/probe.py)
+POSTERIOR_PRIOR_C = 4.0        # gns.calibration="auto": prior median of c (docs/robust-goodput.md)
+CALIBRATION_MODES = ("fixed", "auto")
 
 
 class _Window:

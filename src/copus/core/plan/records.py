@@ -76,6 +76,9 @@ class Decision:
     b_noise: float = float("nan")
     candidates: tuple[Candidate, ...] = field(default_factory=tuple)
     purpose: str = "decide"
+    # gns.calibration = "auto": the posterior over c when the decision was taken (mean, median,
+    # 5-95 % interval, experiments so far; core.stats.calibration_posterior); None otherwise
+    calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("batch", "reconfigure"):
@@ -97,7 +100,7 @@ class Decision:
                  "step_s": c.step_s, "goodput": c.goodput, "efficiency": c.efficiency}
                 for c in self.candidates
             ],
-        }
+        } | ({"calibration": self.calibration} if self.calibration is not None else {})
 
 
 def decision_kind(old: ParallelPlan, new: ParallelPlan) -> str:

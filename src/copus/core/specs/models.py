@@ -10,6 +10,19 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (`rope_type = "llama3"`, transformers'
+    `_compute_llama3_parameters`): wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are divided by `factor`, shorter than .../high_freq_factor kept, and those
+    between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelShape:
     """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
 
@@ -24,15 +37,25 @@ class ModelShape:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    explicit_head_dim: int | None = None   # config.json's head_dim when not dim / n_heads (Qwen3)
+    qkv_bias: bool = False                 # biases on q, k, v (Qwen2; Llama attention_bias)
+    o_bias: bool = False                   # bias on the output projection (Llama attention_bias)
+    rope_scaling: RopeScaling | None = None
+    # a config.json field the planner can price but copus's model cannot build (one line naming
+    # it, core/specs/hf_config.py); "" = buildable. The runtime refuses such a shape.
+    unsupported: str = ""
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     def layer_params(self) -> int:
-        """Parameters of one block: q,o (dim²) + k,v (dim·kv·head_dim) + 3·dim·ffn + 2 norms."""
+        """Parameters of one block: q,o (dim·heads·head_dim each) + k,v (dim·kv·head_dim each)
+        + the attention biases present + 3·dim·ffn + 2 norms."""
+        q = self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
-        attn = 2 * self.dim * self.dim + 2 * self.dim * kv
+        attn = 2 * self.dim * q + 2 * self.dim * kv
+        attn += (q + 2 * kv) * self.qkv_bias + self.dim * self.o_bias
         mlp = 3 * self.dim * self.ffn_dim
         return attn + mlp + 2 * self.dim
 

@@ -199,10 +199,12 @@ def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
 
 
 def _tokenizer_path(kind: str) -> Path:
-    path = Path(kind).expanduser()
+    from copus.runtime.data.tokenizer import tokenizer_file
+
+    path = tokenizer_file(kind)    # a Hugging Face folder: its tokenizer.json
     if not path.is_file():
         raise ValueError(f"data.tokenizer={kind!r}: no such tokenizer file; allowed: 'auto', "
-                         "'byte', 'bpe' or a path to a tokenizer.json file")
+                         "'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder")
     return path
 
 

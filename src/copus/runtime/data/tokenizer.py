@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import numpy as np
 
 BYTE = "byte"
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-SPEC_ALLOWED = "allowed: 'byte', 'bpe:N' (N >= 260) or a path to a tokenizer.json file"
+SPEC_ALLOWED = ("allowed: 'byte', 'bpe:N' (N >= 260), a path to a tokenizer.json file or a Hugging "
+                "Face folder holding one")
 VOCAB_MULTIPLE = 64
 BYTE_VOCAB = 256
 
@@ -50,10 +52,29 @@ def parse_spec(text: str, key: str = "--tokenizer") -> TokenizerSpec:
         if not raw.isdigit() or int(raw) < 260:
             raise ValueError(f"{key}={text!r}: {SPEC_ALLOWED}")
         return TokenizerSpec("bpe", int(raw))
-    path = Path(text).expanduser()
+    path = tokenizer_file(text)
     if not path.is_file():
         raise ValueError(f"{key}={text!r}: no such tokenizer file; {SPEC_ALLOWED}")
     return TokenizerSpec("file", path=str(path))
+
+
+def tokenizer_file(text: str) -> Path:
+    """A tokenizer.json path as given, or `<folder>/tokenizer.json` for a Hugging Face folder."""
+    path = Path(text).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def config_eos(path: Path, tok) -> int | None:
+    """The id of `eos_token` in the tokenizer_config.json beside `path` (a Hugging Face folder),
+    else None."""
+    try:
+        eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):    # {"content": "</s>", ...} (AddedToken form)
+        eos = eos.get("content")
+    tid = tok.token_to_id(eos) if isinstance(eos, str) else None
+    return None if tid is None else int(tid)
 
 
 class HfTokenizer:
@@ -79,7 +100,11 @@ class HfTokenizer:
             first = (str(exc).splitlines() or [""])[0][:120]
             raise ValueError(f"tokenizer {str(path)!r}: not a readable tokenizer.json file "
                              f"({type(exc).__name__}: {first})") from None
-        return cls.from_hf(tok, str(path))
+        out = cls.from_hf(tok, str(path))
+        eos = config_eos(Path(path), tok)     # a Hugging Face folder names its end-of-text token
+        if eos is not None:
+            out.eos_id = eos
+        return out
 
     @classmethod
     def from_hf(cls, tok, source: str = "") -> HfTokenizer:

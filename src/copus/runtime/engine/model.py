@@ -16,7 +16,7 @@ only its shard (`distribute_tensor(..., src_data_rank=None)`, no communication).
 or FSDP layout therefore holds the same logical weights for the same seed. Peak extra memory is
 one full parameter at a time. Distributions (GPT-2 / torchtitan): linear and embedding weights
 N(0, 0.02²) (output head included), the residual projections `wo`, `w2` N(0, (0.02/√(2L))²),
-norm weights 1.
+norm weights 1, attention biases (when the shape has them) 0.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from copus.core.specs.models import ModelShape
+from copus.core.specs.models import ModelShape, RopeScaling
 
 __all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
-           "rope_cache", "apply_rope", "build_model", "init_weights", "reset_rope", "materialize",
+           "rope_cache", "llama3_inv_freq", "apply_rope", "build_model", "init_weights", "reset_rope", "materialize",
            "param_seed"]
 
 
@@ -49,9 +49,28 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_cache(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos/sin table [seq_len, head_dim/2, 2] of RoPE (Su et al. 2021): angle_{t,i} = t·θ^(-2i/d)."""
+def llama3_inv_freq(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (transformers `_compute_llama3_parameters`): with
+    λ = 2π/f, L = original_max_position_embeddings, f/factor where λ > L/low_freq_factor, f where
+    λ < L/high_freq_factor, else (1-a)·f/factor + a·f with a = (L/λ - low) / (high - low)."""
+    wavelen = 2 * math.pi / inv
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wl, inv / s.factor, inv)
+    a = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smooth = (1 - a) * scaled / s.factor + a * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(medium, smooth, scaled)
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float, device=None,
+               scaling: RopeScaling | None = None) -> torch.Tensor:
+    """cos/sin table [seq_len, head_dim/2, 2] of RoPE (Su et al. 2021): angle_{t,i} = t·θ^(-2i/d),
+    the frequencies scaled by `llama3_inv_freq` when `scaling` is given."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, scaling)
     ang = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
     return torch.stack((ang.cos(), ang.sin()), dim=-1)
 
@@ -75,10 +94,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = shape.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(shape.dim, shape.n_heads * hd, bias=False)
-        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=False)
+        self.wq = nn.Linear(shape.dim, shape.n_heads * hd, bias=shape.qkv_bias)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=shape.qkv_bias)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=shape.qkv_bias)
+        self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=shape.o_bias)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
@@ -135,8 +154,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta,
+                                                scaling=shape.rope_scaling), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -150,7 +169,10 @@ class Transformer(nn.Module):
 
 
 def build_model(shape: ModelShape, device: torch.device | str = "meta") -> Transformer:
-    """Construct the module tree on `device` (default meta: no memory, weights uninitialised)."""
+    """Construct the module tree on `device` (default meta: no memory, weights uninitialised);
+    ValueError (one line) for a shape copus's model cannot represent (`ModelShape.unsupported`)."""
+    if shape.unsupported:
+        raise ValueError(shape.unsupported)
     with torch.device(device):
         return Transformer(shape)
 
@@ -164,6 +186,8 @@ def _init_full(name: str, full_shape: torch.Size, shape: ModelShape, seed: int) 
     """The full (unsharded) initial value of parameter `name`, identical on every rank/layout."""
     if name.endswith("norm.weight"):
         return torch.ones(full_shape)
+    if name.endswith(".bias"):       # attention biases (Qwen2, Llama attention_bias): zero
+        return torch.zeros(full_shape)
     leaf = name.split(".")[-2]
     if leaf in ("wo", "w2"):
         std = 0.02 / math.sqrt(2 * shape.n_layers)
@@ -191,7 +215,8 @@ def init_weights(model: Transformer, seed: int) -> None:
 def reset_rope(model: Transformer) -> None:
     """Recompute the non-persistent RoPE buffer (garbage after `to_empty`)."""
     s = model.shape
-    model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device)
+    model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device,
+                            scaling=s.rope_scaling)
 
 
 def materialize(model: Transformer, device: torch.device | str, seed: int) -> Transformer:

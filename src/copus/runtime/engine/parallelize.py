@@ -9,9 +9,10 @@ modules that are `None` are skipped. FSDP2 is always applied, also at dp = 1, so
 is a DTensor on a mesh that contains "dp" (one code path for norms, clipping and state dicts).
 
 TP plan (Megatron-LM; cpu-notes c): column-wise `wq, wk, wv, w1, w3`, row-wise `wo, w2`, the
-embedding row-wise (vocab-sharded, replicated output), the head column-wise (vocab-sharded).
-Norm weights stay replicated. With `sequence_parallel` the norms run on sequence shards
-(`SequenceParallel`) and the block inputs are all-gathered at attention / MLP. With
+embedding row-wise (vocab-sharded, replicated output), the head column-wise (vocab-sharded);
+tied embeddings share one vocab-sharded weight. Norm weights stay replicated. With
+`sequence_parallel` the norms run on sequence shards (`SequenceParallel`) and the block inputs
+are all-gathered at attention / MLP. With
 `loss_parallel` the head's logits stay vocab-sharded (`Shard(-1)` DTensor) and the loss is taken
 under `torch.distributed.tensor.parallel.loss_parallel` (no full-vocab all-gather); without it
 the logits are all-gathered (`Replicate`).
@@ -91,6 +92,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
                                         use_local_output=not loss_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # both weights are vocab-sharded (Shard(0)): the head takes the embedding's DTensor back
+        model.output.weight = model.tok_embeddings.weight
     if model.output is not None and not loss_parallel:
         # after TP's own output hook, so it sees the local logits
         model.output.register_forward_hook(_plain_output)
@@ -253,8 +257,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool
                 reshard_after_forward: bool = True, dtype: str = "fp32",
                 compile: bool = False, loss_parallel: bool = False) -> Transformer:
     """TP → AC → compile → FSDP2 on a (possibly meta, possibly stage-split) model; returns it."""
-    if model.shape.tie_embeddings and mesh["tp"].size() > 1:
-        raise ValueError("tie_embeddings=True is not supported with tp > 1; allowed: tp = 1")
     apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel)
     apply_ac(model, activation_checkpointing)
     if compile:

@@ -115,7 +115,8 @@ class RunWriter:
 
     def __init__(self, run_dir: str | Path, rank0: bool = True, tensorboard: bool = False,
                  progress: bool = False, total_steps: int = 0, total_tokens: int = 0,
-                 wall_offset_s: float | None = None, progress_interval_s: float = 30.0) -> None:
+                 wall_offset_s: float | None = None, progress_interval_s: float = 30.0,
+                 trackers: list[Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank0 = rank0
         if wall_offset_s is None:   # a resumed run continues the clock of its metrics.jsonl
@@ -142,6 +143,10 @@ class RunWriter:
             from torch.utils.tensorboard import SummaryWriter  # lazy: heavy import
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if trackers:   # W&B / MLflow get what TensorBoard gets (runtime/state/trackers.py)
+            from copus.runtime.state.trackers import with_trackers
+
+            self._tb = with_trackers(self._tb, trackers)
         if progress and not usable_terminal():
             self._plain_every_s = float(progress_interval_s)
         elif progress:

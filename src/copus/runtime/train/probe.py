@@ -1,4 +1,7 @@
-"""`gns.calibration = "auto"`: the trainer measures `c` itself with a short branch probe.
+"""`gns.calibration = "probe"`: the trainer measures `c` itself with a short branch probe.
+
+(Before issue 26 this was "auto"; "auto" now learns c without extra compute from the loss
+around the run's own batch changes, core/stats/calibration_posterior.py.)
 
 At the first step where the policy wants to grow the global batch, and then every
 `gns.probe_interval_tokens` tokens, the trainer branches its current state at `k·B` for each
@@ -54,7 +57,7 @@ class Prober:
     @classmethod
     def from_config(cls, cfg) -> Prober | None:
         g = cfg.gns
-        if g.calibration != "auto":
+        if g.calibration != "probe":
             return None
         return cls(multipliers=parse_probe_multipliers(g.probe_multipliers), tokens=g.probe_tokens,
                    interval_tokens=g.probe_interval_tokens)

@@ -83,7 +83,8 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         c = cfg.controller
         # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/state/elastic.py)
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
-        kw = dict(margin=c.margin, lr_aware=c.lr_aware,
+        kw = dict(margin=c.margin, batch_margin=c.batch_margin, lr_aware=c.lr_aware,
+                  lr_warmup_tokens=cfg.train.warmup_tokens,
                   reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size,
                                                       hardware),
                   allow_reconfigure=c.allow_reconfigure and not fixed,

@@ -103,6 +103,7 @@ class Trainer:
         self._remove_stale_stages()
         if not ((resume or auto_resume) and self.resume(required=resume)):
             self.engine = self._make_engine(self.plan)
+            self._init_from_hf()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -124,6 +125,25 @@ class Trainer:
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
                       seed=self.cfg.train.seed, allocate=allocate)
 
+    def _init_from_hf(self) -> None:
+        """model.init_from: this rank's shards of a Hugging Face folder's weights (a fresh start
+        only: a resumed run loads its checkpoint)."""
+        if not self.cfg.model.init_from:
+            return
+        from copus.runtime.state.hf_import import load_hf_weights
+
+        read = load_hf_weights(self.engine.model, self.cfg.model.init_from)
+        self.log(f"init from {self.cfg.model.init_from}: {read / 2**20:.1f} MiB of weights read by rank {self.rank}")
+
+    def _open_trackers(self) -> list:
+        """W&B / MLflow runs on rank 0 when log.wandb / log.mlflow enable them."""
+        if self.rank != 0 or not (self.cfg.log.wandb or self.cfg.log.mlflow):
+            return []
+        from copus.config import config_to_dict
+        from copus.runtime.state.trackers import open_trackers
+
+        return open_trackers(self.cfg.log, self.run_dir, config_to_dict(self.cfg))
+
     def _make_writer(self):
         from copus.runtime.state.metrics import RunWriter
 
@@ -131,7 +151,8 @@ class Trainer:
         writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress, total_steps=cfg.train.max_steps,
                            total_tokens=cfg.train.max_tokens,
-                           progress_interval_s=cfg.log.progress_interval_s)
+                           progress_interval_s=cfg.log.progress_interval_s,
+                           trackers=self._open_trackers())
         writer.write_config(cfg)
         if self.rank == 0:   # present even when the policy never decides
             (self.run_dir / "decisions.jsonl").touch()

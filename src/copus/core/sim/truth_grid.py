@@ -1,0 +1,98 @@
+"""`copus simulate --truth-grid`: every preset × ground truth × B_crit/b_noise × noise seed.
+
+A controller that is right in one ground truth can be wrong in another (issue 26): the ratio
+c = B_crit / b_noise of the truth decides when a larger batch pays, and the published runs do
+not pin it down (docs/cost-model.md). The grid runs each preset (`core.sim.presets`) under both
+LR truths (lr-tuned, sqrt-lr), with the truth's B_crit kept and its b_noise = B_crit / R for
+every R in `ratios`, so that baselines, oracle and progress law stay those of the fitted truth
+and only what the noise-scale estimator reads moves. Per cell:
+
+    capture = (policy's average speed-up over the fastest baseline)
+              / (the oracle's average speed-up over the same baselines)
+
+averaged over the noise seeds first (numerator and denominator separately). The oracle
+(`core.sim.oracle`) knows the truth and switches for free; a capture of 1 is the ceiling.
+Goals (issue 26): capture ≥ 0.6 in every cell whose ceiling is ≥ 2 %, ≥ 0.75 at the median,
+and the policy's average never more than 1 % behind the best baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+GRID_TRUTHS = ("lr-tuned", "sqrt-lr")
+GRID_RATIOS = (0.5, 1.0, 2.0, 4.0, 8.0)
+CEILING_FLOOR_PCT = 2.0      # cells below this ceiling do not count for the capture goals
+MIN_CAPTURE, MEDIAN_CAPTURE, MAX_BEHIND_PCT = 0.6, 0.75, -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    preset: str
+    truth: str
+    crit_ratio: float
+
+
+def grid_cells(presets: Iterable[str], truths: Iterable[str] = GRID_TRUTHS,
+               ratios: Iterable[float] = GRID_RATIOS) -> list[Cell]:
+    return [Cell(p, t, float(r)) for p in presets for t in truths for r in ratios]
+
+
+def summarise_cell(cell: Cell, runs: list[dict]) -> dict:
+    """One cell over its seeds. `runs`: per seed {"oracle_avg": %, "variants": {name: %}}."""
+    oracle = _mean([r["oracle_avg"] for r in runs])
+    names = list(runs[0]["variants"]) if runs else []
+    out = {"preset": cell.preset, "truth": cell.truth, "crit_ratio": cell.crit_ratio,
+           "seeds": [r["seed"] for r in runs], "oracle_avg_pct": oracle, "variants": {}}
+    for name in names:
+        avg = _mean([r["variants"][name] for r in runs])
+        cap = avg / oracle if avg is not None and oracle is not None and oracle > 0 else None
+        out["variants"][name] = {"average_speedup_pct": avg, "capture": cap,
+                                 "per_seed_pct": [r["variants"][name] for r in runs]}
+    return out
+
+
+def goals(cells: list[dict], name: str) -> dict:
+    """The issue's three goals for variant `name` over summarised cells (met / not met, and
+    the cells that miss)."""
+    counted = [c for c in cells if c["oracle_avg_pct"] is not None
+               and c["oracle_avg_pct"] >= CEILING_FLOOR_PCT]
+    caps = [c["variants"][name]["capture"] for c in counted]
+    caps = [x if x is not None else float("-inf") for x in caps]
+    low = [_label(c) for c, x in zip(counted, caps) if x < MIN_CAPTURE]
+    behind = [_label(c) for c in cells if _behind(c["variants"][name]["average_speedup_pct"])]
+    median = statistics.median(caps) if caps else None
+    median = None if median is None else float(median)
+    return {"variant": name, "cells_counted": len(counted), "median_capture": median,
+            "min_capture": float(min(caps)) if caps else None,
+            "every_cell_capture_ge_0.6": not low, "cells_below_0.6": low,
+            "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
+            "never_more_than_1pct_behind": not behind, "cells_behind_1pct": behind}
+
+
+def run_grid(cells: list[Cell], seeds: list[int], run_one: Callable[[Cell, int], dict],
+             progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Summarised cells; `run_one(cell, seed)` -> {"seed", "oracle_avg", "variants"}."""
+    out = []
+    for cell in cells:
+        summary = summarise_cell(cell, [run_one(cell, s) for s in seeds])
+        out.append(summary)
+        if progress is not None:
+            progress(summary)
+    return out
+
+
+def _behind(avg: float | None) -> bool:
+    """More than 1 % behind the best baseline (a missed target counts as behind)."""
+    return avg is None or avg < MAX_BEHIND_PCT
+
+
+def _label(cell: dict) -> str:
+    return f"{cell['preset']}/{cell['truth']}/R={cell['crit_ratio']:g}"
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if len(vals) == len(values) and vals else None

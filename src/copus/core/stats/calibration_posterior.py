@@ -1,0 +1,262 @@
+"""A posterior over the noise-scale calibration c = B_crit / b_noise, learnt from the run itself.
+
+The goodput controller scores a batch B by its sample efficiency E_c(B) = cφ/(cφ + B) with
+φ = the online noise scale (McCandlish et al. 2018, Eq. 2.11; `core.efficiency`). No constant c
+is supported (cbs-notes §0: 0.12–20 in McCandlish Table 1, ≫ 1 in Merrill et al. 2025; about 1
+on the CPU runs, 2–4 in the truths fitted to COPUS's CBS rows), so `gns.calibration = "auto"`
+learns it from what every run already logs, with no extra compute:
+
+**Every batch change is a natural experiment.** One step at batch B_i adds
+ΔE_i(c) = B_i · cφ_i / (cφ_i + B_i) effective samples (McCandlish §2.2, App. D). The loss is a
+smooth function of effective samples, L = f(E). Under the right c, the loss plotted against the
+clock E_c(t) = Σ_{i≤t} ΔE_i(c) has no kink where B changed; under a wrong c it bends there
+(c too small: the larger batch looks too efficient, the curve steepens). For a window of steps
+around one or more changes, and for every c on a grid over log c, the loss is fitted by weighted
+least squares as a quadratic in log E_c, the clock counted from the run's first step (a power law
+L(E) is nearly quadratic in log E over a window; the quadratic also absorbs a smooth LR
+schedule). The profile likelihood of c with the noise level unknown is
+
+    log p(losses | c) = −(n/2) · log WRSS(c)        (Gaussian noise, σ profiled out)
+
+with weights w_i = B_i·seq (the per-step loss noise of real runs is σ ≈ 2.1/sqrt(tokens per
+step) nats: docs/robust-goodput.md), so one step at a larger batch counts more. The first
+`skip_steps` after each change are left out of the fit (the post-change transient: Adam's second
+moment lags the new LR, COPUS App. E; Merrill et al. 2025 Assumption 3) but still advance the
+clock. Evidence multiplies into a grid posterior over log c (prior: normal in log c around
+`prior_c`, `prior_octaves` wide). Windows do not overlap, so no loss is counted twice.
+
+Decisions use `value()`: the posterior quantile `quantile` of c (0.5: the median, i.e. the
+c whose log error is as likely high as low; a factor-k error in c costs goodput about equally
+either way in log k, so the median is the robust rule stated in docs/robust-goodput.md).
+Pure numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LOG2_C_RANGE = (-4.0, 8.0)      # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
+GRID_POINTS = 49                # quarter-octave steps
+
+
+@dataclass(slots=True)
+class _Step:
+    loss: float
+    batch: float
+    b_noise: float
+    fit: bool          # False: inside the transient after a change (clock only)
+    clock: np.ndarray  # E_c since the run's start, every grid c, after this step
+
+
+@dataclass(slots=True, kw_only=True)
+class CalibrationPosterior:
+    """Grid posterior over log c; feed it every step with `observe`, read `value()`."""
+
+    prior_c: float = 2.0
+    prior_octaves: float = 2.0          # sd of the prior in log2 c
+    window_steps: int = 60              # steps kept before a change, and waited for after it
+    skip_steps: int = 10                # transient after a change: clock only, not fitted
+    min_fit_steps: int = 12
+    quantile: float = 0.5
+    tempering: float = 1.0              # < 1 discounts each window's evidence (misspecification)
+    # exponents γ of an LR factor B^γ on the progress per sample: 0 = E(B) alone (LR re-tuned
+    # for every B; docs/statistics.md §4), ½ = COPUS's LR-aware Eq. 8 (an LR below its optimum,
+    # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
+    lr_exponents: tuple[float, ...] = (0.0,)
+    prior_lr_aware: float = 0.5         # prior probability of the last exponent (½)
+    log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
+    log_post: np.ndarray = field(init=False)    # (len(lr_exponents), len(log2_grid))
+    experiments: list[dict] = field(default_factory=list)
+    _buffer: list[_Step] = field(default_factory=list)
+    _last_batch: float | None = None
+    _since_change: int | None = None     # steps since the last change in the buffer
+    _clock: np.ndarray | None = None     # E_c(t) since the first step, every grid c
+
+    def __post_init__(self) -> None:
+        for name in ("prior_c", "prior_octaves", "tempering"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r} is invalid; allowed: a finite number > 0")
+        if not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"quantile={self.quantile!r} is invalid; allowed: 0 < q < 1")
+        if self.window_steps < 4 or self.skip_steps < 0 or self.min_fit_steps < 4:
+            raise ValueError(f"window_steps={self.window_steps}, skip_steps={self.skip_steps}, "
+                             f"min_fit_steps={self.min_fit_steps} are invalid; allowed: "
+                             "window >= 4, skip >= 0, min_fit >= 4")
+        if not 0.0 < self.prior_lr_aware < 1.0 or not self.lr_exponents:
+            raise ValueError(f"prior_lr_aware={self.prior_lr_aware!r} is invalid; allowed: 0 < p < 1")
+        z = (self.log2_grid - math.log2(self.prior_c)) / self.prior_octaves
+        n = len(self.lr_exponents)
+        prior_g = np.full(n, (1.0 - self.prior_lr_aware) / max(n - 1, 1))
+        prior_g[-1] = self.prior_lr_aware if n > 1 else 1.0
+        self.log_post = np.log(prior_g)[:, None] - 0.5 * (z * z)[None, :]
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def joint(self) -> np.ndarray:
+        """p(γ, c) on the grid, shape (len(lr_exponents), len(log2_grid))."""
+        p = np.exp(self.log_post - np.max(self.log_post))
+        return p / p.sum()
+
+    def probabilities(self) -> np.ndarray:
+        """p(c), the marginal over the LR exponents."""
+        return self.joint().sum(axis=0)
+
+    def lr_exponent(self) -> float:
+        """The most probable LR exponent γ (decisions use it: ½ = goodput × sqrt(B))."""
+        return float(self.lr_exponents[int(np.argmax(self.joint().sum(axis=1)))])
+
+    def p_lr_aware(self) -> float:
+        """Posterior probability of the last LR exponent (½: COPUS's LR-aware factor)."""
+        return float(self.joint().sum(axis=1)[-1])
+
+    def quantile_c(self, q: float, given_exponent: bool = False) -> float:
+        """The q-quantile of c (each grid point's mass spread over its quarter-octave cell:
+        the CDF at a point counts half of its own mass; linear in log c between points);
+        `given_exponent`: conditional on the most probable LR exponent."""
+        joint = self.joint()
+        p = joint[int(np.argmax(joint.sum(axis=1)))] if given_exponent else joint.sum(axis=0)
+        p = p / p.sum()
+        cdf = np.cumsum(p) - 0.5 * p
+        return float(2.0 ** np.interp(q, cdf, self.log2_grid))
+
+    def value(self) -> float:
+        """The c decisions use: the posterior `quantile` (median by default) of c given the
+        most probable LR exponent."""
+        return self.quantile_c(self.quantile, given_exponent=True)
+
+    @property
+    def window_open(self) -> bool:
+        """Whether a batch change is waiting for its post-window (an experiment under way)."""
+        return self._since_change is not None
+
+    def interval_ratio(self) -> float:
+        """p95 / p05 of c: how many-fold the 90 % interval spans."""
+        return self.quantile_c(0.95) / self.quantile_c(0.05)
+
+    def mean_c(self) -> float:
+        """Posterior mean of c on the grid (E[c], not exp E[log c])."""
+        return float(np.sum(self.probabilities() * 2.0 ** self.log2_grid))
+
+    def summary(self) -> dict:
+        """JSON-ready: what decisions.jsonl and `copus report` show."""
+        return {"c": self.value(), "mean": self.mean_c(), "median": self.quantile_c(0.5),
+                "p05": self.quantile_c(0.05), "p95": self.quantile_c(0.95),
+                "p_lr_aware": self.p_lr_aware(), "experiments": len(self.experiments)}
+
+    # ---- learning --------------------------------------------------------------------------
+
+    def observe(self, loss: float, batch: float, b_noise: float, usable: bool = True) -> dict | None:
+        """One optimizer step (reported loss, global batch in samples, online b_noise).
+
+        Returns the experiment's row when this step closed a window (else None). A step with a
+        non-finite loss or noise scale, or `usable` False (the LR warm-up: there the LR, not
+        the batch, limits progress, and a larger batch with its larger LR gains more per
+        sample than any E(B) allows), ends the current window without evidence; the clock
+        still advances.
+        """
+        if not batch > 0:
+            raise ValueError(f"batch={batch!r} is invalid; allowed: a number > 0")
+        self._advance_clock(float(batch), b_noise)
+        if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
+            self._reset()
+            return None
+        changed = self._last_batch is not None and batch != self._last_batch
+        self._last_batch = float(batch)
+        if changed:
+            self._since_change = 0
+        elif self._since_change is not None:
+            self._since_change += 1
+        in_transient = self._since_change is not None and self._since_change < self.skip_steps
+        self._buffer.append(_Step(float(loss), float(batch), float(b_noise), not in_transient,
+                                  self._clock.copy()))
+        if self._since_change is None:
+            del self._buffer[:-self.window_steps]      # only the pre-window is kept
+            return None
+        if self._since_change >= self.skip_steps + self.window_steps or \
+                len(self._buffer) >= 5 * self.window_steps:
+            return self._close()
+        return None
+
+    def _advance_clock(self, batch: float, b_noise: float) -> None:
+        """E_{γ,c} += B^γ · B·cφ/(cφ + B) for every grid (γ, c) (φ unknown: E = 1)."""
+        if self._clock is None:
+            self._clock = np.zeros((len(self.lr_exponents), len(self.log2_grid)))
+        lr = np.power(batch, np.asarray(self.lr_exponents, dtype=float))[:, None]
+        if math.isfinite(b_noise) and b_noise > 0:
+            bc = (2.0 ** self.log2_grid) * b_noise
+            self._clock += lr * (batch * bc / (bc + batch))[None, :]
+        else:
+            self._clock += lr * batch
+
+    def _reset(self) -> None:
+        self._buffer, self._since_change = [], None
+
+    def _close(self) -> dict | None:
+        steps, self._buffer, self._since_change = self._buffer, [], None
+        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps,
+                                       self.lr_exponents)
+        if loglik is None:
+            return None
+        self.log_post = self.log_post + self.tempering * loglik
+        self.log_post -= np.max(self.log_post)
+        batches = sorted({s.batch for s in steps})
+        row = {"steps": len(steps), "batches": batches,
+               "b_noise": float(np.median([s.b_noise for s in steps])),
+               "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)])
+               } | self.summary()
+        self.experiments.append(row)
+        return row
+
+    # ---- checkpointing ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"log_post": self.log_post.tolist(), "log2_grid": self.log2_grid.tolist(),
+                "experiments": list(self.experiments),
+                "clock": None if self._clock is None else self._clock.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        grid = np.asarray(state["log2_grid"], dtype=float)
+        post = np.asarray(state["log_post"], dtype=float)
+        if grid.shape != self.log2_grid.shape or not np.allclose(grid, self.log2_grid) or \
+                post.shape != self.log_post.shape:
+            raise ValueError("calibration posterior state has another grid; allowed: "
+                             f"{GRID_POINTS} points over log2 c in {LOG2_C_RANGE}")
+        self.log_post = post
+        self.experiments = list(state.get("experiments", []))
+        clock = state.get("clock")
+        self._clock = None if clock is None else np.asarray(clock, dtype=float)
+        self._reset()
+
+
+def window_log_likelihood(steps: list[_Step], log2_grid: np.ndarray, min_fit_steps: int = 12,
+                          lr_exponents: tuple[float, ...] = (0.0,)) -> np.ndarray | None:
+    """log p(losses | γ, c) on the grid, shape (len(lr_exponents), len(log2_grid)) (module
+    docstring); None if too few fitted steps or no change of batch in the window.
+
+    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step; fit
+    L_i ≈ a + b·x_i + q·x_i², x = log E centred and scaled (a power law L(E) is nearly
+    quadratic in log E over a window), weights B_i, over the steps with `fit`; −(n/2)·log WRSS.
+    """
+    fit = np.array([s.fit for s in steps])
+    n = int(fit.sum())
+    batches = np.array([s.batch for s in steps])
+    if n < min_fit_steps or len(set(batches.tolist())) < 2:
+        return None
+    loss = np.array([s.loss for s in steps])[fit]
+    clocks = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, G, K)
+    clocks = clocks.reshape(n, -1)
+    w = np.sqrt(batches[fit] / np.mean(batches[fit]))
+    out = np.empty(clocks.shape[1])
+    for k in range(clocks.shape[1]):
+        x = clocks[:, k] - clocks[:, k].mean()
+        x = x / max(float(np.ptp(x)), 1e-12)
+        design = np.stack([np.ones(n), x, x * x], axis=1) * w[:, None]
+        coef, *_ = np.linalg.lstsq(design, loss * w, rcond=None)
+        resid = loss * w - design @ coef
+        out[k] = -0.5 * n * math.log(max(float(resid @ resid), 1e-300))
+    out = out.reshape(len(lr_exponents), len(log2_grid))
+    return out - np.max(out)

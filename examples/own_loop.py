@@ -11,7 +11,8 @@ from torch.distributed.fsdp import fully_shard
 
 from copus.adapt import AdaptiveBatch
 from copus.core.specs.resolve import get_model_shape
-from copus.runtime.data.stream import ByteTokenizer, GlobalSampler, TokenDataset, load_text, local_slice
+from copus.runtime.data.stream import GlobalSampler, TokenDataset, load_text, local_slice
+from copus.runtime.data.tokenizer import ByteCodec
 from copus.runtime.engine.model import build_model, materialize
 
 ap = argparse.ArgumentParser()
@@ -30,7 +31,7 @@ for block in model.layers.values():
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
 
-data = TokenDataset(ByteTokenizer().encode(load_text("embedded", max_chars=2_000_000)), shape.seq_len)
+data = TokenDataset(ByteCodec().encode(load_text("embedded", max_chars=2_000_000)), shape.seq_len)
 sampler, offset = GlobalSampler(len(data), seed=0), 0
 adapt = AdaptiveBatch(model, policy=args.policy, initial_batch=8, micro_batch_size=2,
                       max_batch=128, seq_len=shape.seq_len)

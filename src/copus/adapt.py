@@ -19,6 +19,14 @@ it is accumulated (`copus.runtime.engine.grad_stats.GradStats`, the collector th
 synchronised gradient after the last backward is ḡ over the global batch. One all-reduce of
 three scalars per step. Decisions come from `copus.core.control.policies` (the same objects the trainer
 and the simulator use); rank 0's decision is broadcast so all ranks apply the same batch.
+
+What each policy needs beyond the three scalars (docs/lau.md):
+- `inner-product-test` (the augmented inner-product test, Bollapragada et al. 2018): g_jᵀḡ for
+  every micro-batch gradient, so the hooks keep this rank's micro-batch gradients until ḡ is
+  known (memory: num_microbatches local gradient copies); the dot products join the all-reduce.
+- `norm_test_form = "paper"` (Lau et al. eq. 5 over per-worker gradients): each rank's mean of
+  its micro-batch gradients, from the same kept copies; needs world_size ≥ 2.
+- `norm-test-lau`: the norm test with Lau et al.'s schedule (`core.control.policy_presets`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from copus.core.stats.efficiency import lr_scale
 from copus.core.stats.gns import DecaySchedule, GnsEstimator
 from copus.core.plan.plan import ParallelPlan
 from copus.core.control.policies import PolicySettings, make_policy
+from copus.core.control.policy_presets import POLICY_PRESETS
 from copus.core.plan.records import Decision, StepRecord
 from copus.runtime.engine.grad_stats import GradStats, weighted_sqnorm
 
@@ -53,20 +62,24 @@ class AdaptiveBatch:
 
     Args:
         model: the (FSDP2- or DDP-wrapped, or plain) module whose gradients define the step.
-        policy: `constant`, `ramp`, `norm-test`, `inner-product-test` or `gns`
+        policy: `constant`, `ramp`, `norm-test`, `norm-test-lau`, `inner-product-test` or `gns`
             (`goodput` needs copus's trainer, which can also change the parallel layout).
         initial_batch, min_batch, max_batch: global batch sizes in samples (all ranks).
         micro_batch_size: samples per forward per rank (fixed; the number of micro-batches
             changes with the batch).
         lr_rule: `none`, `linear`, `sqrt` or `adascale`; `lr_factor` is relative to
-            `initial_batch` (`copus.core.stats.efficiency.lr_scale`).
+            `initial_batch` (`copus.core.stats.efficiency.lr_scale`). Default: the policy
+            preset's (`none` for `norm-test-lau`), else `sqrt`.
         seq_len: tokens per sample (for token counts and the GNS decay schedule).
-        settings: a full `PolicySettings` to override the policy's other knobs.
+        settings: a full `PolicySettings` to override the policy's other knobs (default: the
+            policy preset's `[batch]` keys, e.g. `norm-test-lau`'s, on `PolicySettings()`),
+            among them `norm_test_form`: "per-sample", "micro-batch" or "paper".
     """
 
     def __init__(self, model: nn.Module, *, policy: str = "norm-test", initial_batch: int = 8,
                  micro_batch_size: int = 1, min_batch: int | None = None, max_batch: int = 256,
-                 lr_rule: str = "sqrt", seq_len: int = 1, settings: PolicySettings | None = None,
+                 lr_rule: str | None = None, seq_len: int = 1,
+                 settings: PolicySettings | None = None,
                  decay: DecaySchedule | float | None = None) -> None:
         if policy.startswith("goodput"):
             raise ValueError("policy='goodput' is invalid here; allowed: constant, ramp, norm-test, "
@@ -76,8 +89,11 @@ class AdaptiveBatch:
         if initial_batch % per_step:
             raise ValueError(f"initial_batch={initial_batch} is invalid; allowed: a multiple of "
                              f"world_size*micro_batch_size={per_step}")
+        preset = POLICY_PRESETS.get(policy, {})
+        if lr_rule is None:
+            lr_rule = preset.get("train", {}).get("lr_rule", "sqrt")
         lr_scale(lr_rule, 1.0, 1.0)  # validates the rule name
-        base = settings or PolicySettings()
+        base = settings or PolicySettings(**preset.get("batch", {}))
         self.settings = replace(base, initial=initial_batch,
                                 min=initial_batch if min_batch is None else min_batch,
                                 max=max_batch)
@@ -85,7 +101,10 @@ class AdaptiveBatch:
                                  num_microbatches=initial_batch // per_step)
         self.policy = make_policy(policy, self.settings, self.plan, world_size=world)
         self.gns = GnsEstimator(decay)
-        self.stats = GradStats(model, tp=1, mode="microbatch")
+        self.per_worker = self.settings.norm_test_form == "paper" and policy.startswith("norm-test")
+        self.dots = policy == "inner-product-test"
+        self.stats = GradStats(model, tp=1, mode="microbatch",
+                               keep_grads=self.dots or self.per_worker)
         self.model, self.lr_rule, self.seq_len = model, lr_rule, seq_len
         self.step, self.samples = 0, 0
         self._t0 = time.perf_counter()
@@ -136,22 +155,32 @@ class AdaptiveBatch:
         vec = torch.stack([torch.as_tensor(float(loss), dtype=torch.float64) / world,
                            self.stats.small_sqnorm_sum().double(),
                            self._big_sqnorm_share().double().cpu()])
+        vec = torch.cat([vec, self._extras()])
         if world > 1:
             vec = vec.to(self._device())
             dist.all_reduce(vec)
-        mean_loss, small_sum, big_sq = (float(x) for x in vec.cpu())
+        vec = vec.cpu()
+        mean_loss, small_sum, big_sq = (float(x) for x in vec[:3])
         num_small = world * p.num_microbatches
+        ip_sq_mean = float((vec[3:] ** 2).mean()) if self.dots else None
+        small_batch = p.micro_batch_size
+        gns_small_sqnorm = small_sum / num_small     # the GNS keeps micro-batch gradients
+        if self.per_worker:                          # Lau eq. 5: J = world per-worker gradients
+            small_sum, num_small = float(vec[3]), world
+            small_batch = p.micro_batch_size * p.num_microbatches
+        self.stats.kept.clear()
         self.step += 1
         self.samples += p.global_batch_size
         finite = all(math.isfinite(x) for x in (mean_loss, small_sum, big_sq))
         if finite:
-            self.gns.update(small_sum / num_small, p.micro_batch_size, big_sq, p.global_batch_size,
+            self.gns.update(gns_small_sqnorm, p.micro_batch_size, big_sq, p.global_batch_size,
                             tokens=self.samples * self.seq_len)
         record = StepRecord(
             step=self.step, samples=self.samples, tokens=self.samples * self.seq_len, plan=p,
             step_s=step_s if step_s is not None else time.perf_counter() - self._t0,
-            loss=mean_loss, small_sqnorm=small_sum / num_small, small_batch=p.micro_batch_size,
-            num_small=num_small, big_sqnorm=big_sq, grad_sqnorm=self.gns.grad_sqnorm,
+            loss=mean_loss, small_sqnorm=small_sum / num_small, small_batch=small_batch,
+            num_small=num_small, big_sqnorm=big_sq, ip_sq_mean=ip_sq_mean,
+            grad_sqnorm=self.gns.grad_sqnorm,
             grad_trace_cov=self.gns.grad_trace_cov, b_noise=self.gns.b_noise,
             b_noise_rel_err=self.gns.rel_err, skipped=not finite)
         self.last_record = record
@@ -164,6 +193,24 @@ class AdaptiveBatch:
                                     reason="rank 0's decision", b_noise=self.gns.b_noise)
             return decision
         return None
+
+    def _extras(self) -> torch.Tensor:
+        """This rank's share of what its policy needs beyond [loss, Σ‖g_j‖², ‖ḡ‖²] (float64,
+        summed over ranks by the step's one all-reduce): ‖mean_k g_k‖² of its micro-batch
+        gradients (the per-worker gradient, "paper" form), or g_jᵀḡ for every micro-batch
+        gradient j of the global batch, this rank's at rank·K … rank·K + K − 1."""
+        if self.per_worker:
+            total = torch.zeros((), dtype=torch.float64)
+            for kept in self.stats.kept.values():
+                mean = kept[0].double()
+                for g in kept[1:]:
+                    mean = mean + g.double()
+                total = total + (mean / len(kept)).pow(2).sum().cpu()
+            return total.reshape(1)
+        if self.dots:
+            k = self.plan.num_microbatches
+            return self.stats.dots(self.model, self.rank * k, self.plan.dp * k)
+        return torch.zeros(0, dtype=torch.float64)
 
     def _device(self) -> torch.device:
         backend = dist.get_backend()

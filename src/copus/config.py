@@ -23,8 +23,8 @@ from copus.core.plan.layout_map import SYNTAX, LayoutMapError, parse_layout_map
 from copus.core.specs.models import MODELS
 from copus.core.control.policy_presets import apply_policy_preset
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput",
-                "goodput-copus")
+POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
+                "goodput", "goodput-copus")
 
 # A check returns None when the value is allowed, else a short "what is allowed" text.
 Check = Callable[[Any], str | None]
@@ -226,7 +226,8 @@ class BatchConfig:
     initial: int = _opt(8, _int(1))
     min: int = _opt(8, _int(1))
     max: int = _opt(256, _int(1))
-    max_growth: float = _opt(2.0, _real(1.0))
+    max_growth: float = _opt(2.0, lambda v: None if isinstance(v, int | float) and not isinstance(
+        v, bool) and v >= 1 else "a number >= 1, or inf (no growth cap)")
     interval_steps: int = _opt(10, _int(1))
     warmup_steps: int = _opt(10, _int(0))
     ramp_kind: str = _opt("linear", _choice("linear", "stepwise"))
@@ -234,9 +235,9 @@ class BatchConfig:
     ramp_samples: int = _opt(20000, _int(1))
     ramp_steps: int = _opt(4, _int(1))
     norm_test_eta: float = _opt(0.5, _real(0.0, lo_open=True))
-    norm_test_form: str = _opt("per-sample", _choice("per-sample", "paper"))
+    norm_test_form: str = _opt("per-sample", _choice("per-sample", "micro-batch", "paper"))
     ip_theta: float = _opt(0.5, _real(0.0, lo_open=True))
-    orth_nu: float = _opt(2.0, _real(0.0, lo_open=True))
+    orth_nu: float = _opt(5.84, _real(0.0, lo_open=True))
     gns_c: float = _opt(2.0, _real(0.0, lo_open=True))
 
 
@@ -429,10 +430,22 @@ def check_consistency(cfg: Config) -> None:
             raise _bad("parallel", "layouts", p.layouts,
                        "allowed: a layout map only with a batch-only policy (batch.policy="
                        "'goodput' chooses layouts itself)")
+    check_norm_test_form(cfg)
     if cfg.eval.interval_steps > 0 and cfg.data.val_fraction == 0:
         raise _bad("data", "val_fraction", 0.0,
                    "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "
                    "(or set eval.interval_steps=0)")
+
+
+def check_norm_test_form(cfg: Config) -> None:
+    """The norm test's "paper" form is over per-worker gradients (gns.small = "rank"), the
+    "micro-batch" form over micro-batch ones; `apply_policy_preset` picks gns.small from the
+    form unless it was set, so a clash here is the user's explicit choice."""
+    form, small = cfg.batch.norm_test_form, cfg.gns.small
+    need = {"paper": "rank", "micro-batch": "microbatch"}.get(form)
+    if cfg.batch.policy.startswith("norm-test") and need is not None and small != need:
+        raise _bad("gns", "small", small, f"allowed: {need!r} with batch.norm_test_form="
+                   f"{form!r} (or another norm_test_form)")
 
 
 def _check_init_from(cfg: Config) -> None:

@@ -91,7 +91,7 @@ def test_settings_mirror_config_and_validate():
 
 
 def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
-    assert POLICY_NAMES == ("constant", "ramp", "norm-test", "inner-product-test", "gns",
+    assert POLICY_NAMES == ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
                             "goodput", "goodput-copus")
     s, p = PolicySettings(), plan()
     for name, cls in (("constant", ConstantPolicy), ("ramp", RampPolicy),
@@ -248,3 +248,31 @@ def test_state_round_trip_gives_identical_decisions(name):
     assert a.state_dict() == b.state_dict()
     with pytest.raises(ValueError, match="policy state"):
         make_policy("constant", s, start).load_state_dict(a.state_dict())
+
+
+def test_lau_schedule_jumps_to_the_rounded_statistic_at_the_first_step():
+    """Lau et al. Algorithm 1: tested at step 1 on that step alone, b ← ⌈T⌉ rounded up to a
+    multiple of dp·micro_batch_size, no growth cap, clipped at max; an infinite T → max."""
+    start = plan(dp=2, mbs=2, nmb=2)                               # B = 8, multiple 4
+    s = PolicySettings(initial=8, max=1000, interval_steps=1, warmup_steps=0,
+                       max_growth=float("inf"), norm_test_eta=0.5)
+    rec = Feed(start).record(small_sqnorm=3.0, big_sqnorm=0.1)
+    t = norm_test_terms(3.0, 0.1, 4, 2.0)[0] / (0.25 * 0.1)        # 2·4/3·2.9/0.025 = 309.3
+    d = make_policy("norm-test-lau", s, start).observe(rec)
+    assert d.step == 1 and d.plan.global_batch_size == 4 * math.ceil(t / 4) == 312
+    d = make_policy("norm-test-lau", s, start).observe(
+        Feed(start).record(small_sqnorm=3.0, big_sqnorm=0.0))
+    assert d.plan.global_batch_size == 1000 and "capped at max=1000" in d.reason
+
+
+def test_forms_refuse_the_wrong_small_gradients_and_uncomputable_starts():
+    s = PolicySettings(initial=8, max=64, norm_test_form="paper", warmup_steps=0,
+                       interval_steps=1)
+    with pytest.raises(ValueError, match=r"^batch.norm_test_form='paper' is invalid at dp=1"):
+        NormTestPolicy(s, plan(dp=1, nmb=8))
+    start = plan(dp=2, mbs=2, nmb=2)
+    with pytest.raises(ValueError, match=r"needs J=2 per-worker gradients, got J=4; allowed: "
+                                         r"gns.small='rank'"):
+        NormTestPolicy(s, start).observe(Feed(start).record())     # micro-batch records
+    with pytest.raises(ValueError, match="dp\\*num_microbatches=1"):
+        NormTestPolicy(PolicySettings(initial=8, max=64), plan(dp=1, mbs=8, nmb=1))

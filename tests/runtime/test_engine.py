@@ -72,9 +72,11 @@ def _two_rank_work():
     res["rank"] = _out(eng.train_step(_local(eng, batch(0)), LR))
     eng.close()
     # (f) tp=2 with sequence parallel + activation checkpointing; (g) pp=2 with GPipe
+    # (both with the inner-product extras: g_jᵀḡ under TP + SP and under PP, issue 27)
     for key, lay, kw in (("tp2_sp_ac", (1, 2, 1), dict(sequence_parallel=True,
-                                                          activation_checkpointing=True)),
-                         ("pp2_gpipe", (1, 1, 2), dict(pp_schedule="gpipe"))):
+                                                          activation_checkpointing=True,
+                                                          ip_extras=True)),
+                         ("pp2_gpipe", (1, 1, 2), dict(pp_schedule="gpipe", ip_extras=True))):
         p = ParallelPlan(dp=lay[0], tp=lay[1], pp=lay[2], micro_batch_size=2, num_microbatches=4)
         eng = Engine(SHAPE, p, EngineSettings(**kw), "cpu", cache, seed=0)
         res[key] = [_out(eng.train_step(_local(eng, batch(s)), LR)) for s in range(3)]
@@ -209,3 +211,14 @@ def test_fused_adamw_only_when_every_parameter_is_on_cuda():
                       weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert not opt.defaults["fused"]
+
+
+@pytest.mark.parametrize("key", ["tp2_sp_ac", "pp2_gpipe"])
+def test_inner_product_extras_under_tp_and_pp_equal_exact_per_sample_computation(
+        results, reference, key):
+    """dp = 1, 4 micro-batches of 2: s̄, q and (1/J)Σ(g_jᵀḡ)² equal their per-example values
+    (torch.func) under tensor parallel + sequence parallel and under pipeline parallel."""
+    o, ex = results[0][key][0], reference["micro"]
+    assert (o["small_batch"], o["num_small"]) == (2, 4)
+    for name in ("small_sqnorm", "big_sqnorm", "ip_sq_mean"):
+        assert o[name] == pytest.approx(ex[name], rel=1e-4), name

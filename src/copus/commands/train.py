@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens, default "
                    f"{default('train', 'max_tokens')})")
     p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
+                                    "norm-test-lau, "
                                     "inner-product-test, gns, goodput, goodput-copus (default "
                                     f"{default('batch', 'policy')})")
     p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "

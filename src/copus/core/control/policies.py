@@ -38,8 +38,8 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord
 from copus.core.control.schedules import BatchSchedule, round_down
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "inner-product-test", "gns", "goodput",
-                "goodput-copus")
+POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
+                "goodput", "goodput-copus")
 GOODPUT_POLICIES = ("goodput", "goodput-copus")   # the controller; see core.policy_presets
 
 
@@ -66,9 +66,9 @@ class PolicySettings:
     ramp_samples: int = 20000
     ramp_steps: int = 4
     norm_test_eta: float = 0.5
-    norm_test_form: str = "per-sample"
-    ip_theta: float = 0.5
-    orth_nu: float = 2.0
+    norm_test_form: str = "per-sample"   # per-sample | micro-batch | paper (core.stats.batch_tests)
+    ip_theta: float = 0.5                # AdAdaGrad's θ (Lau, Liu, Kolar 2024, README example)
+    orth_nu: float = 5.84                # Bollapragada et al. 2018's ν (≈ tan 80°, as cockpit cites)
     gns_c: float = 2.0
     max_rel_err: float = 0.5      # [gns]; only with confidence = 0
     calibration: float = 1.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
@@ -88,8 +88,9 @@ class PolicySettings:
                 raise ValueError(f"batch.{name}={value!r} is invalid; allowed: an integer >= {lo}")
         if self.max < self.min:
             raise ValueError(f"batch.max={self.max} is invalid; allowed: >= batch.min={self.min}")
-        if not self.max_growth >= 1.0:
-            raise ValueError(f"batch.max_growth={self.max_growth!r} is invalid; allowed: >= 1")
+        if not self.max_growth >= 1.0:   # inf: no growth cap (Lau et al.)
+            raise ValueError(f"batch.max_growth={self.max_growth!r} is invalid; allowed: >= 1 "
+                             "(inf: no cap)")
         for name in ("norm_test_eta", "ip_theta", "orth_nu", "gns_c", "max_rel_err",
                      "calibration"):
             value = getattr(self, name)
@@ -220,11 +221,15 @@ class _BatchPolicy:
         cur, m = plan.global_batch_size, plan.dp * plan.micro_batch_size
         lo = max(bt.round_up(s.min, m), m * plan.pp)           # num_microbatches >= pp
         hi = s.max // m * m
-        growth_cap = math.floor(s.max_growth * cur / m + 1e-9) * m
+        growth_cap = math.inf if math.isinf(s.max_growth) else \
+            math.floor(s.max_growth * cur / m + 1e-9) * m
         notes = [f"target {target:.1f} rounded up to a multiple of dp*micro_batch_size={m}"]
         if target > growth_cap:
             new = growth_cap
             notes.append(f"growth capped at {s.max_growth:g}x")
+        elif target >= hi:                                   # also an infinite target
+            new = hi
+            notes.append(f"capped at max={s.max}")
         else:
             new = bt.round_up(target, m)
         if new < lo:
@@ -290,14 +295,35 @@ class RampPolicy(_BatchPolicy):
         return float(target), why
 
 
+def check_small_gradients(name: str, settings: PolicySettings, plan: ParallelPlan) -> None:
+    """One-line error at start when a statistical test cannot be computed on `plan`: every test
+    needs J ≥ 2 small gradients per step, and the norm test's "paper" form needs per-worker
+    gradients, i.e. dp ≥ 2 (Lau et al. eq. 5 over J workers)."""
+    if settings.norm_test_form == "paper" and name.startswith("norm-test") and plan.dp < 2:
+        raise ValueError(f"batch.norm_test_form='paper' is invalid at dp={plan.dp}; allowed: "
+                         "dp >= 2 (eq. 5 is over per-worker gradients), or 'micro-batch' (the "
+                         "same formula over micro-batches) or 'per-sample'")
+    if plan.dp * plan.num_microbatches < 2:
+        raise ValueError(f"batch.policy={name!r} is invalid with dp*num_microbatches=1 at the "
+                         f"initial batch {plan.global_batch_size}; allowed: an initial batch of "
+                         f">= 2 micro-batches (>= {2 * plan.micro_batch_size}) or dp >= 2")
+
+
 class NormTestPolicy(_BatchPolicy):
-    """Lau et al.'s norm test (`norm_test_form` "per-sample" or "paper", tolerance η)."""
+    """The norm test (Byrd et al. 2012) as Lau et al. 2025 use it: `norm_test_form`
+    "per-sample", "micro-batch" or "paper" (eq. 5 over per-worker gradients; η means something
+    different in each: `core.stats.batch_tests`), tolerance η = `norm_test_eta`."""
 
     name = "norm-test"
+
+    def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan) -> None:
+        super().__init__(settings, initial_plan)
+        check_small_gradients(self.name, settings, initial_plan)
 
     def _terms(self, record: StepRecord) -> dict[str, float] | None:
         if not _usable(record):
             return None
+        _check_form_inputs(self.settings.norm_test_form, record)
         var, sq = bt.norm_test_terms(record.small_sqnorm, record.big_sqnorm, record.num_small,
                                      record.small_batch, form=self.settings.norm_test_form)
         return {"var": var, "sq": sq}
@@ -320,6 +346,10 @@ class InnerProductTestPolicy(_BatchPolicy):
     Needs `record.ip_sq_mean` (opt-in in the runtime); steps without it are ignored."""
 
     name = "inner-product-test"
+
+    def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan) -> None:
+        super().__init__(settings, initial_plan)
+        check_small_gradients(self.name, settings, initial_plan)
 
     def _terms(self, record: StepRecord) -> dict[str, float] | None:
         if not _usable(record) or record.ip_sq_mean is None or not math.isfinite(
@@ -371,6 +401,7 @@ class GnsPolicy(_BatchPolicy):
 
 _CLASSES: dict[str, type[_BatchPolicy]] = {
     "constant": ConstantPolicy, "ramp": RampPolicy, "norm-test": NormTestPolicy,
+    "norm-test-lau": NormTestPolicy,     # its settings: core.control.policy_presets
     "inner-product-test": InnerProductTestPolicy, "gns": GnsPolicy,
 }
 
@@ -393,3 +424,16 @@ def _usable(record: StepRecord) -> bool:
     values = (record.small_sqnorm, record.big_sqnorm, record.small_batch)
     return record.num_small >= 2 and all(math.isfinite(v) for v in values) and \
         record.small_batch > 0
+
+
+def _check_form_inputs(form: str, record: StepRecord) -> None:
+    """The "paper" form is defined over per-worker small gradients (J = dp), "micro-batch" over
+    micro-batch ones (J = dp·num_microbatches); a runtime feeding the other kind is a setup
+    error (`copus.config` resolves `gns.small` from the form), never a silent reinterpretation."""
+    p = record.plan
+    want = {"paper": p.dp, "micro-batch": p.dp * p.num_microbatches}.get(form)
+    if want is not None and record.num_small != want:
+        raise ValueError(f"batch.norm_test_form={form!r} needs J={want} "
+                         f"{'per-worker' if form == 'paper' else 'micro-batch'} gradients, got "
+                         f"J={record.num_small}; allowed: gns.small="
+                         f"{bt.FORM_SMALL_GRADIENTS[form]!r} with this form")

@@ -13,6 +13,18 @@ tracking GNS estimator with a sample-tied decay instead of one per-step EMA 0.95
 decisions on the lower confidence bound of the noise scale, a recovery hold after each
 batch change, and switches only when the gain clears the margin plus the step times' measured
 uncertainty (`core.step_uncertainty`).
+
+`batch.policy = "norm-test-lau"` is the norm test with Lau et al.'s schedule (arXiv 2412.21124,
+Algorithm 1 and App. C; lau-notes §1.5): tested at every step on that step's statistics alone
+(interval 1, no warm-up, so no averaging window), no growth cap (the batch jumps straight to
+⌈T⌉, rounded up to a multiple of dp·micro_batch_size, clipped at batch.max), no LR rule on a
+batch change, and η = 0.2 (their MicroLlama runs use 0.15–0.275) in the per-sample form, the
+reading in which the batch can grow from their start of 256 (docs/lau.md: eq. 5 as printed over
+4 workers asks for E[T] ≲ 3/η² = 75). `norm-test` keeps copus's own settings: a 10-step window
+checked every 10 steps after a 10-step warm-up, ≤ 2× per decision, η = 0.5, sqrt LR rule.
+
+A norm-test policy with `batch.norm_test_form = "paper"` (per-worker gradients) sets
+`gns.small = "rank"` unless the user set it; `copus.config.check_norm_test_form` rejects an explicit clash.
 """
 
 from __future__ import annotations
@@ -37,6 +49,14 @@ POLICY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": {"lr_rule": "sqrt"},          # LR ∝ sqrt(B) (COPUS Eq. 9)
         "batch": {"max_growth": 2.0},          # ≤ 2× per decision (§6.1)
     },
+    "norm-test-lau": {
+        "batch": {"interval_steps": 1,         # the test at every step (Lau et al. App. C) ...
+                  "warmup_steps": 0,           # ... from the first step, on that step alone
+                  "max_growth": float("inf"),  # no growth cap: b_{k+1} = ⌈T_k⌉ (Algorithm 1)
+                  "norm_test_form": "per-sample",
+                  "norm_test_eta": 0.2},
+        "train": {"lr_rule": "none"},          # "optimizer scaling rule: None" (App. C)
+    },
 }
 
 
@@ -51,4 +71,10 @@ def apply_policy_preset(data: Mapping[str, Any]) -> dict[str, Any]:
         current = out.setdefault(section, {})
         if isinstance(current, Mapping):
             out[section] = {**values, **current}
+    batch = out.get("batch")
+    form = batch.get("norm_test_form") if isinstance(batch, Mapping) else None
+    gns = out.get("gns", {})
+    if form == "paper" and isinstance(name, str) and name.startswith("norm-test") and \
+            isinstance(gns, Mapping) and "small" not in gns:
+        out["gns"] = {**gns, "small": "rank"}   # eq. 5 is over per-worker gradients
     return out

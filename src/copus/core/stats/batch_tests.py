@@ -1,4 +1,8 @@
-"""Adaptive batch-size tests of Lau et al. (CPAL 2025, arXiv 2412.21124) from scalar statistics.
+"""Adaptive batch-size tests from scalar statistics: the norm test (Byrd, Chin, Nocedal, Wu 2012;
+in distributed form Lau et al., CPAL 2025, arXiv 2412.21124, eq. 5) and the inner-product,
+orthogonality and augmented inner-product tests (Bollapragada, Byrd, Nocedal 2018, "Adaptive
+sampling strategies for stochastic optimization", SIAM J. Optim.; per-sample code in the first
+author's AdAdaGrad work, Lau et al. 2024, arXiv 2402.11215). Lau et al. 2025 use the norm test only.
 
 Inputs are what the runtime measures per step without a second backward (design.md §3), over
 J = `num_small` "small" gradients g_j of b = `small_batch` samples each (one per micro-batch
@@ -14,6 +18,16 @@ passes when T ≤ B; otherwise the next batch is ⌈T⌉ rounded up to a multipl
 and capped (`decide`). Since a small gradient averages b samples, a per-sample variance is
 b times the variance across small gradients; with b = 1 the "per-sample" forms below are exactly
 the per-sample tests of Lau et al. §3.1 (Bollapragada et al. 2018 for inner product/orthogonality).
+
+Normalisation of the norm test (`NORM_TEST_FORMS`, the key `batch.norm_test_form`; docs/lau.md):
+- "per-sample": variance of one sample's gradient, b·J/(J−1)·(s̄ − q); η is the classic tolerance
+  (T ≈ b_noise/η²), independent of how the batch is split into small gradients.
+- "micro-batch": (1/J) Σ_j ‖g_j − ḡ‖² = s̄ − q over micro-batch gradients (J = dp·K, b = micro-batch
+  size): the variance of one micro-batch gradient; T ≈ (J−1)/J·b_noise/(b·η²).
+- "paper": the same formula over per-worker gradients (J = dp, b = per-worker batch): Lau et al.
+  eq. 5 and Algorithm 1 as printed; T ≈ (J−1)/J·b_noise/(b·η²) with b = B/J, so the batch it
+  asks for grows like sqrt(b_noise) and, as ‖ḡ‖² ≥ tr(Σ)/B on average, E[T] ≲ (J−1)/η²: at
+  J = 4 and η = 0.2 below 75, under the paper's starting batch of 256. Needs dp ≥ 2.
 """
 
 from __future__ import annotations
@@ -21,7 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-NORM_TEST_FORMS = ("per-sample", "paper")
+NORM_TEST_FORMS = ("per-sample", "micro-batch", "paper")
+# the small gradients each form is defined over: None = any split (b·J/(J−1) rescales it)
+FORM_SMALL_GRADIENTS = {"per-sample": None, "micro-batch": "microbatch", "paper": "rank"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +94,7 @@ def norm_test_terms(small_sqnorm: float, big_sqnorm: float, num_small: int, smal
     _check(small_sqnorm, big_sqnorm, num_small, small_batch)
     if form == "per-sample":
         variance = per_sample_trace_cov(small_sqnorm, big_sqnorm, num_small, small_batch)
-    elif form == "paper":
+    elif form in ("paper", "micro-batch"):
         variance = small_sqnorm - big_sqnorm
     else:
         raise ValueError(f"norm_test_form={form!r} is invalid; allowed: "
@@ -93,10 +109,13 @@ def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
     form "per-sample": T = tr(Σ)^/(η²·q) with tr(Σ)^ = `per_sample_trace_cov`. The test is
       E‖g_B − G‖² ≤ η²‖G‖²: η is the classic tolerance on the relative error of the batch
       gradient (0.5–0.9 in Byrd/Bollapragada); T ≈ b_noise/η².
-    form "paper": Lau et al. eq. 5 / Algorithm 1 as printed, T = Var̂/(η²·q) with
+    form "paper" (per-worker small gradients) and "micro-batch" (micro-batch small gradients):
+      Lau et al. eq. 5 / Algorithm 1 as printed, T = Var̂/(η²·q) with
       Var̂ = (1/J) Σ_j ‖g_j − ḡ‖² = s̄ − q, the variance of a *small gradient*, not of a sample.
       This is the per-sample test with η_eff² = η²·J·b/(J−1), so η here is far smaller
       (Lau et al. use 0.05–0.275) and the fixed point grows like sqrt(b_noise), not b_noise.
+      The formula is the same for both; which small gradients the caller passes decides
+      (`FORM_SMALL_GRADIENTS`).
     """
     if not eta > 0:
         raise ValueError(f"norm_test_eta={eta!r} is invalid; allowed: a number > 0")
@@ -150,7 +169,10 @@ def orthogonality_statistic(small_sqnorm: float, big_sqnorm: float, num_small: i
 
 
 def round_up(value: float, multiple: int) -> int:
-    """Smallest multiple of `multiple` that is ≥ value (and ≥ `multiple`)."""
+    """Smallest multiple of `multiple` that is ≥ value (and ≥ `multiple`): Lau et al.'s
+    Algorithm 1 rounding (⌈b/(J·M)⌉ per micro-batch, times J·M), with J·M = `multiple`."""
+    if math.isinf(value):
+        raise ValueError("value=inf is invalid; allowed: a finite number (cap it first)")
     return max(multiple, math.ceil(value / multiple - 1e-9) * multiple)
 
 

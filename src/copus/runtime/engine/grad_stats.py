@@ -221,10 +221,11 @@ class GradStats:
 
 
 def _gather_dp(g: torch.Tensor):
-    """(dp-unsharded tp-local data of a sharded gradient, its placement on "tp" or None)."""
+    """(dp-unsharded tp-local data of a sharded gradient, its placement on "tp" or None).
+    A mesh without dim names (a user's own `fully_shard` mesh) is all data parallel."""
     if not isinstance(g, DTensor):
         return g, None
-    names = g.device_mesh.mesh_dim_names or ()
+    names = g.device_mesh.mesh_dim_names or ("dp",) * g.device_mesh.ndim
     placements = [Replicate() if n == "dp" else p for n, p in zip(names, g.placements)]
     tp_placement = placements[names.index("tp")] if "tp" in names else None
     return g.redistribute(g.device_mesh, placements).to_local(), tp_placement

@@ -71,6 +71,16 @@ def _bool() -> Check:
     return lambda v: None if isinstance(v, bool) else "true or false"
 
 
+def _ac_mode() -> Check:
+    """`parallel.activation_checkpointing`: a mode, or a boolean read as "full" / "none"."""
+    text = "one of 'none', 'selective', 'full' (or true = 'full', false = 'none')"
+    return lambda v: None if isinstance(v, bool) or v in ("none", "selective", "full") else text
+
+
+def _ac_mode_value(v: Any) -> str:
+    return ("full" if v else "none") if isinstance(v, bool) else v
+
+
 def _nonempty_str() -> Check:
     return lambda v: None if isinstance(v, str) and v.strip() else "a non-empty string"
 
@@ -122,9 +132,10 @@ def _tokenizer_setting() -> Check:
                       else text)
 
 
-def _opt(default: Any, check: Check) -> Any:
-    """A dataclass field with its default and its validity check (kept in the metadata)."""
-    return field(default=default, metadata={"check": check})
+def _opt(default: Any, check: Check, convert: Callable[[Any], Any] | None = None) -> Any:
+    """A dataclass field with its default and its validity check (kept in the metadata);
+    `convert` maps an allowed value to the stored one (e.g. a legacy boolean to a mode)."""
+    return field(default=default, metadata={"check": check, "convert": convert})
 
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
@@ -192,6 +203,7 @@ class TrainConfig:
     # seconds a collective may wait before the process group aborts (init_process_group's
     # timeout): a rank-0-only step (a checkpoint's hash, a large DCP save) must fit in it
     nccl_timeout_s: float = _opt(1800.0, _real(0.0, lo_open=True))
+    compile: bool = _opt(False, _bool())
 
 
 @dataclass(**_FROZEN)
@@ -202,7 +214,9 @@ class ParallelConfig:
     pp: int = _opt(0, _int(0))
     micro_batch_size: int = _opt(0, _int(0))
     pp_schedule: str = _opt("1f1b", _choice("1f1b", "gpipe"))
-    activation_checkpointing: bool = _opt(False, _bool())
+    activation_checkpointing: str = _opt("none", _ac_mode(), _ac_mode_value)
+    sequence_parallel: bool = _opt(False, _bool())
+    loss_parallel: bool = _opt(True, _bool())
     reshard_after_forward: bool = _opt(True, _bool())
     memory_budget_gb: float = _opt(0.0, _real(0.0))
     # share of the device's memory the controller's plans leave free (runtime/train/perf.py)
@@ -370,6 +384,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
             raise _bad(section, key, value, f"allowed: {problem}")
         if by_name[key].type in ("float", "float | str") and not isinstance(value, str):
             value = float(value)
+        if by_name[key].metadata.get("convert") is not None:
+            value = by_name[key].metadata["convert"](value)
         if isinstance(value, list):
             value = tuple(value)   # frozen sections hold tuples
         kwargs[key] = value

@@ -37,7 +37,7 @@ def test_file_then_overrides(tmp_path):
     assert cfg.batch.policy == "norm-test"
     assert cfg.batch.max == 512                       # override wins over the file
     assert cfg.data.source == "some/folder"           # bare word → string
-    assert cfg.parallel.activation_checkpointing is True
+    assert cfg.parallel.activation_checkpointing == "full"    # a boolean reads as a mode
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # TOML int accepted as float
 
 
@@ -79,6 +79,8 @@ def test_sections_are_frozen():
     ("parallel.tp=-2", "parallel.tp"),
     ("parallel.pp_schedule=zb", "parallel.pp_schedule"),
     ("parallel.activation_checkpointing=1", "parallel.activation_checkpointing"),
+    ("parallel.activation_checkpointing=\"partial\"", "parallel.activation_checkpointing"),
+    ("train.compile=1", "train.compile"),
     ("parallel.backend=mpi", "parallel.backend"),
     ("batch.policy=adaptive", "batch.policy"),
     ("batch.initial=true", "batch.initial"),
@@ -188,3 +190,17 @@ def test_run_length_is_required_for_training():
         check_run_length(load_config(None, ["train.max_steps=10"]))
     check_run_length(load_config(None, ["train.max_steps=10", "train.lr_schedule=constant"]))
     check_run_length(load_config(None, ["train.max_tokens=100000"]))
+
+
+def test_engine_keys_of_issue_24():
+    """AC modes (booleans read as full / none), sequence / loss parallel and compile."""
+    from copus.config import load_config
+
+    assert load_config(None).parallel.activation_checkpointing == "none"
+    for given, mode in (("selective", "selective"), ("full", "full"), ("false", "none")):
+        cfg = load_config(None, [f"parallel.activation_checkpointing={given}"])
+        assert cfg.parallel.activation_checkpointing == mode
+    cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.loss_parallel=false",
+                             "train.compile=true", "train.dtype=bf16"])
+    assert (cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel) == (True, False)
+    assert (cfg.train.compile, cfg.train.dtype) == (True, "bf16")

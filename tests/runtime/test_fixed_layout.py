@@ -18,3 +18,12 @@ def test_fixed_degree_disables_layout_switches():
     assert _controller(["parallel.dp=2"]).search_options["allow_reconfigure"] is False
     assert _controller(["parallel.pp=1"]).search_options["allow_reconfigure"] is False
     assert _controller(["controller.allow_reconfigure=false"]).search_options["allow_reconfigure"] is False
+
+
+def test_activation_checkpointing_mode_prices_the_candidates():
+    """The engine's AC mode (config) reaches the goodput controller's memory model: with a
+    budget that only small micro-batches fit without AC, full AC admits more candidates."""
+    budget = ["parallel.memory_budget_gb=0.06", "batch.max=64"]
+    none = _controller(budget).candidates
+    full = _controller([*budget, "parallel.activation_checkpointing=full"]).candidates
+    assert len(full) > len(none) > 0

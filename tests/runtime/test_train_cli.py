@@ -114,6 +114,9 @@ def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
     (["--policy", "ramp", "--set", "parallel.layouts=dp2"], "entry 'dp2' is invalid"),
     (["--model", "absent.json"], "absent.json' cannot be read"),
     (["--seq-len", "-4"], "model.seq_len=-4"),
+    (["--set", "train.dtype=fp16"], "train.dtype='fp16'"),
+    (["--set", "parallel.activation_checkpointing=partial"],
+     "parallel.activation_checkpointing='partial'"),
 ])
 def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, needle):
     run_dir = tmp_path / "run"
@@ -123,6 +126,17 @@ def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, nee
     assert len(lines) == 1 and lines[0].startswith("copus train: error:"), out.stderr
     assert needle in lines[0] and "Traceback" not in out.stderr
     assert not run_dir.exists()                     # nothing was started
+
+
+def test_compile_without_inductor_exits_2_and_spawns_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")   # inductor's CPU backend finds no compiler
+    run_dir = tmp_path / "run"
+    out = _copus_train("--set", "train.compile=true", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.compile=true is unavailable here" in lines[0], out.stderr
+    assert "allowed: train.compile=false" in lines[0]
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow

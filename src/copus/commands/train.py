@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     from copus.runtime.train import launch, setup
 
     setup.validate_before_launch(cfg, setup.world_size(cfg))
+    if cfg.train.compile:   # inductor missing: one line, exit 2, before any worker starts
+        from copus.runtime.engine.parallelize import check_compile_available
+
+        check_compile_available()
     from copus.runtime.state.trackers import check_available
 
     check_available(cfg.log)

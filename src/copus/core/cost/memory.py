@@ -8,11 +8,11 @@ b = micro-batch size, s = sequence length, h = hidden size, f = ffn width, kv = 
 
 Precision (three regimes):
     fp32                        mixed_precision=False: everything 4 bytes (copus on CPU)
-    bf16 autocast               mixed_precision=True, autocast=True (copus on CUDA, engine.py):
+    bf16 autocast               mixed_precision=True, autocast=True (copus on CUDA before issue 24):
                                 fp32 parameters, gradients and all-gathers; matmuls in bf16, and
                                 each micro-batch's graph keeps a bf16 copy of every weight it used
     bf16 parameters             mixed_precision=True, autocast=False (FSDP2 MixedPrecisionPolicy
-                                as torchtitan runs it, Megatron): bf16 params/all-gathers, fp32
+                                as copus's runtime and torchtitan run it, Megatron): bf16 params/all-gathers, fp32
                                 master weights, gradients reduced (and accumulated) in fp32
 states (ZeRO-3 / FSDP2 sharding; Rajbhandari et al. SC'20 §3.1, mixed-precision Adam = 2Ψ + 2Ψ + 12Ψ):
     P_stage / (t·d) · (param + grad + master + optimizer bytes) = 16 B/param for AdamW
@@ -97,7 +97,7 @@ class MemoryModel:
     bytes_per_param: int | None = None       # unsharded parameter bytes; None: from the regime
     optimizer: str = "adamw"
     mixed_precision: bool = True
-    autocast: bool = True                    # with mixed_precision: copus's runtime regime
+    autocast: bool = True                    # with mixed_precision: bf16 autocast over fp32 params (copus before issue 24; the runtime now passes False, runtime/train/perf.py)
     activation_checkpointing: bool | str = False   # False/"none", "selective", True/"full"
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"

@@ -1,8 +1,14 @@
 """The per-rank 3D training engine: one layout's mesh, model, optimizer and gradient statistics.
 
 Build order (each step documented in its module): meta model → pipeline split (`pipeline.py`)
-→ TP → activation checkpointing → FSDP2 (`parallelize.py`) → `to_empty` + per-name seeded init
-(`model.py`) → AdamW (after wrapping: parameters are DTensors) → `GradStats` hooks.
+→ TP → activation checkpointing → torch.compile → FSDP2 with its mixed-precision policy
+(`parallelize.py`) → `to_empty` + per-name seeded init (`model.py`) → AdamW (after wrapping:
+parameters are DTensors; fused on CUDA) → `GradStats` hooks.
+
+Precision (`dtype`): "bf16" runs FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`: fp32 sharded master weights and optimizer state, bf16 all-gathers and
+compute, fp32 gradient accumulation and reduce-scatters (torchtitan's default); "auto" is bf16 on
+CUDA and fp32 elsewhere. The loss and every noise-scale sum are fp32 (`grad_stats`).
 
 One `train_step` = num_microbatches forward/backward passes per dp rank (plain gradient
 accumulation with FSDP2's reduce-scatter on the last micro-batch only, or a pipeline schedule
@@ -26,13 +32,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from copus.core.specs.models import ModelShape
 from copus.core.plan.plan import ParallelPlan
 from copus.runtime.engine.dist import MeshCache
 from copus.runtime.engine.grad_stats import MODES, GradStats, weighted_sqnorm
 from copus.runtime.engine.model import build_model, materialize
-from copus.runtime.engine.parallelize import parallelize
+from copus.runtime.engine.optim import build_adamw
+from copus.runtime.engine.parallelize import DTYPES, ac_mode, check_compile_available, parallelize
 from copus.runtime.engine.pipeline import SCHEDULES, Pipeline, split_stage
 
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -48,12 +56,14 @@ class EngineSettings:
     eps: float = 1e-8
     grad_clip: float = 1.0                 # 0 = off
     pp_schedule: str = "1f1b"              # "1f1b" | "gpipe"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = "none"   # "none" | "selective" | "full" (bool: full/none)
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
+    loss_parallel: bool = True             # under TP: vocab-sharded logits and loss
     gns_small: str = "microbatch"          # "microbatch" | "rank"
     ip_extras: bool = False                # keep small gradients for g_jᵀḡ (memory, see grad_stats)
-    dtype: str = "auto"                    # "auto" (bf16 autocast on CUDA) | "fp32" | "bf16"
+    dtype: str = "auto"                    # "auto" (bf16 on CUDA, else fp32) | "fp32" | "bf16"
+    compile: bool = False                  # torch.compile each block (inductor)
 
     def __post_init__(self) -> None:
         if self.pp_schedule not in SCHEDULES:
@@ -61,10 +71,20 @@ class EngineSettings:
                              f"{', '.join(SCHEDULES)}")
         if self.gns_small not in MODES:
             raise ValueError(f"gns_small={self.gns_small!r} is invalid; allowed: {', '.join(MODES)}")
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'auto', 'fp32', 'bf16'")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: auto, "
+                             f"{', '.join(DTYPES)}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
+        ac_mode(self.activation_checkpointing)       # raises on an unknown mode
+        if self.compile:
+            check_compile_available()
+
+    def resolved_dtype(self, device: torch.device) -> str:
+        """"auto" → "bf16" on CUDA, "fp32" elsewhere; other values as given."""
+        if self.dtype == "auto":
+            return "bf16" if torch.device(device).type == "cuda" else "fp32"
+        return self.dtype
 
 
 def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
@@ -74,8 +94,9 @@ def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
         weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
         grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
         activation_checkpointing=par.activation_checkpointing,
-        reshard_after_forward=par.reshard_after_forward, gns_small=cfg.gns.small,
-        ip_extras=ip_extras, dtype=t.dtype)
+        reshard_after_forward=par.reshard_after_forward,
+        sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel,
+        gns_small=cfg.gns.small, ip_extras=ip_extras, dtype=t.dtype, compile=t.compile)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,8 +114,14 @@ class StepOutput:
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32)."""
+    """Mean next-token cross-entropy (fp32). With vocab-sharded DTensor logits (loss parallel)
+    it must run inside `loss_parallel()`, and so must its backward."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A (replicated) DTensor loss as this rank's plain tensor; plain tensors unchanged."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 class Engine:
@@ -116,9 +143,12 @@ class Engine:
         model = build_model(shape, "meta")
         if plan.pp > 1:
             split_stage(model, self.pp_rank, plan.pp)
+        self.dtype = settings.resolved_dtype(self.device)
+        self.loss_parallel = settings.loss_parallel and plan.tp > 1
         parallelize(model, self.mesh, sequence_parallel=settings.sequence_parallel,
                     activation_checkpointing=settings.activation_checkpointing,
-                    reshard_after_forward=settings.reshard_after_forward)
+                    reshard_after_forward=settings.reshard_after_forward, dtype=self.dtype,
+                    compile=settings.compile, loss_parallel=self.loss_parallel)
         self.model = materialize(model, self.device, seed) if allocate else model
         self.optimizer = self.pipeline = self.stats = None
         if allocate:
@@ -135,19 +165,14 @@ class Engine:
         self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW; weight decay on matrices (ndim ≥ 2) only, not on norm weights."""
+        """AdamW (`optim.build_adamw`: fused on CUDA, torch's default elsewhere)."""
         s = self.settings
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": s.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=0.0, betas=(s.beta1, s.beta2), eps=s.eps)
+        return build_adamw(list(self.model.parameters()), weight_decay=s.weight_decay,
+                           betas=(s.beta1, s.beta2), eps=s.eps)
 
-    def _autocast(self):
-        dtype = self.settings.dtype
-        if dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda"):
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _loss_context(self):
+        """`loss_parallel()` around the loss and its backward under TP's vocab-sharded logits."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def set_plan(self, plan: ParallelPlan) -> None:
         """Same layout, new micro-batching (the pipeline builds a new schedule on next use)."""
@@ -179,17 +204,17 @@ class Engine:
                     # keep parameters gathered across the accumulation, as a pipeline stage
                     # does: one all-gather per step instead of one per micro-batch
                     self.model.set_reshard_after_backward(i == k - 1)
-                with self._autocast():
+                with self._loss_context():
                     loss = token_loss(self.model(x), y)
-                (loss / k).backward()
-                total = total + loss.detach()
+                    (loss / k).backward()
+                total = total + _plain(loss.detach())
             return total.float() * (share / k)
         self.stats.begin(k, grad_scale=1.0 if self.gns_small == "microbatch" else 1.0 / k)
-        with self._autocast():
+        with self._loss_context():
             losses = self.pipeline.run(inputs, targets, k, train=True)
         if not self.pipeline.is_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([x.detach().float() for x in losses]).mean() * share
+        return torch.stack([_plain(x.detach()).float() for x in losses]).mean() * share
 
     def train_step(self, local_tokens: torch.Tensor, lr: float) -> StepOutput:
         """Forward/backward over this dp rank's `micro_batch_size·num_microbatches` sequences
@@ -242,13 +267,13 @@ class Engine:
                              f"allowed: a multiple of {k}")
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         share = 1.0 / (p.dp * p.tp)
-        with self._autocast():
+        with self._loss_context():
             if self.pipeline is None:
                 losses = [token_loss(self.model(x), y) for x, y in zip(inputs.chunk(k),
                                                                        targets.chunk(k))]
             else:
                 losses = self.pipeline.run(inputs, targets, k, train=False)
-        part = torch.stack([x.float() for x in losses]).mean() * share if losses else \
+        part = torch.stack([_plain(x).float() for x in losses]).mean() * share if losses else \
             torch.zeros((), device=self.device)
         vec = part.to(self.device, torch.float64).reshape(1)
         dist.all_reduce(vec)

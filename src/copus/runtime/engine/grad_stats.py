@@ -26,6 +26,10 @@ world then sums over tp and pp shards and dp ranks. A tensor's local data is cou
 1/(number of ranks holding the same data): 1/tp for tensors replicated over tp (RMSNorm weights,
 plain tensors in a TP model), and 1/size for every mesh dim on which a DTensor is `Replicate`.
 
+Precision: under bf16 (FSDP2's MixedPrecisionPolicy) the hooks see bf16 unsharded gradients;
+every squared norm is accumulated in fp32 (`_sqnorm`: `vector_norm(dtype=float32)`; `local_sqnorm`
+casts to fp32) and the per-step sums travel as fp64 in the engine's one all-reduce.
+
 Inner-product extras (opt-in, `keep_grads=True`): ip_sq_mean = (1/J) Σ_j (g_jᵀḡ)² needs every
 g_j until ḡ is known. Memory: "microbatch" keeps num_microbatches copies of this rank's local
 (tp/pp-sharded, dp-unsharded) gradient, "rank" keeps one; computing g_jᵀḡ all-gathers ḡ over
@@ -123,13 +127,24 @@ class GradStats:
         self._partial: list[torch.Tensor] = []
         self._partial_group = None
         self._k, self._scale = 1, 1.0
+        # one pre-hook per transformer block (all its parameters; it runs outside a compiled
+        # block forward, after FSDP2's unshard, so torch.compile sees no hook registration)
+        # and one per other module that owns parameters (embeddings, final norm, head)
+        layers = getattr(model, "layers", None)
+        blocks = ({f"layers.{k}" for k, _ in layers.named_children()}
+                  if isinstance(layers, nn.Module) else set())
         for mod_name, mod in model.named_modules():
-            if any(p is not None for p in mod._parameters.values()):
-                self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(mod_name)))
+            in_block = any(mod_name.startswith(b + ".") for b in blocks)
+            if mod_name in blocks or (not in_block and any(
+                    p is not None for p in mod._parameters.values())):
+                self._handles.append(mod.register_forward_pre_hook(
+                    self._make_pre_hook(mod_name, recurse=mod_name in blocks)))
 
-    def _make_pre_hook(self, mod_name: str):
+    def _make_pre_hook(self, mod_name: str, recurse: bool = False):
         def pre_hook(module: nn.Module, args) -> None:
-            for pname, p in module._parameters.items():
+            named = (module.named_parameters(remove_duplicate=False) if recurse
+                     else module._parameters.items())
+            for pname, p in named:
                 if p is None or not p.requires_grad or id(p) in self._fqn:
                     continue
                 self._fqn[id(p)] = f"{mod_name}.{pname}" if mod_name else pname

@@ -9,7 +9,8 @@ keeps the schedule unchanged when the global batch changes mid-run.
 `batch.initial` (design §3): `none` (1), `linear` (B/B0), `sqrt` (√(B/B0), Adam's square-root
 rule), `adascale` (AdaScale's gain, Johnson et al. 2020) or `sqrt-gain` (√gain, AdaptDL's
 bounded AdamScale), via `copus.core.stats.efficiency.lr_scale`.
-No torch here: the trainer passes the returned float to `Engine.train_step`.
+The schedule needs no torch: the trainer passes the returned float to `Engine.train_step`.
+`build_adamw` builds the optimizer itself (torch imported inside it).
 """
 
 from __future__ import annotations
@@ -120,3 +121,25 @@ def build_learning_rate(train_cfg, ref_batch: int, seq_len: int) -> LearningRate
                           warmup_tokens=int(train_cfg.warmup_tokens), total_tokens=total,
                           min_lr_ratio=float(train_cfg.min_lr_ratio))
     return LearningRate(schedule=schedule, rule=train_cfg.lr_rule, ref_batch=ref_batch)
+
+
+def adamw_impl(devices: set[str]) -> str:
+    """"fused" when every parameter is on CUDA (one multi-tensor kernel per step, as torchtitan
+    runs it), else "default" (torch's own choice: the per-tensor loop on CPU, where DTensor
+    parameters on different meshes (norms on dp, projections on dp×tp) meet in one group)."""
+    return "fused" if devices == {"cuda"} else "default"
+
+
+def build_adamw(params: list, *, weight_decay: float, betas: tuple[float, float], eps: float):
+    """torch AdamW over `params` (plain tensors or DTensors), weight decay on matrices (ndim ≥ 2)
+    only, not on norm weights; lr starts at 0 (the engine sets it every step). Fused on CUDA
+    (`adamw_impl`); the update is the same AdamW (Loshchilov & Hutter 2019) either way."""
+    import torch
+
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    impl = adamw_impl({p.device.type for p in params})
+    extra = {"fused": True} if impl == "fused" else {}
+    return torch.optim.AdamW(groups, lr=0.0, betas=betas, eps=eps, **extra)

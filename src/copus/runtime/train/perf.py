@@ -72,14 +72,15 @@ def wait_for_device(device: torch.device) -> None:
 
 
 def runtime_memory_model(cfg, shape: ModelShape, device_type: str):
-    """The memory model (`core/cost/memory.py`) of copus's runtime under `cfg`: bf16 autocast
-    when train.dtype is "bf16", or "auto" on CUDA (engine.py), else fp32; the configured
+    """The memory model (`core/cost/memory.py`) of copus's runtime under `cfg`: bf16 parameters
+    through FSDP2's MixedPrecisionPolicy (fp32 master weights and reductions; no autocast) when
+    train.dtype is "bf16", or "auto" on CUDA (runtime/engine/parallelize.py), else fp32; the configured
     activation checkpointing, resharding and pipeline schedule."""
     from copus.core.cost.memory import MemoryModel
 
     dtype = cfg.train.dtype
     mixed = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
-    return MemoryModel(shape, mixed_precision=mixed, autocast=True,
+    return MemoryModel(shape, mixed_precision=mixed, autocast=False,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        reshard_after_forward=cfg.parallel.reshard_after_forward,
                        pp_schedule=cfg.parallel.pp_schedule)

@@ -103,6 +103,10 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
                 kw["memory_model"] = memory_model
         elif cfg.parallel.memory_budget_gb > 0:
             kw["memory_capacity_bytes"] = cfg.parallel.memory_budget_gb * 1e9
+        if cfg.parallel.activation_checkpointing != "none":
+            # price candidates under the mode the engine runs (the engine reads it from the
+            # config too: the controller's plans carry the default options)
+            kw["plan_options"] = {"activation_checkpointing": cfg.parallel.activation_checkpointing}
     policy = make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
     layouts = parse_layout_map(cfg.parallel.layouts)
     return policy if layouts is None else LayoutMappedPolicy(policy, layouts)

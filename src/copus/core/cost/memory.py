@@ -97,7 +97,7 @@ class MemoryModel:
     bytes_per_param: int | None = None       # unsharded parameter bytes; None: from the regime
     optimizer: str = "adamw"
     mixed_precision: bool = True
-    autocast: bool = True                    # with mixed_precision: bf16 autocast over fp32 params (copus before issue 24; the runtime now passes False, runtime/train/perf.py)
+    autocast: bool = True                    # bf16 autocast over fp32 params (the runtime passes False)
     activation_checkpointing: bool | str = False   # False/"none", "selective", True/"full"
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"

@@ -27,3 +27,16 @@ def test_activation_checkpointing_mode_prices_the_candidates():
     none = _controller(budget).candidates
     full = _controller([*budget, "parallel.activation_checkpointing=full"]).candidates
     assert len(full) > len(none) > 0
+
+
+def test_tied_embeddings_keep_the_run_off_pipeline_layouts():
+    """The pipeline refuses tied embeddings across stages, so a tied model's controller never
+    offers pp > 1 (an untied one does, on 2 ranks)."""
+    from dataclasses import replace
+
+    cfg = load_config(None, ["train.max_steps=5", "parallel.nproc=2"])
+    tiny = get_model_shape("tiny")
+    untied = make_run_policy(cfg, PLAN, 2, replace(tiny, tie_embeddings=False)).candidates
+    tied = make_run_policy(cfg, PLAN, 2, replace(tiny, tie_embeddings=True)).candidates
+    assert (untied.pp > 1).any()
+    assert len(tied) > 0 and not (tied.pp > 1).any()

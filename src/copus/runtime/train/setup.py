@@ -108,6 +108,11 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
             # config too: the controller's plans carry the default options)
             kw["plan_options"] = {"activation_checkpointing": cfg.parallel.activation_checkpointing}
     policy = make_policy(cfg.batch.policy, settings, plan, world_size, shape, **kw)
+    forbid = getattr(policy, "forbid", None)
+    if shape.tie_embeddings and forbid is not None:
+        # the runtime's pipeline refuses tied embeddings across stages (runtime/engine/pipeline.py);
+        # the analytic planner keeps pp (Megatron ties across stages), the run's controller may not
+        forbid(lambda p: p.pp > 1)
     layouts = parse_layout_map(cfg.parallel.layouts)
     return policy if layouts is None else LayoutMappedPolicy(policy, layouts)
 

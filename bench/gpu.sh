@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): copus's training loop on a ~1B Llama (the TinyLlama-1.1B
-# shape from a config.json, seq 2048), one rank per GPU, NCCL, bf16 autocast: step time, MFU,
+# shape from a config.json, seq 2048), one rank per GPU, NCCL, bf16 (FSDP2 mixed precision): step time, MFU,
 # peak memory against the memory model, GNS overhead, a batch growth and, on >= 2 GPUs, a
 # layout switch. About 2 minutes on one GPU (budget: 8).
 #

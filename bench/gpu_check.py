@@ -1,6 +1,6 @@
 """The GPU check a GPU owner runs (through bench/gpu.sh): copus's own training loop on a ~1B Llama.
 
-One launch (`copus.runtime.train.launch`, one rank per GPU, NCCL, bf16 autocast), the model from a
+One launch (`copus.runtime.train.launch`, one rank per GPU, NCCL, bf16 (FSDP2 mixed precision)), the model from a
 config.json (the TinyLlama-1.1B shape: 22 layers, dim 2048, 32 heads, 4 kv heads, ffn 5632,
 vocab 32000, seq 2048), the `ramp` policy doubling the global batch half-way (a batch growth)
 and, on >= 2 GPUs, a layout map that switches dpN -> dp(N/2).tp2 at the grown batch (a layout

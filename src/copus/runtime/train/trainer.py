@@ -119,7 +119,7 @@ class Trainer:
         self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
                                                     self.shape.seq_len)
         self.progress = Progress()
-        self.prober = Prober.from_config(cfg)    # gns.calibration = "auto" (runtime/train/probe.py)
+        self.prober = Prober.from_config(cfg)    # gns.calibration = "probe" (runtime/train/probe.py)
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)

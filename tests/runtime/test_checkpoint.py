@@ -55,7 +55,7 @@ def test_save_then_load_roundtrip(tmp_path):
 def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     _save(tmp_path, 1)
 
-    def boom(folder, step):
+    def boom(folder, step, known=None):
         raise OSError("simulated crash while writing the manifest")
 
     monkeypatch.setattr(ckpt, "_write_manifest", boom)

@@ -19,9 +19,7 @@ from dataclasses import replace
 
 
 def main() -> int:
-    from copus.commands.simulate import _mean, default_variant, oracle_speedups
     from copus.core.sim.presets import PRESETS
-    from copus.core.sim.simulator import COPUS_FAITHFUL, compare_policies, preset_scenario
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ratios", default="0.5,2,8")
@@ -29,31 +27,23 @@ def main() -> int:
     ap.add_argument("--variants", required=True,
                     help='JSON {name: [settings, controller]} over the default goodput')
     ap.add_argument("--out", default=None)
+    ap.add_argument("--jobs", type=int, default=1, help="cells run in this many processes")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--truths", default="lr-tuned,sqrt-lr")
+    ap.add_argument("--planner-start", action="store_true",
+                    help="goodput runs start on the planner's fastest plan, not the published one")
     args = ap.parse_args()
-    base = default_variant()
-    variants = [COPUS_FAITHFUL]
-    for name, parts in json.loads(args.variants).items():
-        sets, ctl = (parts + [{}, {}])[:2]
-        variants.append(replace(base, name=name,
-                                settings=tuple(dict(base.settings, **sets).items()),
-                                controller=tuple(dict(base.controller, **ctl).items())))
-    rows = []
-    for pname, truth, ratio, seed in itertools.product(
-            PRESETS, ("lr-tuned", "sqrt-lr"), [float(x) for x in args.ratios.split(",")],
-            [int(s) for s in args.seeds.split(",")]):
-        preset = PRESETS[pname]
-        sc = preset_scenario(preset, seed=seed, variants=tuple(variants),
-                             trajectory=preset.truth(truth).with_(gns_calibration=ratio))
-        t0 = time.perf_counter()
-        cmp_ = compare_policies(sc, ("static", "cbs", "goodput"))
-        row = {"preset": pname, "truth": truth, "crit_ratio": ratio, "seed": seed,
-               "oracle": _mean(oracle_speedups(cmp_)),
-               "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
-        rows.append(row)
-        print(f"{pname:12s} {truth:9s} R={ratio:<4g} s{seed} oracle {row['oracle']:+5.1f}  "
-              + "  ".join(f"{n} {_f(v)} ({_f(v, row['oracle'])})"
-                          for n, v in row["variants"].items())
-              + f"  {time.perf_counter() - t0:.0f}s", flush=True)
+    cells = list(itertools.product(
+        args.presets.split(","), args.truths.split(","),
+        [float(x) for x in args.ratios.split(",")], [int(s) for s in args.seeds.split(",")]))
+    jobs = [(c, args.variants, args.planner_start) for c in cells]
+    if args.jobs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(args.jobs) as pool:
+            rows = list(pool.imap(_run_cell, jobs))
+    else:
+        rows = [_run_cell(j) for j in jobs]
     for name in rows[0]["variants"]:
         caps = [(r["variants"][name] if r["variants"][name] is not None else -99.0) / r["oracle"]
                 for r in rows if r["oracle"] >= 2.0]
@@ -63,6 +53,53 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _variants(spec: str, ratio: float, budget: float = 0.0):
+    """The variants of one cell: a value "R*k" (a string) becomes the cell's ratio times k,
+    "BUDGET*k" the preset's published token budget times k."""
+    from copus.commands.simulate import default_variant
+    from copus.core.sim.simulator import COPUS_FAITHFUL
+
+    def value(v):
+        if isinstance(v, str) and v.startswith("R*"):
+            return ratio * float(v[2:])
+        if isinstance(v, str) and v.startswith("BUDGET*"):
+            return budget * float(v[7:])
+        return v
+
+    base = default_variant()
+    out = [COPUS_FAITHFUL]
+    for name, parts in json.loads(spec).items():
+        sets, ctl = (parts + [{}, {}])[:2]
+        sets = {k: value(v) for k, v in sets.items()}
+        ctl = {k: value(v) for k, v in ctl.items()}
+        out.append(replace(base, name=name, settings=tuple(dict(base.settings, **sets).items()),
+                           controller=tuple(dict(base.controller, **ctl).items())))
+    return tuple(out)
+
+
+def _run_cell(job) -> dict:
+    from copus.commands.simulate import _mean, oracle_speedups
+    from copus.core.sim.presets import PRESETS
+    from copus.core.sim.simulator import compare_policies, preset_scenario
+
+    (pname, truth, ratio, seed), spec, planner_start = job
+    preset = PRESETS[pname]
+    sc = preset_scenario(preset, seed=seed, variants=_variants(spec, ratio, preset.token_budget),
+                         trajectory=preset.truth(truth).with_(gns_calibration=ratio))
+    if planner_start:
+        sc = replace(sc, start_layout=None)
+    t0 = time.perf_counter()
+    cmp_ = compare_policies(sc, ("static", "cbs", "goodput"))
+    row = {"preset": pname, "truth": truth, "crit_ratio": ratio, "seed": seed,
+           "oracle": _mean(oracle_speedups(cmp_)),
+           "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
+    print(f"{pname:12s} {truth:9s} R={ratio:<4g} s{seed} oracle {row['oracle']:+5.1f}  "
+          + "  ".join(f"{n} {_f(v)} ({_f(v, row['oracle'])})"
+                      for n, v in row["variants"].items())
+          + f"  {time.perf_counter() - t0:.0f}s", flush=True)
+    return row
 
 
 def _f(v, oracle=None) -> str:

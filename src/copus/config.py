@@ -273,6 +273,9 @@ class ControllerConfig:
     reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)
                                   else "-1 (auto) or a number >= 0")
     allow_reconfigure: bool = _opt(True, _bool())
+    # the goodput run's first plan: "planned" = the controller's fastest plan at batch.initial
+    # (its step-time model); "initial" = [parallel] as configured (pure FSDP when unset)
+    start: str = _opt("planned", _choice("planned", "initial"))
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))
     explore_max_probes: int = _opt(4, _int(0))

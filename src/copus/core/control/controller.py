@@ -79,7 +79,8 @@ class Controller:
                  posterior: CalibrationPosterior | None = None,
                  batch_margin: float | None = None, lr_warmup_tokens: float = 0.0,
                  shrink_batch: bool | None = None, max_excursions: int = 0,
-                 excursion_factor: float = 2.0, excursion_min_interval: float = 8.0) -> None:
+                 excursion_factor: float = 2.0, excursion_min_interval: float = 8.0,
+                 horizon_tokens: float = 0.0) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
@@ -108,6 +109,9 @@ class Controller:
         self.excursion_min_interval = float(excursion_min_interval)
         self.num_excursions = 0
         self._excursion_end: int | None = None
+        # the run's planned length in tokens (train.max_tokens; 0: unknown): a layout change is
+        # repaid over the time the rest of the run takes at the current plan's speed
+        self.horizon_tokens = float(horizon_tokens)
         # batch-only moves on the current layout need only this gain in goodput expected under
         # the posterior (core.control.batch_move); None or >= margin: COPUS's one margin
         self.batch_margin = margin if batch_margin is None else float(batch_margin)
@@ -172,6 +176,30 @@ class Controller:
         u_cur = median_error(times.get(current, ()), noise_floor=floor)
         return u, (u_cur if math.isfinite(u_cur) else unmeasured)
 
+    def start_plan(self) -> ParallelPlan:
+        """The plan to start the run on: the candidate with the shortest predicted step at the
+        current global batch (the step-time model in use; memory-feasible candidates only), or
+        the current plan when it is as fast or no candidate has its batch. A run starts with no
+        elapsed time to amortise a switch over (`core.plan.search.amortisation` is then ~0), so
+        a slow first layout would otherwise be kept until the run is long enough to pay for a
+        switch; the runtime asks this before it builds the engine (`controller.start`)."""
+        if not self.search_options["allow_reconfigure"]:
+            return self.plan
+        c = self.candidates
+        idx = np.flatnonzero(c.global_batch_size == self.plan.global_batch_size)
+        if not len(idx):
+            return self.plan
+        step_s = self.predicted_step_s()[idx]
+        ok = np.isfinite(step_s) & (step_s > 0)
+        if not ok.any():
+            return self.plan
+        best = int(idx[ok][np.argmin(step_s[ok])])
+        cur = c.index_of(self.plan)
+        if cur is not None and np.isfinite(self.predicted_step_s()[cur]) and \
+                self.predicted_step_s()[cur] <= self.predicted_step_s()[best]:
+            return self.plan
+        return c.plan(best)
+
     def drain_events(self) -> list[dict]:
         """Probe results and audits since the last call (rows for decisions.jsonl)."""
         out, self.events = self.events, []
@@ -183,6 +211,17 @@ class Controller:
         if self._predicted is None or self._predicted[0] is not model:
             self._predicted = (model, self.candidates.predict_step_s(model))
         return self._predicted[1]
+
+    def remaining_s(self, record: StepRecord) -> float | None:
+        """Seconds the run has left at the current plan's speed, from `horizon_tokens`:
+        (horizon − tokens so far) / tokens per second; None when the horizon is unknown (0),
+        spent, or the step time is not a positive number (COPUS's elapsed-time rule then)."""
+        left = self.horizon_tokens - record.tokens
+        if self.horizon_tokens <= 0 or left <= 0 or record.samples <= 0 or \
+                not (math.isfinite(record.step_s) and record.step_s > 0):
+            return None
+        tokens_per_step = record.tokens / record.samples * record.plan.global_batch_size
+        return left / tokens_per_step * record.step_s
 
     @property
     def reconfig_cost_s(self) -> float:
@@ -232,7 +271,8 @@ class Controller:
         u, u_cur = self.step_uncertainty(record.plan)
         result = evaluate(self.candidates, self.decision_model(), b_used, record.plan,
                           reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
-                          useful_s=self.useful_s, step=record.step,
+                          useful_s=self.useful_s, horizon_s=self.remaining_s(record),
+                          step=record.step,
                           step_s=self.predicted_step_s(), uncertainty=u,
                           current_uncertainty=u_cur, step_confidence=self.step_confidence,
                           **self.search_options)
@@ -539,7 +579,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     step_confidence: float = 0.0, plan_options: dict | None = None,
                     batch_margin: float | None = None,
                     lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None,
-                    max_excursions: int = 0) -> Controller:
+                    max_excursions: int = 0, horizon_tokens: float = 0.0) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -602,7 +642,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       recovery_steps=int(getattr(settings, "recovery_steps", 0)),
                       step_confidence=step_confidence, batch_margin=batch_margin,
                       lr_warmup_tokens=lr_warmup_tokens, shrink_batch=shrink_batch,
-                      max_excursions=max_excursions,
+                      max_excursions=max_excursions, horizon_tokens=horizon_tokens,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
                           quantile=float(getattr(settings, "calibration_quantile", 0.5)))

@@ -265,6 +265,9 @@ POLICY_FAMILIES = ("static", "cbs", "norm-test", "goodput")
 BASELINE_FAMILIES = ("static", "cbs")  # COPUS Table 1 compares against these
 
 
+VARIANT_STARTS = ("scenario", "planner")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GoodputVariant:
     """One goodput controller to simulate, given by the controller's own settings objects.
@@ -277,6 +280,14 @@ class GoodputVariant:
     name: str = "goodput"
     settings: tuple[tuple[str, object], ...] = ()
     controller: tuple[tuple[str, object], ...] = ()
+    # where the run starts: "scenario" = the scenario's start layout (COPUS: its profiler's
+    # choice, the published layout); "planner" = the controller's own fastest plan at the
+    # initial batch, as `copus train` starts (controller.start = "planned")
+    start: str = "scenario"
+
+    def __post_init__(self) -> None:
+        if self.start not in VARIANT_STARTS:
+            raise ValueError(f"start={self.start!r} is invalid; allowed: {', '.join(VARIANT_STARTS)}")
 
 
 # COPUS as published (§4.5, Alg. 2; copus-notes §1.6-1.9): LR-aware goodput (Eq. 8), c = 2,
@@ -511,7 +522,8 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
     cbs:       the `gns` policy with the layout tuned for the initial batch and, separately,
                for the batch the first CBS run ended at (COPUS's pessimistic / optimistic CBS);
     norm-test: Lau et al.'s norm test from the fastest plan for the initial batch;
-    goodput:   COPUS's controller from the fastest plan for the initial batch, once per
+    goodput:   COPUS's controller from the start plan (the scenario's start layout, or the
+               planner's fastest at the initial batch for a variant with start="planner"), once per
                `scenario.variants()` (e.g. COPUS_FAITHFUL and copus's defaults).
     """
     bad = [p for p in policies if p not in POLICY_FAMILIES]
@@ -550,7 +562,10 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
                     run("cbs", f"cbs {_layout(plan)}", "gns", plan)
         elif family == "goodput":
             for variant in scenario.variants():
-                run("goodput", variant.name, "goodput", start,
+                first = start
+                if variant.start == "planner":   # copus train's controller.start = "planned"
+                    first = planner.fastest_plan(scenario.initial_batch) or start
+                run("goodput", variant.name, "goodput", first,
                     variant if scenario.goodput_variants else None)
         elif family == "cbs":
             first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})",

@@ -104,11 +104,11 @@ class Trainer:
                                   rank=self.rank, world=self.world, log=self.log,
                                   error=TrainingError)   # runtime/train/memory_guard.py
         self.plan = self.memory.feasible(self.plan)
-        self.policy = (policy_factory(cfg, self.plan, self.world, self.shape) if policy_factory
-                       else make_run_policy(cfg, self.plan, self.world, self.shape, self.hardware,
-                                            memory_capacity_bytes=self.memory.capacity,
-                                            memory_model=self.memory.model))
-        self.memory.forbid_in(self.policy)
+        if policy_factory is not None:
+            self.policy = policy_factory(cfg, self.plan, self.world, self.shape)
+            self.memory.forbid_in(self.policy)
+        else:
+            self.policy = self._make_policy(self.plan)
         self.peak_flops = perf.peak_flops(self.hardware)
         self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
         self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
@@ -128,12 +128,36 @@ class Trainer:
         self._remove_stale_stages()
         self.memory.clear_marker()     # before any collective
         if not ((resume or auto_resume) and self.resume(required=resume)):
+            if policy_factory is None:
+                self._start_on_planned()
             self.engine = self._make_engine(self.plan)
             self._init_from_hf()
         self.memory.check(self.plan)
         self.memory.start_watch()
 
     # -- construction -------------------------------------------------------------------------
+
+    def _make_policy(self, plan: ParallelPlan):
+        """The configured policy from `plan`, bounded by the device's memory."""
+        policy = make_run_policy(self.cfg, plan, self.world, self.shape, self.hardware,
+                                 memory_capacity_bytes=self.memory.capacity,
+                                 memory_model=self.memory.model)
+        self.memory.forbid_in(policy)
+        return policy
+
+    def _start_on_planned(self) -> None:
+        """controller.start = "planned": a fresh goodput run starts on the controller's fastest
+        plan at batch.initial (`Controller.start_plan`), not on the configured one. Every rank
+        computes the same plan (same model, same candidates)."""
+        start_plan = getattr(self.policy, "start_plan", None)
+        if self.cfg.controller.start != "planned" or start_plan is None:
+            return
+        plan = self.memory.feasible(start_plan())
+        if plan == self.plan:
+            return
+        self.log(f"start plan {plan.describe()} (the controller's fastest at batch.initial; "
+                 f"controller.start='initial' keeps {self.plan.describe()})")
+        self.plan, self.policy = plan, self._make_policy(plan)
 
     def _remove_stale_stages(self) -> None:
         """Each host's first local rank deletes the switch staging folders that killed workers

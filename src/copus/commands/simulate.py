@@ -112,7 +112,8 @@ def default_variant(no_lr_aware: bool = False):
     cfg = load_config()
     s, c = PolicySettings.from_config(cfg), cfg.controller
     return GoodputVariant(
-        name="goodput", start="planner" if c.start == "planned" else "scenario", settings=tuple((k, getattr(s, k)) for k in (
+        name="goodput", start="planner" if c.start == "planned" else "scenario",
+        settings=tuple((k, getattr(s, k)) for k in (
             "max_growth", "interval_steps", "warmup_steps", "calibration", "calibration_mode",
             "max_rel_err")),
         controller=(("margin", c.margin), ("batch_margin", c.batch_margin),

@@ -579,7 +579,8 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                     step_confidence: float = 0.0, plan_options: dict | None = None,
                     batch_margin: float | None = None,
                     lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None,
-                    max_excursions: int = 0, horizon_tokens: float = 0.0) -> Controller:
+                    max_excursions: int = 0, horizon_tokens: float = 0.0,
+                    posterior_options: dict | None = None) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -645,6 +646,7 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
                       max_excursions=max_excursions, horizon_tokens=horizon_tokens,
                       posterior=(CalibrationPosterior(
                           prior_c=float(settings.calibration),
-                          quantile=float(getattr(settings, "calibration_quantile", 0.5)))
+                          quantile=float(getattr(settings, "calibration_quantile", 0.5)),
+                          **(posterior_options or {}))
                                  if getattr(settings, "calibration_mode", "fixed") == "auto"
                                  else None))

@@ -80,3 +80,103 @@ def scenario_oracle_minutes(scenario, params: TrajectoryParams | None = None, pl
     ok = np.isfinite(step_s) & (step_s > 0)
     return oracle_minutes(params or scenario.sim.trajectory, scenario.shape.seq_len,
                           cands.global_batch_size[ok], step_s[ok], scenario.sim.target_losses)
+
+
+def switch_aware_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: np.ndarray,
+                         step_s: np.ndarray, layout_ids: np.ndarray, targets: Sequence[float],
+                         switch_cost_s: float, points: int = 4000) -> list[float | None]:
+    """Minutes to each target of the best controller that pays `switch_cost_s` per layout change
+    but otherwise knows the truth: the ceiling a real run can reach, where `oracle_minutes`
+    also switches for free.
+
+    On a grid of effective samples E (geometric, `points` steps up to the lowest target), with
+    r_L(E) = max over the candidates of layout L of ΔE_i / step_s_i (the best batch of each
+    layout, free to change), the fastest path is the dynamic programme
+
+        f_L(E_k+1) = min(f_L(E_k), min_L' f_L'(E_k) + C) + (E_k+1 − E_k) / r_L(E_k+½)
+
+    (start on any layout; the batch moves freely within a layout). Under the sqrt-LR truth the
+    rate also depends on the tokens seen; they are taken along `oracle_minutes`'s own path at
+    the same E (its warm-up), so that truth's result is approximate.
+    """
+    traj = Trajectory(params, seq_len)
+    batches = np.asarray(global_batch_sizes, dtype=float)
+    step = np.asarray(step_s, dtype=float)
+    ids = np.asarray(layout_ids)
+    layouts = np.unique(ids)
+    order = sorted(targets, reverse=True)
+    goals = [traj.progress_for_loss(t) for t in order]
+    if not all(np.isfinite(goals)):
+        return [None] * len(targets)
+    e_max = max(goals)
+    grid = np.concatenate([[0.0], np.geomspace(1e-3 * params.progress_scale_samples, e_max,
+                                                points)])
+    token_of = _oracle_tokens(traj, batches, step, e_max)
+    f = np.zeros(len(layouts))
+    hit: dict[float, float] = {}
+    k_goal = 0
+    for lo, hi in zip(grid[:-1], grid[1:]):
+        mid = 0.5 * (lo + hi)
+        gain = np.asarray(traj.progress_per_step(batches, traj.loss(mid), token_of(mid)), float)
+        rate = gain / step
+        best = np.array([rate[ids == lay].max() for lay in layouts])
+        dt = np.where(best > 0, (hi - lo) / np.where(best > 0, best, 1.0), np.inf)
+        f = np.minimum(f, f.min() + switch_cost_s) + dt
+        while k_goal < len(goals) and hi >= goals[k_goal]:
+            hit[order[k_goal]] = float(f.min()) / 60.0
+            k_goal += 1
+    return [hit.get(t) if hit.get(t) is not None and math.isfinite(hit[t]) else None
+            for t in targets]
+
+
+def _oracle_tokens(traj: Trajectory, batches: np.ndarray, step_s: np.ndarray, e_max: float):
+    """tokens(E) along the free oracle's greedy path (linear interpolation; only the sqrt-LR
+    truth's warm-up reads it)."""
+    if traj.params.lr_warmup_tokens <= 0:
+        return lambda e: math.inf
+    inv_t = 1.0 / step_s
+    e_path, tok_path = [0.0], [0.0]
+    progress, tokens, loss = 0.0, 0.0, traj.loss(0.0)
+    while progress < e_max and len(e_path) < 2_000_000:
+        gain = np.asarray(traj.progress_per_step(batches, loss, tokens), dtype=float)
+        i = int(np.argmax(gain * inv_t))
+        if not gain[i] > 0:
+            i = int(np.argmax(batches * inv_t))
+        progress += float(gain[i])
+        tokens += batches[i] * traj.seq_len
+        loss = traj.loss(progress)
+        e_path.append(progress)
+        tok_path.append(tokens)
+        if tokens >= traj.params.lr_warmup_tokens:
+            break                   # past the warm-up the rate no longer reads the tokens
+    e_arr, t_arr = np.array(e_path), np.array(tok_path)
+    return lambda e: float(np.interp(e, e_arr, t_arr, right=math.inf))
+
+
+def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = None,
+                                  planner=None) -> list[float | None]:
+    """The switch-aware ceiling of a `core.simulator.Scenario`: `scenario_oracle_minutes` plus
+    what paying the scenario's switch cost adds in `switch_aware_minutes` (its result at the
+    cost minus at zero cost). The difference form keeps the greedy oracle's exact sqrt-LR
+    warm-up; under the lr-tuned truth it equals `switch_aware_minutes` itself (the programme at
+    zero cost reproduces the greedy oracle within 0.2 %)."""
+    from copus.core.plan.goodput import build_candidates
+    from copus.core.sim.simulator import Planner
+
+    planner = planner or Planner(scenario)
+    cands = build_candidates(scenario.world_size, scenario.shape,
+                             min_batch=scenario.initial_batch, max_batch=scenario.max_batch,
+                             micro_batch_sizes=scenario.micro_batch_sizes,
+                             batch_grid=scenario.batch_grid, memory_model=planner.memory_model,
+                             memory_capacity_bytes=planner.memory_capacity_bytes)
+    step_s = np.asarray(cands.predict_step_s(planner.step_time_model), dtype=float)
+    ok = np.isfinite(step_s) & (step_s > 0)
+    ids = cands.dp * 1_000_000 + cands.tp * 1_000 + cands.pp
+    truth = params or scenario.sim.trajectory
+    args = (truth, scenario.shape.seq_len, cands.global_batch_size[ok], step_s[ok], ids[ok],
+            scenario.sim.target_losses)
+    paid = switch_aware_minutes(*args, planner.switch_cost_s)
+    free = switch_aware_minutes(*args, 0.0)
+    greedy = scenario_oracle_minutes(scenario, truth, planner)
+    return [None if None in (g, p, f) else g + max(p - f, 0.0)
+            for g, p, f in zip(greedy, paid, free)]

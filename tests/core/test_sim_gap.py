@@ -103,6 +103,9 @@ def test_the_controller_start_plan_is_the_fastest_at_the_initial_batch():
                            micro_batch_sizes=sc.micro_batch_sizes)
     start = ctrl.start_plan()
     assert start == planner.fastest_plan(16) and start != slow
+    mb = 2 if start.micro_batch_size != 2 else 1
+    fixed_mb = ctrl.start_plan(micro_batch_size=mb)
+    assert fixed_mb.micro_batch_size == mb and fixed_mb.global_batch_size == 16
     locked = make_controller(settings, slow, 8, sc.shape, hardware=preset.hardware,
                              step_time_model=planner.step_time_model, online_fit=False,
                              allow_reconfigure=False)

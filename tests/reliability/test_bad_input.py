@@ -66,6 +66,8 @@ TRAIN = [
      ["parallel.memory_margin=1.0", "allowed", "(0.0, 1.0)"]),
     ("memory-margin-zero", ["--set", "parallel.memory_margin=0"],
      ["parallel.memory_margin=0", "allowed", "(0.0, 1.0)"]),
+    ("controller-start-unknown", ["--set", "controller.start='fastest'"],
+     ["controller.start='fastest'", "planned", "initial"]),
     ("unknown-flag", ["--batch-size", "64"], ["--batch-size"]),
     ("unknown-policy", ["--policy", "fastest"], ["batch.policy='fastest'", "goodput"]),
     ("policy-not-str", ["--set", "batch.policy=42"], ["batch.policy=42", "goodput"]),

@@ -42,6 +42,7 @@ def test_four_rank_run_probes_a_layout_in_process(tmp_path):
     """Forced exploration: one probe of the model's best other layout after one measured step
     of dp4; one warm-up + one measured step under it, then keep or go back, on measurements."""
     cfg = load_config(None, [*BASE, "parallel.nproc=4", "train.max_steps=6",
+                             "controller.start='initial'",
                              "batch.warmup_steps=0", "controller.explore_max_probes=1",
                              "controller.explore_steps=1", "controller.explore_interval_steps=0",
                              "controller.explore_top_k=1",
@@ -117,3 +118,24 @@ def test_two_rank_run_undoes_a_decision_that_missed_its_prediction(tmp_path):
     assert undo["step"] == audit["step"] == 4 + 1 + 3                        # warm-up + audit_steps
     batch = {r["step"]: r["global_batch_size"] for r in steps}
     assert [batch[s] for s in range(1, 10)] == [4] * 4 + [32] * 4 + [4]
+
+
+@pytest.mark.slow
+def test_a_fresh_goodput_run_starts_on_the_controllers_fastest_plan(tmp_path):
+    """controller.start = "planned" (default): the first step runs the controller's fastest plan
+    at batch.initial, which on 4 ranks is not the configured pure-FSDP dp4; "initial" keeps dp4."""
+    from copus.core.specs.resolve import get_model_shape
+    from copus.runtime.train.setup import initial_plan, make_run_policy
+
+    overrides = [*BASE, "parallel.nproc=4", "train.max_steps=2", "controller.explore_max_probes=0"]
+    cfg = load_config(None, overrides)
+    shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
+    configured = initial_plan(cfg, 4, shape)
+    planned = make_run_policy(cfg, configured, 4, shape).start_plan()
+    assert configured.layout == (4, 1, 1) and planned.layout != configured.layout
+    for start, want in (("planned", planned), ("initial", configured)):
+        run = tmp_path / start
+        _launch(load_config(None, [*overrides, f"controller.start='{start}'"]), run)
+        first = _rows(run, "metrics.jsonl")[0]
+        assert (first["dp"], first["tp"], first["pp"]) == want.layout
+        assert first["micro_batch_size"] == want.micro_batch_size

@@ -308,7 +308,7 @@ def test_resume_at_a_smaller_world_replans_and_keeps_samples_and_gns(tmp_path):
     checkpoint's; the ids of all 7 steps are the sampler stream, none repeated."""
     run = tmp_path / "run"
     fixed = ["parallel.micro_batch_size=2", "batch.policy='goodput'",
-             "checkpoint.interval_steps=0"]
+             "checkpoint.interval_steps=0", "controller.start='initial'"]   # start on dp2
     first = _launch(_cfg("parallel.nproc=2", "train.max_steps=4", *fixed), run,
                     entry=resume_report_worker)
     assert first["final_plan"]["dp"] == 2 and first["final_plan"]["micro_batch_size"] == 2

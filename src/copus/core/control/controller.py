@@ -176,17 +176,21 @@ class Controller:
         u_cur = median_error(times.get(current, ()), noise_floor=floor)
         return u, (u_cur if math.isfinite(u_cur) else unmeasured)
 
-    def start_plan(self) -> ParallelPlan:
+    def start_plan(self, micro_batch_size: int | None = None) -> ParallelPlan:
         """The plan to start the run on: the candidate with the shortest predicted step at the
-        current global batch (the step-time model in use; memory-feasible candidates only), or
-        the current plan when it is as fast or no candidate has its batch. A run starts with no
+        current global batch (the step-time model in use; memory-feasible candidates only;
+        `micro_batch_size`: only plans with this one, e.g. fixed by the user), or the current
+        plan when it is as fast or no candidate qualifies. A run starts with no
         elapsed time to amortise a switch over (`core.plan.search.amortisation` is then ~0), so
         a slow first layout would otherwise be kept until the run is long enough to pay for a
         switch; the runtime asks this before it builds the engine (`controller.start`)."""
         if not self.search_options["allow_reconfigure"]:
             return self.plan
         c = self.candidates
-        idx = np.flatnonzero(c.global_batch_size == self.plan.global_batch_size)
+        keep = c.global_batch_size == self.plan.global_batch_size
+        if micro_batch_size:
+            keep &= c.micro_batch_size == micro_batch_size
+        idx = np.flatnonzero(keep)
         if not len(idx):
             return self.plan
         step_s = self.predicted_step_s()[idx]

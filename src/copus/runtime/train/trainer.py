@@ -147,12 +147,13 @@ class Trainer:
 
     def _start_on_planned(self) -> None:
         """controller.start = "planned": a fresh goodput run starts on the controller's fastest
-        plan at batch.initial (`Controller.start_plan`), not on the configured one. Every rank
-        computes the same plan (same model, same candidates)."""
+        plan at batch.initial (`Controller.start_plan`; a configured parallel.micro_batch_size
+        is kept), not on the configured one. Every rank computes the same plan (same model,
+        same candidates)."""
         start_plan = getattr(self.policy, "start_plan", None)
         if self.cfg.controller.start != "planned" or start_plan is None:
             return
-        plan = self.memory.feasible(start_plan())
+        plan = self.memory.feasible(start_plan(self.cfg.parallel.micro_batch_size or None))
         if plan == self.plan:
             return
         self.log(f"start plan {plan.describe()} (the controller's fastest at batch.initial; "

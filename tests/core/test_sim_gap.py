@@ -110,3 +110,43 @@ def test_the_controller_start_plan_is_the_fastest_at_the_initial_batch():
                              step_time_model=planner.step_time_model, online_fit=False,
                              allow_reconfigure=False)
     assert locked.start_plan() == slow
+
+
+def test_the_switch_aware_ceiling_lies_between_the_free_oracle_and_one_layout():
+    from copus.core.plan.goodput import build_candidates
+    from copus.core.sim.oracle import oracle_minutes, switch_aware_minutes
+
+    sc = _scenario()
+    planner = Planner(sc)
+    cands = build_candidates(sc.world_size, sc.shape, min_batch=16, max_batch=sc.max_batch,
+                             micro_batch_sizes=sc.micro_batch_sizes,
+                             memory_model=planner.memory_model,
+                             memory_capacity_bytes=planner.memory_capacity_bytes)
+    step_s = np.asarray(cands.predict_step_s(planner.step_time_model), float)
+    ok = np.isfinite(step_s) & (step_s > 0)
+    b, t = cands.global_batch_size[ok], step_s[ok]
+    ids = (cands.dp * 10_000 + cands.tp * 100 + cands.pp)[ok]
+    targets, truth, seq = sc.sim.target_losses, sc.sim.trajectory, sc.shape.seq_len
+    free = oracle_minutes(truth, seq, b, t, targets)
+    zero = switch_aware_minutes(truth, seq, b, t, ids, targets, 0.0)
+    paid = switch_aware_minutes(truth, seq, b, t, ids, targets, 38.0)
+    never = switch_aware_minutes(truth, seq, b, t, ids, targets, 1e12)
+    single = min((switch_aware_minutes(truth, seq, b[ids == i], t[ids == i], ids[ids == i],
+                                       targets, 0.0)[-1], i) for i in np.unique(ids))
+    assert zero == pytest.approx(free, rel=0.005)           # the programme = the greedy oracle
+    assert all(z <= p + 1e-9 <= n + 1e-9 for z, p, n in zip(zero, paid, never))
+    assert paid[-1] > zero[-1] + 0.3                         # 3B switches cost ≥ 0.3 min here
+    assert never[-1] == pytest.approx(single[0], rel=1e-6)   # no switch: the best one layout
+
+
+def test_grid_cells_carry_the_switch_aware_capture():
+    from copus.core.sim import truth_grid as tg
+
+    cell = tg.Cell("p", "lr-tuned", 2.0)
+    runs = [{"seed": s, "oracle_avg": 8.0, "switch_aware_avg": 6.0, "variants": {"g": 3.0}}
+            for s in (0, 1)]
+    out = tg.summarise_cell(cell, runs)
+    assert out["switch_aware_oracle_avg_pct"] == 6.0
+    assert out["variants"]["g"]["capture"] == pytest.approx(3 / 8)
+    assert out["variants"]["g"]["capture_switch_aware"] == pytest.approx(0.5)
+    assert tg.goals([out], "g")["median_capture_switch_aware"] == pytest.approx(0.5)

@@ -148,12 +148,15 @@ class Trainer:
     def _start_on_planned(self) -> None:
         """controller.start = "planned": a fresh goodput run starts on the controller's fastest
         plan at batch.initial (`Controller.start_plan`; a configured parallel.micro_batch_size
-        is kept), not on the configured one. Every rank computes the same plan (same model,
-        same candidates)."""
+        is kept), not on the configured one. Rank 0's choice is broadcast, so that ranks whose
+        step-time priors differ (e.g. hosts with other core counts) build one engine."""
         start_plan = getattr(self.policy, "start_plan", None)
         if self.cfg.controller.start != "planned" or start_plan is None:
             return
-        plan = self.memory.feasible(start_plan(self.cfg.parallel.micro_batch_size or None))
+        box = [start_plan(self.cfg.parallel.micro_batch_size or None)]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        plan = self.memory.feasible(box[0])
         if plan == self.plan:
             return
         self.log(f"start plan {plan.describe()} (the controller's fastest at batch.initial; "

@@ -193,14 +193,14 @@ class Controller:
         idx = np.flatnonzero(keep)
         if not len(idx):
             return self.plan
-        step_s = self.predicted_step_s()[idx]
+        all_s = self.predicted_step_s()
+        step_s = all_s[idx]
         ok = np.isfinite(step_s) & (step_s > 0)
         if not ok.any():
             return self.plan
         best = int(idx[ok][np.argmin(step_s[ok])])
         cur = c.index_of(self.plan)
-        if cur is not None and np.isfinite(self.predicted_step_s()[cur]) and \
-                self.predicted_step_s()[cur] <= self.predicted_step_s()[best]:
+        if cur is not None and np.isfinite(all_s[cur]) and all_s[cur] <= all_s[best]:
             return self.plan
         return c.plan(best)
 

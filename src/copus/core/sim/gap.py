@@ -27,6 +27,7 @@ import numpy as np
 
 from copus.core.plan.goodput import CandidateSet
 from copus.core.plan.records import StepRecord
+from copus.core.sim.oracle import layout_ids
 from copus.core.sim.trajectory import Trajectory, TrajectoryParams
 
 
@@ -60,7 +61,7 @@ def decompose(records: list[StepRecord], switches: list[tuple[int, float]], para
     step_s = np.asarray(step_s, dtype=float)
     ok = np.isfinite(step_s) & (step_s > 0)
     batches = candidates.global_batch_size.astype(float)
-    layout_ids = _layout_ids(candidates)
+    layouts = layout_ids(candidates)
     progress, tokens, loss = 0.0, 0.0, traj.loss(0.0)
     batch_s = layout_s = 0.0
     n = 0
@@ -72,7 +73,7 @@ def decompose(records: list[StepRecord], switches: list[tuple[int, float]], para
         gain = np.where(ok, np.asarray(traj.progress_per_step(batches, loss, tokens), float), 0.0)
         rate = gain / np.where(ok, step_s, np.inf)
         best = float(rate.max())
-        best_layout = float(rate[layout_ids == layout_ids[i]].max())
+        best_layout = float(rate[layouts == layouts[i]].max())
         if best > 0 and best_layout > 0:
             batch_s += step_s[i] * (1.0 - rate[i] / best_layout)
             layout_s += step_s[i] * (rate[i] / best_layout - rate[i] / best)
@@ -90,19 +91,12 @@ def run_gap(scenario, result, planner=None, stop_loss: float | None = None) -> G
     """`decompose` for a `core.sim.simulator.SimResult` simulated with `keep_records` on
     `scenario`, against the oracle's menu (every memory-feasible candidate of the scenario,
     as `core.sim.oracle.scenario_oracle_minutes`); `stop_loss` default: the last target."""
-    from copus.core.plan.goodput import build_candidates
     from copus.core.sim.simulator import Planner
 
     if not result.records:
         raise ValueError(f"run {result.name!r} has no records; allowed: a run simulated with "
                          "SimSettings(keep_records=True)")
-    planner = planner or Planner(scenario)
-    cands = build_candidates(scenario.world_size, scenario.shape,
-                             min_batch=scenario.initial_batch, max_batch=scenario.max_batch,
-                             micro_batch_sizes=scenario.micro_batch_sizes,
-                             batch_grid=scenario.batch_grid, memory_model=planner.memory_model,
-                             memory_capacity_bytes=planner.memory_capacity_bytes)
-    step_s = np.asarray(cands.predict_step_s(planner.step_time_model), dtype=float)
+    cands, step_s = (planner or Planner(scenario)).menu()
     switches, costs = [], iter(result.switch_costs_s)
     for before, span in zip(result.timeline, result.timeline[1:]):
         if span.plan.layout != before.plan.layout:
@@ -111,9 +105,3 @@ def run_gap(scenario, result, planner=None, stop_loss: float | None = None) -> G
     return decompose(result.records, switches, scenario.sim.trajectory, scenario.shape.seq_len,
                      cands, step_s, stop_loss=stop)
 
-
-def _layout_ids(candidates: CandidateSet) -> np.ndarray:
-    """One integer per (dp, tp, pp) of every candidate."""
-    keys = np.stack([candidates.dp, candidates.tp, candidates.pp], axis=1)
-    _, ids = np.unique(keys, axis=0, return_inverse=True)
-    return ids.reshape(-1)

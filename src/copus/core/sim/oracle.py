@@ -64,20 +64,12 @@ def scenario_oracle_minutes(scenario, params: TrajectoryParams | None = None, pl
     """`oracle_minutes` over every memory-feasible plan of a `core.simulator.Scenario` (the
     controller's own candidate grid), under `params` (default: the scenario's truth).
     `layout` (dp, tp, pp): only that layout's plans, i.e. the batch schedule's own ceiling."""
-    from copus.core.plan.goodput import build_candidates
     from copus.core.sim.simulator import Planner
 
-    planner = planner or Planner(scenario)
-    cands = build_candidates(scenario.world_size, scenario.shape,
-                             min_batch=scenario.initial_batch, max_batch=scenario.max_batch,
-                             micro_batch_sizes=scenario.micro_batch_sizes,
-                             batch_grid=scenario.batch_grid, memory_model=planner.memory_model,
-                             memory_capacity_bytes=planner.memory_capacity_bytes)
-    if layout is not None:
-        cands = cands.subset((cands.dp == layout[0]) & (cands.tp == layout[1])
-                             & (cands.pp == layout[2]))
-    step_s = np.asarray(cands.predict_step_s(planner.step_time_model), dtype=float)
+    cands, step_s = (planner or Planner(scenario)).menu()
     ok = np.isfinite(step_s) & (step_s > 0)
+    if layout is not None:
+        ok &= (cands.dp == layout[0]) & (cands.tp == layout[1]) & (cands.pp == layout[2])
     return oracle_minutes(params or scenario.sim.trajectory, scenario.shape.seq_len,
                           cands.global_batch_size[ok], step_s[ok], scenario.sim.target_losses)
 
@@ -153,6 +145,12 @@ def _oracle_tokens(traj: Trajectory, batches: np.ndarray, step_s: np.ndarray, e_
     return lambda e: float(np.interp(e, e_arr, t_arr, right=math.inf))
 
 
+def layout_ids(candidates) -> np.ndarray:
+    """One integer per (dp, tp, pp) of every candidate of a `core.plan.goodput.CandidateSet`."""
+    keys = np.stack([candidates.dp, candidates.tp, candidates.pp], axis=1)
+    return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+
+
 def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = None,
                                   planner=None) -> list[float | None]:
     """The switch-aware ceiling of a `core.simulator.Scenario`: `scenario_oracle_minutes` plus
@@ -160,23 +158,17 @@ def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = No
     cost minus at zero cost). The difference form keeps the greedy oracle's exact sqrt-LR
     warm-up; under the lr-tuned truth it equals `switch_aware_minutes` itself (the programme at
     zero cost reproduces the greedy oracle within 0.1 %, tested to 0.5 %)."""
-    from copus.core.plan.goodput import build_candidates
     from copus.core.sim.simulator import Planner
 
     planner = planner or Planner(scenario)
-    cands = build_candidates(scenario.world_size, scenario.shape,
-                             min_batch=scenario.initial_batch, max_batch=scenario.max_batch,
-                             micro_batch_sizes=scenario.micro_batch_sizes,
-                             batch_grid=scenario.batch_grid, memory_model=planner.memory_model,
-                             memory_capacity_bytes=planner.memory_capacity_bytes)
-    step_s = np.asarray(cands.predict_step_s(planner.step_time_model), dtype=float)
+    cands, step_s = planner.menu()
     ok = np.isfinite(step_s) & (step_s > 0)
-    ids = cands.dp * 1_000_000 + cands.tp * 1_000 + cands.pp
+    ids = layout_ids(cands)
     truth = params or scenario.sim.trajectory
     args = (truth, scenario.shape.seq_len, cands.global_batch_size[ok], step_s[ok], ids[ok],
             scenario.sim.target_losses)
     paid = switch_aware_minutes(*args, planner.switch_cost_s)
     free = switch_aware_minutes(*args, 0.0)
-    greedy = scenario_oracle_minutes(scenario, truth, planner)
+    greedy = oracle_minutes(*args[:4], scenario.sim.target_losses)
     return [None if None in (g, p, f) else g + max(p - f, 0.0)
             for g, p, f in zip(greedy, paid, free)]

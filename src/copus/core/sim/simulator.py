@@ -363,6 +363,19 @@ class Planner:
                               reconfig_cost_s(scenario.shape, scenario.world_size,
                                               sim.reconfig_mode))
 
+    def menu(self):
+        """(every memory-feasible candidate of the scenario's batch range, its predicted step
+        seconds): the controller's own grid, which the oracles (`core.sim.oracle`) and the gap
+        split (`core.sim.gap`) choose from."""
+        from copus.core.plan.goodput import build_candidates
+
+        sc = self.scenario
+        cands = build_candidates(sc.world_size, sc.shape, min_batch=sc.initial_batch,
+                                 max_batch=sc.max_batch, micro_batch_sizes=sc.micro_batch_sizes,
+                                 batch_grid=sc.batch_grid, memory_model=self.memory_model,
+                                 memory_capacity_bytes=self.memory_capacity_bytes)
+        return cands, np.asarray(cands.predict_step_s(self.step_time_model), dtype=float)
+
     def fastest_plan(self, global_batch_size: int,
                      layout: tuple[int, int, int] | None = None) -> ParallelPlan | None:
         """The plan with the shortest predicted step at this batch (None if nothing fits).

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, paths, request, out = prepare(args)
 
     from copus.runtime.train import launch
-    from copus.runtime.train.branching import REQUEST, calibrate_worker
+    from copus.runtime.train.branching import REQUEST
+    from copus.runtime.train.launch import calibrate_worker
 
     print(f"copus calibrate: {len(paths)} checkpoint(s) {', '.join(p.name for p in paths)}; "
           f"k = {', '.join(f'{k:g}' for k in request['multipliers'])}; {request['tokens']:,} "

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args()
-    out = RESULTS / "layouts_profile"
+    out = RESULTS.parent.parent / "runs" / "bench" / "layouts_profile"   # raw: git-ignored; rows go to layouts.json
     cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model", args.model,
            "--global-batch", str(args.global_batch), "--micro-batch-sizes", args.micro_batch_sizes,
            "--steps", str(args.steps), "--warmup", "1", "--out", str(out)]

@@ -44,7 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def profile(args) -> Path:
-    out = RESULTS / "throughput_model_profile"
+    out = RESULTS.parent.parent / "runs" / "bench" / "throughput_model_profile"   # raw: git-ignored
     cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model", args.model,
            "--global-batch", args.global_batch, "--micro-batch-sizes", args.micro_batch_sizes,
            "--steps", str(args.steps), "--warmup", "1", "--out", str(out)]

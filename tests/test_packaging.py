@@ -3,6 +3,8 @@ LICENSE, and a wheel that builds and works when installed (py.typed and the corp
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -46,13 +48,46 @@ def test_ci_runs_the_readme_test_command_word_for_word():
     assert block in ci
 
 
-def test_runtime_dependencies_are_ranges_except_torch():
+def test_runtime_dependencies_are_lower_bounds_torch_included():
     for req in _requirements():
         ops = {s.operator for s in req.specifier}
-        if req.name == "torch":
-            assert str(req.specifier) == "==2.13.0"
-        else:
-            assert ops and ops <= {">=", "!="}, f"{req}: a lower bound only, so copus joins other stacks"
+        assert ops and ops <= {">=", "!="}, f"{req}: a lower bound only, so copus joins other stacks"
+    (torch,) = [r for r in _requirements() if r.name == "torch"]
+    assert str(torch.specifier) == ">=2.13" and _constraints()["torch"] == "2.13.0"
+
+
+def _fake_torch(root: Path, version: str) -> Path:
+    """A folder holding only an installed-distribution record of torch VERSION (what pip reads to
+    decide whether torch is already there); on PYTHONPATH it comes before site-packages."""
+    info = root / f"torch-{version}" / f"torch-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (info / "RECORD").write_text("")
+    return info.parent
+
+
+@pytest.mark.parametrize("installed,kept", [("2.99.0", True), ("2.12.0", False)])
+def test_pip_install_keeps_an_installed_torch_2_13_or_newer(tmp_path, installed, kept):
+    """`pip install copus` into an environment whose torch is TORCH: offline (--no-index, no
+    find-links, no pip config), dry run. A newer torch satisfies the range, so pip installs copus
+    alone; an older one would have to be replaced (offline: pip cannot, and says so)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tree / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PYTHONPATH=str(_fake_torch(tmp_path, installed)))
+    report = tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                          "--no-build-isolation", "--disable-pip-version-check", "--quiet",
+                          "--report", str(report), str(tree)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    if kept:
+        assert out.returncode == 0, out.stderr[-2000:]
+        would = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
+        assert would == ["copus"], would
+    else:
+        assert out.returncode != 0 and "torch>=2.13" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("extra", [None, "dev", "export", "parquet"])

@@ -50,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="copus", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"copus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommand_parsers = {}          # name -> parser: main() reports unknown flags on it
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=_DefaultsFormatter)
+        parser.subcommand_parsers[name] = p
         module = _command_module(name)
         if module is not None:
             module.add_arguments(p)
@@ -70,7 +72,10 @@ def _command_module(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # `copus plan --gpu-count 8`: one line naming the subcommand and the flag, exit 2
+        parser.subcommand_parsers.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0

@@ -140,30 +140,6 @@ def test_compile_without_inductor_exits_2_and_spawns_nothing(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_two_process_smoke_run_writes_the_run_folder(tmp_path):
-    run_dir = tmp_path / "run"
-    out = _copus_train("--nproc", "2", "--max-steps", "6", "--run-dir", str(run_dir),
-                       "--policy", "constant",
-                       "--set", "data.max_chars=200000", "--set", "eval.interval_steps=3",
-                       "--set", "checkpoint.interval_steps=4", "--set", "eval.num_samples=8",
-                       "--set", "log.progress=false", cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, 7))
-    for key in ("step", "samples", "tokens", "loss", "lr", "step_s", "global_batch_size",
-                "micro_batch_size", "dp", "tp", "pp", "b_noise", "grad_sqnorm",
-                "grad_trace_cov", "small_sqnorm", "big_sqnorm"):
-        assert key in lines[0], key
-    assert all(m["loss"] > 0 for m in lines)
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [3, 6]
-    assert (run_dir / "decisions.jsonl").exists()
-    assert "[model]" in (run_dir / "config.toml").read_text()
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["step-4", "step-6"]
-
-
-@pytest.mark.slow
 def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path):
     """`parallel.layouts` with the ramp: pp2 for B < 16, dp2 from 16; the ramp doubles the batch
     after 32 samples, and the trainer switches layout in the same processes (no restart)."""

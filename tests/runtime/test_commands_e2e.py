@@ -1,0 +1,119 @@
+"""The README's commands end to end through the installed console script (`copus` next to
+sys.executable), as a user runs them: one tiny 2-rank training run shared by the module, then
+`copus calibrate` and `copus report` on it, `copus simulate --preset all` as written, and a
+README command with a misspelt flag. Assertions are on the files the commands write.
+
+Other README commands are run end to end elsewhere; tests/test_readme.py lists which test runs
+each one, and fails when the README gains a command no test runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def copus_script() -> Path:
+    """The console script pip installed with this interpreter (pyproject's [project.scripts])."""
+    script = Path(sys.executable).parent / "copus"
+    assert script.is_file(), f"{script}: no console script; install with pip install -e ."
+    return script
+
+
+def copus(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}      # this tree, even if installed elsewhere
+    return subprocess.run([str(copus_script()), *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`copus train` on 2 ranks, 6 steps, checkpoints at steps 4 and 6 (one run for the module)."""
+    root = tmp_path_factory.mktemp("e2e")
+    run_dir = root / "run"
+    out = copus("train", "--nproc", "2", "--max-steps", "6", "--run-dir", str(run_dir),
+                "--policy", "constant", "--set", "data.max_chars=200000",
+                "--set", "eval.interval_steps=3", "--set", "checkpoint.interval_steps=4",
+                "--set", "eval.num_samples=8", "--set", "log.progress=false", cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, out
+
+
+@pytest.mark.slow
+def test_train_writes_the_run_folder(trained):
+    run_dir, _ = trained
+    lines = _rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in lines] == list(range(1, 7))
+    for key in ("step", "samples", "tokens", "loss", "lr", "step_s", "global_batch_size",
+                "micro_batch_size", "dp", "tp", "pp", "b_noise", "grad_sqnorm",
+                "grad_trace_cov", "small_sqnorm", "big_sqnorm"):
+        assert key in lines[0], key
+    assert all(m["loss"] > 0 for m in lines)
+    assert [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [3, 6]
+    assert (run_dir / "decisions.jsonl").exists()
+    assert "[model]" in (run_dir / "config.toml").read_text()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4", "step-6"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+
+
+@pytest.mark.slow
+def test_calibrate_branches_each_checkpoint_and_writes_its_table(trained):
+    """The command that crashed with an ImportError once: two checkpoints, k = 1, 2, one repeat."""
+    run_dir, _ = trained
+    out = copus("calibrate", str(run_dir), "--steps", "4,6", "--multipliers", "1,2", "--tokens", "2048",
+                "--repeats", "1", "--epsilon", "0.05", cwd=run_dir.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cal = run_dir / "calibration"
+    result = json.loads((cal / "calibration.json").read_text())
+    assert result["command"].startswith("copus calibrate ")
+    rows = result["checkpoints"]
+    assert [r["step"] for r in rows] == [4, 6]
+    assert result["cost"]["tokens"] == 2 * 2 * 2048          # 2 checkpoints x 2 branches
+    md = (cal / "calibration.md").read_text()
+    assert md.splitlines()[0].startswith("| step | tokens | B | critical batch")
+    assert "| 4 | 4,096 | 8 |" in md and "| 6 | 6,144 | 8 |" in md
+    assert (cal / "calibration.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_report_on_a_trained_run_writes_plots_and_table(trained, tmp_path):
+    run_dir, _ = trained
+    out = copus("report", str(run_dir), "--out", str(tmp_path / "report"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    md = (tmp_path / "report" / "summary.md").read_text()
+    assert "| run |" in md and "| run | constant | 6 |" in md
+    pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
+    assert "loss_vs_time.png" in pngs and "plan_timeline.png" in pngs
+
+
+def test_simulate_preset_all_as_the_readme_writes_it(tmp_path):
+    """It writes no file: the table on stdout, one summary row per COPUS cluster with the
+    published, simulated and oracle speed-ups."""
+    out = copus("simulate", "--preset", "all", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, x in enumerate(lines) if x.startswith("config") and "published" in x)
+    rows = [x.split() for x in lines[header + 1:header + 5]]
+    assert [r[0] for r in rows] == ["3b-8xh100", "13b-16xh100", "32b-32xh100", "7b-32xmi210"]
+    assert [r[2] for r in rows] == ["+7.9%", "+3.9%", "+8.0%", "+5.0%"]   # COPUS Table 1, averaged
+    assert all(len(r) == 6 and all(c.endswith("%") for c in r[2:]) for r in rows)
+
+
+def test_a_readme_command_with_a_wrong_flag_is_one_line_and_exit_2(tmp_path):
+    out = copus("plan", "--model", "llama-3.2-3b", "--gpu", "8", "--hardwre", "h100-nvlink-pairs",
+                cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("copus plan: error:") and "--hardwre" in lines[0], out.stderr

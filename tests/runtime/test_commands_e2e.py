@@ -111,6 +111,24 @@ def test_simulate_preset_all_as_the_readme_writes_it(tmp_path):
     assert all(len(r) == 6 and all(c.endswith("%") for c in r[2:]) for r in rows)
 
 
+def test_prepare_writes_verified_token_shards(tmp_path):
+    text = "".join(f"Document {i}: " + "the quick brown fox. " * 200 + "\n\n" for i in range(40))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"note {i} " * 50}) + "\n"
+                                              for i in range(30)))
+    out = copus("prepare", "a.txt", "b.jsonl", "--out", "prepared", "--no-progress", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "train with --set data.source=prepared" in out.stdout
+    folder = tmp_path / "prepared"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["tokenizer"]["spec"] == "byte" and meta["dtype"] == "uint16"
+    assert meta["splits"]["train"]["num_docs"] + meta["splits"]["val"]["num_docs"] >= 2
+    shards = json.loads((folder / "index.json").read_text())["shards"]
+    assert {s["split"] for s in shards} == {"train", "val"}
+    for s in shards:                                     # uint16 tokens: 2 bytes each
+        assert (folder / s["file"]).stat().st_size == s["bytes"] == 2 * s["num_tokens"] > 0
+
+
 def test_a_readme_command_with_a_wrong_flag_is_one_line_and_exit_2(tmp_path):
     out = copus("plan", "--model", "llama-3.2-3b", "--gpu", "8", "--hardwre", "h100-nvlink-pairs",
                 cwd=tmp_path, timeout=60)

@@ -8,6 +8,7 @@ under src/copus with `ast`, and imports each copus module and name it names.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def _files() -> list[Path]:
                    *(ROOT / "bench").glob("*.py")])
 
 
-def copus_imports() -> list[tuple[str, int, str, str | None]]:
+@functools.cache
+def copus_imports() -> tuple[tuple[str, int, str, str | None], ...]:
     """(file, line, module, name or None) for every copus import in src/copus, examples/ and
     bench/, lazy or not."""
     found = []
@@ -52,7 +54,7 @@ def copus_imports() -> list[tuple[str, int, str, str | None]]:
             elif isinstance(node, ast.Import):
                 found += [(where, node.lineno, a.name, None) for a in node.names
                           if a.name.split(".")[0] == "copus"]
-    return found
+    return tuple(found)
 
 
 def test_the_walk_finds_the_lazy_imports_of_the_commands():

@@ -1,6 +1,7 @@
 """The README's commands end to end through the installed console script (`copus` next to
-sys.executable), as a user runs them: one tiny 2-rank training run shared by the module, then
-`copus calibrate` and `copus report` on it, `copus simulate --preset all` as written, and a
+sys.executable), as a user runs them: one tiny 2-rank training run shared by the module (its
+run folder and its piped console output are checked), then `copus calibrate` and `copus report`
+on it, `copus prepare`, `copus simulate --preset all` as written, and a
 README command with a misspelt flag. Assertions are on the files the commands write.
 
 Other README commands are run end to end elsewhere; tests/test_readme.py lists which test runs
@@ -18,6 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+RAMP = ["--nproc", "2", "--max-steps", "6", "--policy", "ramp", "--seed", "1",
+        "--set", "batch.initial=4", "--set", "batch.min=4", "--set", "batch.ramp_to=12",
+        "--set", "batch.ramp_kind='stepwise'", "--set", "batch.ramp_samples=8",
+        "--set", "batch.ramp_steps=2", "--set", "batch.warmup_steps=1",
+        "--set", "batch.interval_steps=1", "--set", "data.max_chars=60000",
+        "--set", "eval.interval_steps=2", "--set", "eval.num_samples=4",
+        "--set", "checkpoint.interval_steps=4", "--set", "log.tensorboard=false",
+        "--set", "log.progress_interval_s=0"]
 
 
 def copus_script() -> Path:
@@ -39,13 +48,11 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """`copus train` on 2 ranks, 6 steps, checkpoints at steps 4 and 6 (one run for the module)."""
+    """`copus train` on 2 ranks, piped: 6 steps of a stepwise ramp 4 -> 8 -> 12, evaluation every
+    2 steps, checkpoints at steps 4 and 6, plain progress lines (one run for the module)."""
     root = tmp_path_factory.mktemp("e2e")
     run_dir = root / "run"
-    out = copus("train", "--nproc", "2", "--max-steps", "6", "--run-dir", str(run_dir),
-                "--policy", "constant", "--set", "data.max_chars=200000",
-                "--set", "eval.interval_steps=3", "--set", "checkpoint.interval_steps=4",
-                "--set", "eval.num_samples=8", "--set", "log.progress=false", cwd=root)
+    out = copus("train", "--run-dir", str(run_dir), *RAMP, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     return run_dir, out
 
@@ -60,12 +67,24 @@ def test_train_writes_the_run_folder(trained):
                 "grad_trace_cov", "small_sqnorm", "big_sqnorm"):
         assert key in lines[0], key
     assert all(m["loss"] > 0 for m in lines)
-    assert [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [3, 6]
-    assert (run_dir / "decisions.jsonl").exists()
+    assert [m["global_batch_size"] for m in lines] == [4, 8, 12, 12, 12, 12]
+    assert [m["samples"] for m in lines] == [4, 12, 24, 36, 48, 60]      # every sample once
+    assert all(m["dp"] == 2 for m in lines)
+    assert [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [2, 4, 6]
     assert "[model]" in (run_dir / "config.toml").read_text()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4", "step-6"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6
+
+
+@pytest.mark.slow
+def test_train_piped_prints_plain_progress_and_one_line_per_decision(trained):
+    from tests.runtime.test_console import _check_lines
+
+    run_dir, out = trained
+    assert "%|" not in out.stderr                            # no bar without a terminal
+    lines = _check_lines(out.stdout + out.stderr, run_dir)   # one line per decision, val lines
+    assert sum(x.startswith("copus: step ") and " tokens (" in x for x in lines) == 6
 
 
 @pytest.mark.slow
@@ -80,10 +99,13 @@ def test_calibrate_branches_each_checkpoint_and_writes_its_table(trained):
     assert result["command"].startswith("copus calibrate ")
     rows = result["checkpoints"]
     assert [r["step"] for r in rows] == [4, 6]
-    assert result["cost"]["tokens"] == 2 * 2 * 2048          # 2 checkpoints x 2 branches
+    # 2 checkpoints x 2 branches (B = 12, 24) x 24 samples (2,048 tokens rounded up to whole
+    # steps of the largest branch) x 128 tokens
+    assert result["cost"]["tokens"] == 2 * 2 * 24 * 128
     md = (cal / "calibration.md").read_text()
     assert md.splitlines()[0].startswith("| step | tokens | B | critical batch")
-    assert "| 4 | 4,096 | 8 |" in md and "| 6 | 6,144 | 8 |" in md
+    assert "| 4 | 4,608 | 12 |" in md and "| 6 | 7,680 | 12 |" in md
+    assert "| step | B=12 | B=24 |" in md
     assert (cal / "calibration.png").stat().st_size > 5000
 
 
@@ -93,7 +115,7 @@ def test_report_on_a_trained_run_writes_plots_and_table(trained, tmp_path):
     out = copus("report", str(run_dir), "--out", str(tmp_path / "report"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     md = (tmp_path / "report" / "summary.md").read_text()
-    assert "| run |" in md and "| run | constant | 6 |" in md
+    assert "| run | ramp | 6 |" in md
     pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
     assert "loss_vs_time.png" in pngs and "plan_timeline.png" in pngs
 

@@ -1,6 +1,7 @@
 """What `copus train` prints: one line per decision, log lines above the progress bar, a plain
-progress line without a usable terminal, validation lines piped or not; and one row per step
-in the logs after a resume (RunWriter.truncate_after, reporting.runs.latest_rows)."""
+progress line without a usable terminal, validation lines piped or not (piped: the shared run of
+test_commands_e2e.py); and one row per step in the logs after a resume (RunWriter.truncate_after,
+reporting.runs.latest_rows)."""
 
 from __future__ import annotations
 
@@ -161,18 +162,6 @@ def test_console_under_a_pty_draws_the_bar_with_lines_above_it(tmp_path):
     assert "%|" in text and "step" in text                   # tqdm drew its bar
     lines = _check_lines(text, run_dir)
     assert not any(x.startswith("copus: step 1, ") for x in lines)   # the bar, no plain lines
-
-
-@pytest.mark.slow
-def test_console_piped_keeps_val_lines_and_prints_plain_progress(tmp_path):
-    run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "copus", "train", "--run-dir", str(run_dir),
-                          *RAMP], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "%|" not in out.stderr                            # no bar
-    lines = _check_lines(out.stdout + out.stderr, run_dir)
-    assert sum(x.startswith("copus: step ") and " tokens (" in x for x in lines) == 6
 
 
 @pytest.mark.parametrize("columns,usable", [(0, False), (100, True)])

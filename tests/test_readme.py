@@ -27,7 +27,8 @@ HF = "tests/runtime/test_hf_roundtrip.py::test_hf_in_train_export_bf16_and_trans
 COVERED: dict[str, list[str]] = {
     "copus train": [f"{E2E}::test_train_writes_the_run_folder",
                     f"{TRAIN_CLI}::test_no_arguments_gives_the_default_small_run"],
-    "copus train --print-config": [f"{TRAIN_CLI}::test_print_config_prints_the_resolved_toml_that_loads_back"],
+    "copus train --print-config": [f"{E2E}::test_print_config_prints_toml_that_loads_and_starts_nothing",
+                                   f"{TRAIN_CLI}::test_print_config_prints_the_resolved_toml_that_loads_back"],
     "copus train --run-dir DIR --resume auto": [f"{TRAIN_CLI}::test_resume_auto_starts_fresh_then_resumes"],
     "copus train --init-from HF_FOLDER": [HF],
     "copus plan --model llama-3.2-3b --gpus 8 --hardware h100-nvlink-pairs --global-batch 16 --by-layout":

@@ -133,6 +133,17 @@ def test_simulate_preset_all_as_the_readme_writes_it(tmp_path):
     assert all(len(r) == 6 and all(c.endswith("%") for c in r[2:]) for r in rows)
 
 
+def test_print_config_prints_toml_that_loads_and_starts_nothing(tmp_path):
+    import tomllib
+
+    out = copus("train", "--print-config", "--set", "batch.initial=16", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = tomllib.loads(out.stdout)
+    assert config["batch"]["initial"] == 16 and config["model"]["name"] == "tiny"
+    assert config["batch"]["policy"] == "goodput" and config["gns"]["calibration"] == "auto"
+    assert list(tmp_path.iterdir()) == []                     # no run folder, no workers
+
+
 def test_prepare_writes_verified_token_shards(tmp_path):
     text = "".join(f"Document {i}: " + "the quick brown fox. " * 200 + "\n\n" for i in range(40))
     (tmp_path / "a.txt").write_text(text)

@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from copus.core.specs.hardware import STACKS, HardwareProfile, get_hardware, link_tier
+from copus.core.cost.compute import stage_compute_flops
 from copus.core.cost.megatron_cost import megatron_breakdown
 from copus.core.cost.overlap import gamma_sum
 from copus.core.specs.models import ModelShape
@@ -79,6 +80,9 @@ TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wis
 # torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
 # tokens/s/GPU, Table 1) by bench/published.py; Table 3 (128 GPUs) held out.
 COMPILE_SPEEDUP = 1.16
+# κ: the share of the summed roofline (`core.cost.compute`) an end-to-end training step reaches,
+# one hardware-independent factor, fitted by bench/published.py (docs/published.md).
+COMPUTE_EFFICIENCY = 0.70
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,7 +135,9 @@ class StepTimeParams:
         2 moments; fp32), so β_opt = 32 / memory_bw.
         """
         bw0 = hardware.link_bw[0]
-        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / hardware.achieved_flops,
+        achieved = (hardware.achieved_flops if hardware.gemm_efficiency is None
+                    else hardware.peak_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY)
+        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / achieved,
                    tp_latency_s=hardware.latency_s, tp_s_per_byte=1.0 / bw0,
                    dp_latency_s=hardware.latency_s, dp_s_per_byte=1.0 / bw0,
                    pp_latency_s=hardware.latency_s, pp_s_per_byte=1.0 / bw0,
@@ -295,8 +301,9 @@ class StepTimeModel:
         local_params = self.stage_params(pp_f) / tp_f
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
-        compute = (p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f, ac) * b / tp_f
-                   / self.compile_speedup + self.attention_scores_s(tp_f, pp_f, b, ac))
+        work = stage_compute_flops(self, tp_f, pp_f, b, ac, sp)
+        compute = (p.layer_overhead_s * units + p.s_per_flop * work["total"] / self.compile_speedup
+                   + self.attention_scores_s(tp_f, pp_f, b, ac))
         per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
         n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
@@ -313,7 +320,8 @@ class StepTimeModel:
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
         bubble = (pp_f - 1.0) / v * microbatch
         step = (m - 1.0) * microbatch + bubble + last + optimizer
-        return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
+        return {"compute_s": compute, "recompute_s": p.s_per_flop * work["recompute"] / self.compile_speedup,
+                "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
                 "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
                 "bubble_s": bubble, "step_s": step}
 

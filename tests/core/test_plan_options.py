@@ -12,7 +12,7 @@ from copus.core.cost.throughput import StepTimeModel
 from copus.core.plan.goodput import build_candidates, option_grid
 from copus.core.plan.plan import ParallelPlan, plan_problems
 from copus.core.plan.search import evaluate
-from copus.core.specs.hardware import GiB, get_hardware
+from copus.core.specs.hardware import GiB, get_hardware, with_overrides
 from copus.core.specs.models import ModelShape
 from copus.core.specs.resolve import get_model_shape
 
@@ -372,13 +372,16 @@ def test_rank_breaks_ties_as_a_full_lexsort():
 
 def test_eager_attention_prices_score_traffic():
     """flash_attention=False adds layers·a·s²·b/t·(30 + 13·recompute) bytes / memory bandwidth."""
-    flash = _h100(L8B)
-    eager = _h100(L8B, flash_attention=False)
-    hw = get_hardware("h100-sxm")
+    # the plain-FLOP compute (no roofline): the difference is the score traffic alone
+    hw = with_overrides(get_hardware("h100-sxm"), gemm_efficiency=None, attention_efficiency=None)
+    flash = StepTimeModel.analytic(L8B, hw)
+    eager = StepTimeModel.analytic(L8B, hw, flash_attention=False)
     for ac, per_score in (("none", 30.0), ("full", 43.0)):
         diff = float(eager.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"]
                      - flash.breakdown(1, 2, 4, 2, 8, activation_checkpointing=ac)["compute_s"])
         assert diff == pytest.approx(8 * 32 * 8192**2 * 2 / 2 * per_score / hw.memory_bw)
+    # the roofline prices eager attention's non-causal matmuls as GEMMs, slower than flash attention
+    assert float(_h100(L8B, flash_attention=False).predict(1, 2, 4, 2, 8)) > float(_h100(L8B).predict(1, 2, 4, 2, 8))
 
 
 def test_controller_prices_candidates_under_the_runs_options():

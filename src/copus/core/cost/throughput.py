@@ -361,6 +361,29 @@ class StepTimeModel:
         return gbs / self.predict(dp, tp, pp, micro_batch_size, num_microbatches)
 
 
+def time_split(model: StepTimeModel, dp, tp, pp, micro_batch_size, num_microbatches, **options) -> dict:
+    """Where a step's seconds go, summing to step_s (vectorised; `options` as `breakdown`):
+
+    compute_s (m micro-batches less their recompute, + Megatron's unsplit element-wise work),
+    recompute_s, exposed communication per collective — fsdp_allgather_s (the part of FSDP's
+    parameter all-gathers the prefetch does not hide), tp_s, pp_p2p_s, grad_sync_s (FSDP's
+    gradient reduce-scatter or DP's all-reduce beyond the last micro-batch), embedding_sync_s —
+    then bubble_s (pipeline fill and drain) and optimizer_s (+ fixed per-step cost).
+    """
+    bd = model.breakdown(dp, tp, pp, micro_batch_size, num_microbatches, **options)
+    m = _i(num_microbatches)
+    zero = np.zeros_like(bd["step_s"])
+    elementwise = bd.get("elementwise_s", zero)
+    emb = bd.get("embedding_sync_s", zero)
+    mb = bd["microbatch_s"]
+    exposed_ag = np.maximum(mb - bd["compute_s"] - elementwise - bd["tp_s"] - bd["p2p_s"], 0.0)
+    last = bd["step_s"] - (m - 1.0) * mb - bd["bubble_s"] - emb - bd["optimizer_s"]
+    return {"compute_s": m * (bd["compute_s"] - bd["recompute_s"] + elementwise), "recompute_s": m * bd["recompute_s"],
+            "fsdp_allgather_s": m * exposed_ag, "tp_s": m * bd["tp_s"], "pp_p2p_s": m * bd["p2p_s"],
+            "grad_sync_s": last - mb, "embedding_sync_s": emb + zero, "bubble_s": bd["bubble_s"] + zero,
+            "optimizer_s": bd["optimizer_s"] + zero}
+
+
 def plan_columns(plans: Sequence[ParallelPlan]) -> tuple[np.ndarray, ...]:
     """(dp, tp, pp, micro_batch_size, num_microbatches) of `plans` as int64 arrays."""
     return tuple(np.array([getattr(pl, f) for pl in plans], dtype=np.int64)

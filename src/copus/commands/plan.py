@@ -207,7 +207,7 @@ def resolve_hardware(args: argparse.Namespace) -> HardwareProfile:
     missing = [f for f in CUSTOM_REQUIRED if given[f] is None]
     if missing:
         flags = " ".join(f"--{f.replace('_', '-')} X" for f in CUSTOM_REQUIRED)
-        raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(sorted(HARDWARE))}; or describe "
+        raise ValueError(f"unknown hardware {args.hardware!r}; allowed: {', '.join(sorted(HARDWARE))}; or describe "
                          f"the GPU: {flags} [--gpus-per-node N --nvlink-group G] (per GPU; GB/s per direction)")
     gemm, attention = GPU_GENERATIONS["hopper"]
     gpn = changes.pop("gpus_per_node", 8)

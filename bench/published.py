@@ -11,18 +11,23 @@ For each row: predicted vs published throughput and memory, the published plan's
 every candidate the planner ranks at that batch (and its layout's rank among layouts), and its
 throughput gap to the planner's first plan.
 
-Fitted constants, each on one declared row (every other row held out):
-- `mfu` of h100-hbm2e-96gb on torchtitan T1 "FSDP" (8B, 8 GPUs, 5,762);
-- `ALLOCATOR_OVERHEAD` on the same row's 82.4 GiB;
-- `COMPILE_SPEEDUP` on T1 "FSDP + torch.compile" (6,667);
-- float8 (not a planner option: a bench-only factor on the compute term) on T1 "compile +
-  float8" (8,532); applied to the 70B and 405B rows, which all use float8;
-- async TP: not priced; the 405B rows carry torchtitan's own Table 4 ratio 876/829 as a stated
-  factor on tokens/s, and the 70B async-TP row (the source of that ratio) is left out;
-- `mfu` of the Megatron A100 profile on Table 1's 1.7B row (137 TFLOP/s).
-The code's constants (core/cost/memory.py, core/cost/throughput.py, core/specs/hardware.py) are
-the fitted values rounded; the table reports predictions made with the code's constants, and
-the JSON records both.
+Step times come from the roofline compute of core/cost/compute.py: peak FLOP/s, HBM and link
+bandwidths per hardware profile, GEMM and flash-attention efficiencies per GPU generation (sourced
+in core/specs/hardware.py), and ONE fitted hardware-independent factor κ (`COMPUTE_EFFICIENCY`).
+Validation held out (`DIRECTIONS`): κ fitted on torchtitan's H100 rows only and the A100 rows
+predicted; fitted on Megatron's A100 rows only and the H100 rows predicted; fitted on the rows of
+≤ 128 GPUs (both generations) and the rows of ≥ 256 predicted. The code's κ is the geometric mean
+of the two by-generation fits, rounded down.
+
+Software factors, each fitted on one declared torchtitan Table 1 row (8 GPUs) and used by every
+direction: `COMPILE_SPEEDUP` on "FSDP + torch.compile" (6,667); float8 (a bench-only factor on the
+compute term, not a planner option) on "compile + float8" (8,532), applied to the 70B and 405B
+rows, which all use float8; `ALLOCATOR_OVERHEAD` on the FSDP row's 82.4 GiB. Async TP is not
+priced; the 405B rows carry torchtitan's own Table 4 ratio 876/829 as a stated factor on tokens/s,
+and the 70B async-TP row (the source of that ratio) is left out.
+
+COPUS's Table 2 layouts are checked by running `copus plan` exactly as docs/cost-model.md types it
+(`--model M --gpus N --hardware HW --global-batch B --by-layout`, every other flag at its default).
 
 Assumptions (not in the sources): torchtitan's pipeline runs used its default micro-batch
 count (= number of stages: 8 micro-batches of 4 for 1F1B; interleaved with v = 2, 16 of 2);
@@ -32,7 +37,7 @@ later), 1F1B or interleaved at the planner's choice, micro-batch sizes 1–8; Me
 (2 matrices of 4h) is represented as SwiGLU of width 8h/3 (same parameters and FLOPs).
 
 Writes bench/results/published.json and docs/published.md.
-Run: PYTHONPATH=src python bench/published.py
+Run: PYTHONPATH=src python bench/published.py   (about 30 s)
 """
 
 from __future__ import annotations

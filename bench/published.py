@@ -384,7 +384,8 @@ def markdown(result: dict) -> str:
                         ("allocator_overhead", "torchtitan T1 FSDP memory", ALLOCATOR_OVERHEAD),
                         ("compile_speedup", "torchtitan T1 + compile", COMPILE_SPEEDUP),
                         ("float8_speedup", "torchtitan T1 + compile + float8", result["float8_used"])):
-        lines.append(f"| {k} | {on} | {fits[k]:.4g} | {code:.4g} |")
+        fitted = "—" if k not in fits else f"{fits[k]:.4g}"
+        lines.append(f"| {k} | {on} | {fitted} | {code:.4g} |")
     lines += ["", "## torchtitan (H100 96 GB, 500 W), the code's constants", "",
               "| row | layout | mb×n | AC | schedule | extras | TPS/GPU pub | pred | err | GiB pub | pred | err "
               "| feasible | rank | layout rank | gap to #1 | planner's #1 |",

@@ -161,6 +161,13 @@ def test_time_split_sums_to_the_step_and_names_each_cost(capsys):
         assert all(r["time"]["recompute_s"] > 0 for r in rows if r["activation_checkpointing"] != "none")
 
 
+def test_time_split_in_the_table(capsys):
+    assert main([*BASE, "--global-batch", "16", "--top", "3", "--time-split"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[5].startswith("where the step time goes") and len(lines) == 6 + 3
+    assert all("compute" in line and "bubble" in line for line in lines[6:])   # pp > 1 rows at B = 16
+
+
 def test_interleaved_is_ranked_only_on_request_and_marked_not_runnable(capsys):
     assert main([*BASE, "--model", "llama-2-7b", "--global-batch", "32", "--top", "1000", "--json"]) == 0
     default = json.loads(capsys.readouterr().out)

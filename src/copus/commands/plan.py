@@ -112,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--by-layout", action="store_true",
                         help="one row per (dp, tp, pp): its best micro-batch size and batch")
     parser.add_argument("--json", action="store_true", help="print JSON (a list, best first)")
+    parser.add_argument("--time-split", action="store_true",
+                        help="under the table, where each row's step time goes (JSON rows always carry it)")
     parser.add_argument("--activation-checkpointing", default="all", metavar="MODE",
                         help=f"one of: {', '.join(AC_MODES)}, or all (default: rank all three)")
     parser.add_argument("--pipeline-schedule", default="engine", metavar="NAME",
@@ -367,4 +369,21 @@ def run(args: argparse.Namespace) -> int:
               f"{args.global_batch}{'' if args.max_batch is None else f'..{args.max_batch}'}, "
               f"b_noise {b}; best {len(rows)} {'layouts' if args.by_layout else 'plans'} by predicted goodput")
         print(format_table(rows, shape))
+        if args.time_split:
+            print(format_time_split(rows, row_times(rows, plan_model(args, shape, hw))))
     return 0
+
+
+SPLIT_LABELS = {"compute_s": "compute", "recompute_s": "recompute", "fsdp_allgather_s": "fsdp-allgather",
+                "tp_s": "tp", "pp_p2p_s": "pp-p2p", "grad_sync_s": "grad-sync", "embedding_sync_s": "emb-sync",
+                "bubble_s": "bubble", "optimizer_s": "optimizer"}
+
+
+def format_time_split(rows: list[RankedPlan], times: list[dict]) -> str:
+    """One line per row: the share of its step each cost takes (`StepTimeModel.time_split`)."""
+    lines = ["where the step time goes (% of step_s; communication is the exposed part):"]
+    for i, (r, split) in enumerate(zip(rows, times), 1):
+        parts = " ".join(f"{SPLIT_LABELS[k]} {100 * v / r.step_s:.0f}%" for k, v in split.items()
+                         if v > 0.0005 * r.step_s)
+        lines.append(f"{i:>3}  {parts}")
+    return "\n".join(lines)

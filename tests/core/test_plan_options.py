@@ -149,7 +149,8 @@ TORCHTITAN_MEMORY = [  # (shape, dp, tp, pp, micro-batch, n_mb, AC, schedule, v,
 
 def test_memory_against_torchtitan_published_gib():
     """torchtitan 2024-12 H100 tables (max reserved GiB), priced as `copus plan --param-dtype bf16`
-    does: within ±15 % on 4 of 5 rows; the 70B row (compile + float8) is 18 % under."""
+    does: within ±15 % on every row; the 70B row at micro-batch 16 (full AC, sequence parallel)
+    is the lowest, 12 % under (18 % before sequence parallel's gathered transients were priced)."""
     from copus.commands.plan import memory_model
 
     errors = []
@@ -160,8 +161,8 @@ def test_memory_against_torchtitan_published_gib():
                                        reshard_after_forward=pp == 1)) / GiB
         errors.append(pred / gib - 1.0)
     assert abs(errors[0]) < 0.01                   # fitted
-    assert sum(abs(e) <= 0.15 for e in errors) == 4, errors
-    assert -0.25 < errors[2] < -0.10, errors       # the documented 70B miss
+    assert all(abs(e) <= 0.15 for e in errors), errors
+    assert -0.15 < errors[2] < -0.05, errors       # the documented 70B residual
 
 
 # ---- step time ----------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def _json(capsys, *args):
 
 
 def test_cli_rows_carry_options_tokens_and_mfu(capsys):
-    rows = _json(capsys, "--top", "400")
+    rows = _json(capsys, "--top", "400", "--pipeline-schedule", "all")
     assert {r["activation_checkpointing"] for r in rows} == {"none", "selective", "full"}
     assert {r["pipeline_schedule"] for r in rows} >= {"1f1b", "interleaved-1f1b"}
     shape, hw = get_model_shape("llama-3.2-3b"), get_hardware("h100-sxm")

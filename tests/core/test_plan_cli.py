@@ -164,8 +164,8 @@ def test_time_split_sums_to_the_step_and_names_each_cost(capsys):
 def test_time_split_in_the_table(capsys):
     assert main([*BASE, "--global-batch", "16", "--top", "3", "--time-split"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[5].startswith("where the step time goes") and len(lines) == 6 + 3
-    assert all("compute" in line and "bubble" in line for line in lines[6:])   # pp > 1 rows at B = 16
+    assert lines[6].startswith("where the step time goes") and len(lines) == 7 + 3
+    assert all("compute" in line and "bubble" in line for line in lines[7:])   # pp > 1 rows at B = 16
 
 
 def test_interleaved_is_ranked_only_on_request_and_marked_not_runnable(capsys):

@@ -123,9 +123,11 @@ def roofline(model) -> bool:
 def stage_compute_flops(model, tp, pp, micro_batch_size, ac, sequence_parallel=False) -> dict[str, np.ndarray]:
     """GEMM-equivalent FLOPs X of one micro-batch on the largest stage (module docstring).
 
-    Returns "total" (= layers·block·rf + head), "recompute" (the share rf − 1 adds), and the
-    per-class parts "gemm", "attention", "elementwise", "head". Without the roofline: the FLOP
-    count of `StepTimeModel.stage_flops_per_sample` · b / tp, split into total and recompute only.
+    Returns "total" (= layers·(block + recomputed part) + head), "recompute" (what
+    `recompute_factors` adds), and the per-class parts without recompute "gemm", "attention",
+    "elementwise", "head". Without the roofline: the FLOP count of
+    `StepTimeModel.stage_flops_per_sample` · b / tp (its recompute factor on the whole stage, as
+    before the roofline), split into total and recompute only.
     """
     layers = model.stage_layers(_f(pp))
     if not roofline(model):

@@ -4,7 +4,10 @@ design.md §4. COPUS profiles every plan (§4.4); copus adds this model so unpro
 predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp)):
 
     units      = ceil(L/pp) + 1                       blocks of the largest stage + embeddings/head
-    t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux)
+    t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux);
+                 a GPU profile replaces flops_stage·ac/tp by the roofline's GEMM-equivalent FLOPs
+                 (`core.cost.compute`: GEMMs, flash attention, element-wise HBM traffic, head, per-class
+                 recompute) and β_c = 1/(κ·η_g·peak), κ = COMPUTE_EFFICIENCY
     t_tp       = n_tp · [2(tp−1)·α_tp + 2(tp−1)/tp · b_m·s·h·e · β_tp · slow(tier_tp)]
                  ring all-reduce (Thakur et al. 2005), n_tp = (7 + 2·AC)·ceil(L/pp) + 2 per
                  micro-batch: copus's DTensor TP issues 2 all-reduces forward (wo, w2) and 5
@@ -14,8 +17,8 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
     t_p2p      = 2 · [α_pp + b_m·s·h·e · β_pp · slow(tier_pp)]     activation out, gradient back
     t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e_p · β_dp · slow(tier_dp)]
                  FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward;
-                 e_p = param_bytes: 4 for copus's runtime (fp32 params, bf16 autocast), 2 with
-                 FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
+                 e_p = param_bytes: 2 with FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (copus's
+                 runtime on GPUs, `copus plan`'s default there), 4 for fp32 parameters
     t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
     t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
     step_s     = (m − 2 + 1 + (pp − 1)/v)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step

@@ -285,6 +285,35 @@ def copus_cases() -> list[dict]:
     return out
 
 
+# COPUS Table 1 (copus-notes §3.2): each static-batch run was still training at the minute it
+# reached its last target, and every run stops at its fixed token budget, so its throughput at
+# that batch is at most budget / minute. (model, GPUs, hardware, budget tokens, [(B, minute)]).
+COPUS_BOUNDS = [("llama-3.2-3b", 8, "h100-nvlink-pairs", 328e6, [(16, 102.7), (32, 73.1), (64, 67.3), (128, 55.7)]),
+                ("llama-2-13b", 16, "h100-nvlink-pairs", 328e6, [(32, 91.0), (64, 86.7), (128, 105.2)]),
+                ("qwen-2.5-32b", 32, "h100-nvlink-pairs", 123e6, [(64, 74.2), (128, 61.2)]),
+                ("llama-2-7b", 32, "mi210", 215e6, [(32, 77.2), (64, 57.9), (128, 65.6)])]
+
+
+def copus_bounds() -> list[dict]:
+    """The planner's best throughput at each static batch against budget / minute (≤ 1 holds).
+    COPUS searched dp, tp, pp only: AC none, 1F1B, no sequence parallelism."""
+    out = []
+    for model, gpus, hw, budget, rows in COPUS_BOUNDS:
+        for batch, minute in rows:
+            parser = argparse.ArgumentParser()
+            add_arguments(parser)
+            args = parser.parse_args(["--model", model, "--gpus", str(gpus), "--hardware", hw, "--global-batch",
+                                      str(batch), "--top", "1", "--activation-checkpointing", "none",
+                                      "--pipeline-schedule", "1f1b", "--sequence-parallel", "off"])
+            row = plan_rows(args)[0]
+            tps = row.samples_per_s * get_model_shape(model, 0).seq_len
+            bound = budget / (minute * 60.0)
+            out.append({"model": model, "gpus": gpus, "hardware": hw, "batch": batch, "minute": minute,
+                        "predicted_tokens_per_s": tps, "bound_tokens_per_s": bound, "ratio": tps / bound,
+                        "plan": row.plan.describe()})
+    return out
+
+
 # ---- held-out validation ----------------------------------------------------------------------
 
 def row_specs() -> list[tuple[str, object]]:
@@ -413,9 +442,18 @@ def markdown(result: dict) -> str:
     for r in cp:
         lines.append(f"| `{r['command']}` | {r['layout']} | {r['feasible']} | {r['layout_rank']} | "
                      f"{_pct(r['gap_to_first'])} | {r['first_plan']} |")
+    lines += ["", "## COPUS Table 1 throughput bounds (predicted / (token budget ÷ minute still training); ≤ 1)", "",
+              "| model | GPUs × hardware | B | minute | predicted tokens/s | bound | ratio | plan |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in result["copus_bounds"]:
+        lines.append(f"| {r['model']} | {r['gpus']} × {r['hardware']} | {r['batch']} | {r['minute']} | "
+                     f"{r['predicted_tokens_per_s']:,.0f} | {r['bound_tokens_per_s']:,.0f} | {r['ratio']:.2f} | "
+                     f"{r['plan']} |")
     s = result["summary"]
     lines += ["", "## Goals", "",
               f"- COPUS layouts first or within 3 % from the CLI: {s['copus_within_3']}/{len(cp)}",
+              f"- COPUS Table 1 throughput bounds kept: {s['bounds_kept']}/{len(result['copus_bounds'])} "
+              f"(max ratio {s['bounds_max_ratio']:.2f})",
               f"- held out (every direction): median abs error ≤ 8 % in {s['directions_median_ok']}/"
               f"{len(result['held_out'])} directions; rows within ±15 %: {s['heldout_within_15']}/{s['heldout_n']}",
               f"- memory |error| (torchtitan rows but the fitted one): within ±15 %: {s['memory_within_15']}/"
@@ -425,11 +463,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def summary(tt: list[dict], mg: list[dict], cp: list[dict], held: list[dict]) -> dict:
+def summary(tt: list[dict], mg: list[dict], cp: list[dict], held: list[dict], bounds: list[dict]) -> dict:
     mem = [abs(r["memory_error"]) for r in tt if r["role"] == "held out" or r["role"].startswith("held out")
            or r["role"].startswith("fit: c") or r["role"].startswith("fit: f")]
     every = [r for r in tt if not r["role"].startswith("left out")] + mg
     return {"copus_within_3": sum(bool(r["feasible"] and r["gap_to_first"] <= 0.03) for r in cp),
+            "bounds_kept": sum(r["ratio"] <= 1.0 + 1e-9 for r in bounds),
+            "bounds_max_ratio": max(r["ratio"] for r in bounds),
             "directions_median_ok": sum(d["median_abs"] <= 0.08 for d in held),
             "heldout_within_15": sum(d["within_15"] for d in held), "heldout_n": sum(d["n"] for d in held),
             "memory_within_15": sum(e <= 0.15 for e in mem), "memory_n": len(mem),
@@ -453,8 +493,10 @@ def main() -> None:
         # the code's κ: the geometric mean of the two by-generation fits
         fits["compute_efficiency"] = math.sqrt(held[0]["kappa"] * held[1]["kappa"])
     cp = copus_cases()
+    bounds = copus_bounds()
     result = {"fits": fits, "float8_used": float8, "torchtitan": tt, "megatron": mg, "held_out": held,
-              "copus": cp, "summary": summary(tt, mg, cp, held), "seconds": time.perf_counter() - t0}
+              "copus": cp, "copus_bounds": bounds, "summary": summary(tt, mg, cp, held, bounds),
+              "seconds": time.perf_counter() - t0}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = markdown(result)

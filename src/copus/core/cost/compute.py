@@ -65,7 +65,7 @@ def block_terms(model, tp, micro_batch_size, sequence_parallel=False) -> dict[st
     """GEMM, attention and element-wise seconds of one block and one micro-batch at κ = 1."""
     hw, s = model.hardware, model.shape
     tp_f, b = _f(tp), _f(micro_batch_size)
-    peak = hw.peak_flops * hw.gemm_efficiency
+    peak = hw.sustained_flops * hw.gemm_efficiency
     e = float(model.dtype_bytes)
     M = b * s.seq_len
     dims, weights = gemm_dims(s)
@@ -76,7 +76,7 @@ def block_terms(model, tp, micro_batch_size, sequence_parallel=False) -> dict[st
     q = float(s.n_heads * s.head_dim)
     scores = b * float(s.seq_len) ** 2 * q / tp_f
     if model.flash_attention:
-        attention = FLASH_FLOPS * scores / (hw.peak_flops * hw.attention_efficiency)
+        attention = FLASH_FLOPS * scores / (hw.sustained_flops * hw.attention_efficiency)
     else:
         attention = EAGER_FLOPS * scores / peak
     t_sp = np.where(np.asarray(sequence_parallel) & (tp_f > 1), tp_f, 1.0)
@@ -90,7 +90,7 @@ def head_s(model, tp, micro_batch_size) -> np.ndarray:
     tp_f, M = _f(tp), _f(micro_batch_size) * s.seq_len
     e = float(model.dtype_bytes)
     n = s.vocab_size / tp_f
-    flops = 6.0 * M * s.dim * n / (hw.peak_flops * hw.gemm_efficiency)
+    flops = 6.0 * M * s.dim * n / (hw.sustained_flops * hw.gemm_efficiency)
     return flops + (3.0 * e * (M * s.dim + s.dim * n + M * n) + M * n * LOSS_BYTES) / hw.memory_bw
 
 
@@ -137,7 +137,7 @@ def stage_compute_flops(model, tp, pp, micro_batch_size, ac, sequence_parallel=F
         zero = np.zeros_like(total)
         return {"total": total, "recompute": total - base, "gemm": base, "attention": zero,
                 "elementwise": zero, "head": zero}
-    scale = model.hardware.peak_flops * model.hardware.gemm_efficiency
+    scale = model.hardware.sustained_flops * model.hardware.gemm_efficiency
     parts = block_terms(model, tp, micro_batch_size, sequence_parallel)
     block = parts["gemm_s"] + parts["attention_s"] + parts["elementwise_s"]
     factors = recompute_factors(model, ac)

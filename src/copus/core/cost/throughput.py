@@ -140,7 +140,7 @@ class StepTimeParams:
         """
         bw0 = hardware.link_bw[0]
         achieved = (hardware.achieved_flops if hardware.gemm_efficiency is None
-                    else hardware.peak_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY)
+                    else hardware.sustained_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY)
         return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / achieved,
                    tp_latency_s=hardware.latency_s, tp_s_per_byte=1.0 / bw0,
                    dp_latency_s=hardware.latency_s, dp_s_per_byte=1.0 / bw0,

@@ -80,6 +80,10 @@ class HardwareProfile:
     # attention reaches. None: the plain FLOP count at `mfu` (the CPU profile).
     gemm_efficiency: float | None = None
     attention_efficiency: float | None = None
+    # Sustained tensor-core clock under a matmul load relative to the datasheet's boost clock
+    # (`power_clock`): < 1 for a card with less power per SM than the GPU its generation's
+    # gemm_efficiency was measured on. Scales the roofline's peak, not `peak_flops` (MFU).
+    power_clock: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw"):
@@ -91,6 +95,8 @@ class HardwareProfile:
             v = getattr(self, f)
             if v is not None and not 0 < v <= 1:
                 raise ValueError(f"{f}={v!r} is invalid; allowed: 0 < x <= 1, or None")
+        if not 0 < self.power_clock <= 1:
+            raise ValueError(f"power_clock={self.power_clock!r} is invalid; allowed: 0 < x <= 1")
         if (self.gemm_efficiency is None) != (self.attention_efficiency is None):
             raise ValueError("gemm_efficiency and attention_efficiency are set together; allowed: both or neither")
         if not 0 < self.tp_efficiency <= 1:
@@ -100,6 +106,11 @@ class HardwareProfile:
         if self.gpus_per_node < 1 or self.nvlink_group < 1 or self.gpus_per_node % self.nvlink_group:
             raise ValueError(f"nvlink_group={self.nvlink_group} must be >= 1 and divide "
                              f"gpus_per_node={self.gpus_per_node}")
+
+    @property
+    def sustained_flops(self) -> float:
+        """peak_flops · power_clock: the dense bf16 FLOP/s the tensor cores sustain under load."""
+        return self.peak_flops * self.power_clock
 
     @property
     def achieved_flops(self) -> float:
@@ -133,6 +144,22 @@ GPU_GENERATIONS: dict[str, tuple[float, float]] = {
 }
 
 
+def power_clock(watts: float, units: int, ref_watts: float, ref_units: int) -> float:
+    """Sustained clock relative to boost of a card with `watts` over `units` SMs (CUs) against
+    the card its generation's gemm_efficiency was measured on: min(1, sqrt(w/u ÷ w_ref/u_ref)).
+
+    Dynamic power ∝ f·V² with V rising with f over the DVFS range, P ∝ f² (inferred, not
+    measured): a power-capped card sustains the square root of its power share per SM.
+    """
+    return min(1.0, ((watts / units) / (ref_watts / ref_units)) ** 0.5)
+
+
+# The cards the Hopper and CDNA2 GEMM efficiencies were measured on: H100 SXM (700 W, 132 SMs),
+# MI250X one GCD (560 W / 2, 110 CUs).
+H100_SXM_POWER = (700.0, 132)
+MI250X_GCD_POWER = (280.0, 110)
+
+
 def _gen(name: str) -> dict[str, float]:
     gemm, attention = GPU_GENERATIONS[name]
     return {"gemm_efficiency": gemm, "attention_efficiency": attention}
@@ -164,7 +191,13 @@ HARDWARE: dict[str, HardwareProfile] = {
         # cost per block per micro-batch (~80 kernels fwd+bwd, launch gaps and GEMM tails);
         # TP keeps 0.93 of per-GPU efficiency per doubling on top of the roofline's narrow GEMMs (fitted to
         # COPUS's eight published layouts: [0.92, 0.96] meets them; docs/cost-model.md).
+        # Power: the PCIe card's 350 W over 114 SMs sustains sqrt((350/114)/(700/132)) = 0.76 of
+        # its boost clock under matmul load (`power_clock`), against the H100 SXM the Hopper GEMM
+        # efficiency was measured on. Checked against COPUS Table 1's token budgets: a run still
+        # training at minute t has processed at most its budget, so throughput ≤ budget/t
+        # (docs/cost-model.md, "Throughput bounds from COPUS Table 1").
         HardwareProfile(name="h100-nvlink-pairs", peak_flops=756e12, mfu=0.40,
+                        power_clock=power_clock(350, 114, *H100_SXM_POWER),
                         memory_bytes=80 * GB, memory_bw=2.0e12, intra_node_bw=300 * GB * 0.8,
                         cross_group_bw=64 * GB * 0.5, inter_node_bw=350e9 / 8 / 8 * 0.8,
                         gpus_per_node=8, nvlink_group=2, latency_s=1e-5, overlap_gamma=1.0, layer_overhead_s=4e-4,
@@ -177,13 +210,14 @@ HARDWARE: dict[str, HardwareProfile] = {
                         gpus_per_node=8, nvlink_group=8, latency_s=1e-5, **_gen("ampere")),
         # torchtitan's benchmark H100 (benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton):
         # 96 GB HBM2e at 2.4 TB/s, default 500 W power limit, 8 per host on NVLink (450 GB/s per
-        # direction), 400 Gb/s RDMA per GPU (50 GB/s). Peak: torchtitan says "the actual peak is
-        # between SXM and NVL" (989 and 835 TFLOPS dense BF16); at 500 W instead of the SXM's 700 W
-        # the tensor-core clock sustains ≈ sqrt(500/700) of the SXM's (dynamic power ∝ f·V², V
-        # rising with f: P ∝ f² over the DVFS range; inferred), 989·0.845 = 836 TFLOPS, the NVL
-        # datasheet's figure. `mfu` is the old single-constant model's (fitted on Table 1's FSDP 8
-        # row). Capacity 95.0 GiB: 82.4 GiB is reported as 86.7 %.
-        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=836e12, mfu=0.372, memory_bytes=95.0 * GiB,
+        # direction), 400 Gb/s RDMA per GPU (50 GB/s). Peak: the SXM datasheet's 989 TFLOPS, as
+        # torchtitan computes MFU ("the actual peak is between SXM and NVL", 989 and 835); at 500 W
+        # instead of the SXM's 700 W the tensor cores sustain sqrt(500/700) = 0.845 of its clock
+        # (`power_clock`), 836 TFLOPS: the NVL datasheet's figure. `mfu` is the old
+        # single-constant model's (fitted on Table 1's FSDP 8 row). Capacity 95.0 GiB: 82.4 GiB
+        # is reported as 86.7 %.
+        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=989e12,
+                        power_clock=power_clock(500, 132, *H100_SXM_POWER), mfu=0.372, memory_bytes=95.0 * GiB,
                         memory_bw=2.4e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                         gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
         # AMD Instinct MI210 datasheet: 181 TFLOPS BF16, 64 GB HBM2e at 1.6 TB/s. COPUS §5.1:

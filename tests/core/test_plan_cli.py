@@ -14,7 +14,7 @@ KEYS = ["dp", "tp", "pp", "micro_batch_size", "num_microbatches", "global_batch_
         "samples_per_s", "memory_bytes", "goodput",
         # issue 25: the plan options and per-device figures
         "activation_checkpointing", "pipeline_schedule", "virtual_stages", "sequence_parallel",
-        "reshard_after_forward", "tokens_per_s_per_device", "mfu"]
+        "reshard_after_forward", "runnable", "tokens_per_s_per_device", "mfu", "time"]
 BASE = ["plan", "--model", "llama-3.2-3b", "--gpus", "8", "--hardware", "h100-nvlink-pairs"]
 
 
@@ -76,6 +76,9 @@ def test_table_output(capsys):
     (["--micro-batch-sizes", "1,x"], "--micro-batch-sizes"),
     (["--b-noise", "-3"], "--b-noise=-3"),
     (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--hardware", "tpu", "--peak-tflops", "100"], "--memory-gib X"),
+    (["--peak-tflops", "-1"], "--peak-tflops=-1.0"),
+    (["--pipeline-schedule", "zigzag"], "--pipeline-schedule"),
     (["--model", "nope"], "unknown model 'nope'"),
     (["--memory-gb", "0.5"], "no plan"),
     (["--max-batch", "4"], "--max-batch=4"),
@@ -120,3 +123,98 @@ def test_config_errors_are_one_line(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "did you mean batch.max?" in out.stderr
+
+
+# COPUS's eight start/end layouts (Table 2; core/sim/presets.py), typed as docs/cost-model.md
+# types them: `copus plan --model M --gpus N --hardware HW --global-batch B --by-layout --top 5`.
+PUBLISHED = [("llama-3.2-3b", 8, "h100-nvlink-pairs", 16, (2, 1, 4)),
+             ("llama-3.2-3b", 8, "h100-nvlink-pairs", 1024, (8, 1, 1)),
+             ("llama-2-13b", 16, "h100-nvlink-pairs", 16, (1, 2, 8)),
+             ("llama-2-13b", 16, "h100-nvlink-pairs", 1024, (4, 1, 4)),
+             ("qwen-2.5-32b", 32, "h100-nvlink-pairs", 16, (1, 2, 16)),
+             ("qwen-2.5-32b", 32, "h100-nvlink-pairs", 512, (2, 2, 8)),
+             ("llama-2-7b", 32, "mi210", 16, (2, 4, 4)),
+             ("llama-2-7b", 32, "mi210", 1024, (8, 1, 4))]
+
+
+@pytest.mark.parametrize("model,gpus,hw,batch,layout", PUBLISHED)
+def test_published_layouts_first_or_within_3_percent_as_documented(capsys, model, gpus, hw, batch, layout):
+    argv = ["plan", "--model", model, "--gpus", str(gpus), "--hardware", hw, "--global-batch", str(batch),
+            "--by-layout", "--top", "5", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    mine = [r for r in rows if (r["dp"], r["tp"], r["pp"]) == layout]
+    assert mine, f"{layout} not in the top 5 layouts: {[(r['dp'], r['tp'], r['pp']) for r in rows]}"
+    assert mine[0]["samples_per_s"] >= 0.97 * rows[0]["samples_per_s"]
+    # the runtime's defaults: the engine's schedules only
+    assert {r["pipeline_schedule"] for r in rows} <= {"1f1b", "gpipe"}
+
+
+def test_time_split_sums_to_the_step_and_names_each_cost(capsys):
+    for extra in ([], ["--hardware", "h100-sxm", "--model", "llama-2-7b", "--gpus", "16"]):
+        assert main([*BASE, "--global-batch", "64", "--top", "30", "--json", *extra]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        for r in rows:
+            assert sum(r["time"].values()) == pytest.approx(r["step_s"], rel=1e-9)
+            assert all(v >= -1e-12 for v in r["time"].values())
+        assert any(r["time"]["bubble_s"] > 0 for r in rows if r["pp"] > 1)
+        assert all(r["time"]["recompute_s"] > 0 for r in rows if r["activation_checkpointing"] != "none")
+
+
+def test_time_split_in_the_table(capsys):
+    assert main([*BASE, "--global-batch", "16", "--top", "3", "--time-split"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[6].startswith("where the step time goes") and len(lines) == 7 + 3
+    assert all("compute" in line and "bubble" in line for line in lines[7:])   # pp > 1 rows at B = 16
+
+
+def test_interleaved_is_ranked_only_on_request_and_marked_not_runnable(capsys):
+    assert main([*BASE, "--model", "llama-2-7b", "--global-batch", "32", "--top", "1000", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert {r["pipeline_schedule"] for r in default} == {"1f1b", "gpipe"}
+    assert all(r["runnable"] for r in default)          # llama-2-7b: untied embeddings
+    assert main([*BASE, "--model", "llama-2-7b", "--global-batch", "32", "--top", "1000", "--json",
+                 "--pipeline-schedule", "all"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    inter = [r for r in every if r["pipeline_schedule"] == "interleaved-1f1b"]
+    assert inter and not any(r["runnable"] for r in inter)
+    assert all(r["runnable"] for r in every if r["pipeline_schedule"] != "interleaved-1f1b")
+    # tied embeddings split by a pipeline: the engine refuses them, the table says so
+    assert main([*BASE, "--global-batch", "16", "--top", "1000", "--json"]) == 0
+    tied = json.loads(capsys.readouterr().out)
+    assert all(r["runnable"] == (r["pp"] == 1) for r in tied)
+    assert main([*BASE, "--global-batch", "16", "--top", "40"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert " run " in lines[1] and any(" no " in line for line in lines[3:])
+
+
+def test_default_precision_is_the_runtimes_mixed_precision_policy(capsys):
+    args = [*BASE, "--global-batch", "16", "--top", "1000", "--json", "--by-layout"]
+    assert main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([*args, "--param-dtype", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out) == default
+    assert main(["plan", "--model", "llama-2-7b", "--gpus", "8", "--hardware", "h100-sxm", "--global-batch", "16",
+                 "--top", "5", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "llama-2-7b", "--gpus", "8", "--hardware", "h100-sxm", "--global-batch", "16",
+                 "--top", "5", "--json", "--param-dtype", "fp32"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert bf16[0]["memory_bytes"] < fp32[0]["memory_bytes"]     # bf16 all-gathers, no fp32 weight copies
+
+
+def test_custom_hardware_from_its_figures(capsys):
+    figures = ["--peak-tflops", "989", "--memory-gib", "74.5", "--hbm-gbps", "3350", "--intra-node-gbps", "450",
+               "--inter-node-gbps", "50"]
+    common = ["plan", "--model", "llama-2-7b", "--gpus", "16", "--global-batch", "32", "--top", "3", "--json"]
+    assert main([*common, "--hardware", "my-h100", *figures]) == 0
+    custom = json.loads(capsys.readouterr().out)
+    assert main([*common, "--hardware", "h100-sxm"]) == 0
+    known = json.loads(capsys.readouterr().out)
+    # the H100 SXM's own figures: the same ranking, step times within the default latency's
+    # difference (a custom profile's collective step latency is 10 µs, the SXM's 8 µs)
+    assert [(r["dp"], r["tp"], r["pp"]) for r in custom] == [(r["dp"], r["tp"], r["pp"]) for r in known]
+    assert custom[0]["step_s"] == pytest.approx(known[0]["step_s"], rel=0.01)
+    # a figure overrides a known profile: half the peak, slower steps
+    assert main([*common, "--hardware", "h100-sxm", "--peak-tflops", "494.5"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["step_s"] > 1.3 * known[0]["step_s"]

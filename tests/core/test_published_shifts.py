@@ -80,3 +80,22 @@ def test_plan_by_layout_prints_each_layout_once(capsys):
     layouts = [tuple(int(x) for x in line.split()[1:4]) for line in lines]
     assert len(layouts) == len(set(layouts)) > 5
     assert "+0.0%" in lines[0]
+
+
+# COPUS Table 1 (copus-notes §3.2): a static-batch run still training at the minute it reached
+# its last target had processed at most its token budget, so its throughput ≤ budget / minute.
+BOUNDS = [("3b-8xh100", 328e6, [(16, 102.7), (32, 73.1), (64, 67.3), (128, 55.7)]),
+          ("13b-16xh100", 328e6, [(32, 91.0), (64, 86.7), (128, 105.2)]),
+          ("32b-32xh100", 123e6, [(64, 74.2), (128, 61.2)]),
+          ("7b-32xmi210", 215e6, [(32, 77.2), (64, 57.9), (128, 65.6)])]
+
+
+def test_predicted_throughput_never_exceeds_what_the_token_budget_allows():
+    """The model's best plan at each published static batch is no faster than budget / minute
+    (the roofline at the cards' sustained clocks; an optimistic prior would break these)."""
+    for name, budget, rows in BOUNDS:
+        preset = get_preset(name)
+        for batch, minute in rows:
+            best = plan_rows(_args(preset, batch))[0]
+            tokens_per_s = best.samples_per_s * 2048
+            assert tokens_per_s <= budget / (minute * 60.0) * 1.001, (name, batch, tokens_per_s)

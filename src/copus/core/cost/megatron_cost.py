@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from copus.core.cost.compute import roofline, stage_compute_flops
 from copus.core.cost.overlap import gamma_sum
 from copus.core.specs.hardware import link_tier
 
@@ -72,9 +73,10 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     act_bytes = b * s.seq_len * s.dim * model.dtype_bytes
 
     tp_eff = model.hardware.tp_efficiency if model.hardware is not None else 1.0
-    compute = (p.layer_overhead_s * units
-               + p.s_per_flop * model.stage_flops_per_sample(pp_f, ac) * b / tp_f / tp_eff ** np.log2(tp_f)
-               / model.compile_speedup + model.attention_scores_s(tp_f, pp_f, b, ac))
+    work = stage_compute_flops(model, tp_f, pp_f, b, ac, sequence_parallel)
+    slow = tp_eff ** np.log2(tp_f) * model.compile_speedup
+    compute = (p.layer_overhead_s * units + p.s_per_flop * work["total"] / slow
+               + model.attention_scores_s(tp_f, pp_f, b, ac))
     n_tp = (4.0 + model.tp_recompute_per_block(ac)) * layers + 2.0
     tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
                    + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * slow_tp)
@@ -83,6 +85,8 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     memory_bw = model.hardware.memory_bw if model.hardware is not None else np.inf
     elementwise = (layers * b * s.seq_len * s.dim * ELEMENTWISE_BYTES / memory_bw
                    / np.where(np.asarray(sequence_parallel) & (tp_f > 1), tp_f, 1.0))
+    if roofline(model):     # the roofline's compute term holds the element-wise traffic already
+        elementwise = np.zeros_like(elementwise)
     microbatch = compute + elementwise + tp_s + p2p
 
     grad = grad_sync_s(model, dp_f, local_params, slow_dp)
@@ -93,7 +97,8 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     bubble = (pp_f - 1.0) / v * microbatch
     step = (m - 1.0) * microbatch + bubble + last + emb + optimizer
     zero = np.zeros_like(step)
-    return {"compute_s": compute, "elementwise_s": elementwise, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": zero,
+    return {"compute_s": compute, "recompute_s": p.s_per_flop * work["recompute"] / slow,
+            "elementwise_s": elementwise, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": zero,
             "microbatch_s": microbatch, "sync_s": grad, "embedding_sync_s": emb,
             "optimizer_s": optimizer, "bubble_s": bubble, "step_s": step}
 

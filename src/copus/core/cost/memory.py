@@ -41,6 +41,9 @@ Recomputation in Large Transformer Models", §4.1 eq. 2 and §4.2.2 eq. 4, 16-bi
     full        the block's input only, s·b·h·r/t_sp (§4.3)
     with either checkpointing mode one block's full set (the "none" count) is live during its
     recompute. r = residual bytes (4 under autocast), e = compute bytes.
+    sequence parallel, any mode: one block's backward also holds the re-all-gathered input of a
+    column-parallel group and its full-size gradient before the reduce-scatter, 2·e·s·b·h
+    (`sp_gather_bytes`; at large micro-batches the term that full AC's s·b·h·r/t count misses).
     copus's own block (`runtime/engine/model.py`: RMSNorm and RoPE in fp32, SwiGLU, SDPA) saves more:
     measured with `torch.autograd.graph.saved_tensors_hooks`, per sample per block, 83 bytes·s·h
     in fp32 and 55.6 under bf16 autocast (the formula: 68 and 34). `activation_factor` (default
@@ -229,6 +232,21 @@ class MemoryModel:
         t_sp = np.where(sp, _f(tp), 1.0)
         return self.shape.seq_len * _f(micro_batch_size) * self.shape.dim * float(self.residual_bytes) / t_sp
 
+    def sp_gather_bytes(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
+        """Sequence parallel's unsharded transients in a block's backward: the all-gathered
+        input of a column-parallel group (wq·wk·wv or w1·w3) and the input gradient before its
+        reduce-scatter, full sequence, compute dtype: 2·e·s·b·h bytes with sp and t > 1, else 0.
+
+        Korthikanti et al. 2022 §4.2.2 store only the sharded norm output (10·s·b·h/t) and
+        all-gather it again in the backward; the gathered copy and its full-size gradient are
+        alive together while that group's weight and input gradients are computed. Without
+        sequence parallelism those tensors are full size already (the "none" count holds them).
+        """
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        tp = _f(tp)
+        full = 2.0 * self.compute_bytes * self.shape.seq_len * _f(micro_batch_size) * self.shape.dim
+        return np.where(np.asarray(sp) & (tp > 1), full, 0.0)
+
     def stored_per_block(self, tp, micro_batch_size, ac, sequence_parallel=None) -> np.ndarray:
         """Bytes one block keeps per in-flight micro-batch under AC mode codes `ac` (0, 1, 2)."""
         ac = np.asarray(ac)
@@ -289,7 +307,7 @@ class MemoryModel:
         """Every component of the fuller of the first and last stage (bytes); "total" = bytes_per_rank.
 
         "states", "buffers" (= params_gathered + grads_unsharded + weight_copies) and
-        "activations" (= blocks + recompute + logits) are the sums the memory guard reads;
+        "activations" (= blocks + recompute + sp_gather + logits) are the sums the memory guard reads;
         "allocator" = allocator_overhead · their sum.
         """
         dp, tp, pp, m = _f(dp), _f(tp), _f(pp), _f(num_microbatches)
@@ -316,10 +334,11 @@ class MemoryModel:
             parts["weight_copies"] = self.weight_copy_bytes(params, unit, tp, flight, ac)
             parts["blocks"] = flight * layers * stored
             parts["recompute"] = np.where(ac > 0, full_set, 0.0) + zero
+            parts["sp_gather"] = self.sp_gather_bytes(tp, b, sp) + zero
             head = self.logits_bytes(tp, b)
             parts["logits"] = (head if last else np.where(pp > 1, 0.0, head)) + zero
             parts["buffers"] = parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"]
-            parts["activations"] = parts["blocks"] + parts["recompute"] + parts["logits"]
+            parts["activations"] = parts["blocks"] + parts["recompute"] + parts["sp_gather"] + parts["logits"]
             raw = parts["states"] + parts["buffers"] + parts["activations"]
             parts["allocator"] = raw * self.allocator_overhead
             parts["total"] = raw + parts["allocator"]

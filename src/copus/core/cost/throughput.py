@@ -4,7 +4,10 @@ design.md §4. COPUS profiles every plan (§4.4); copus adds this model so unpro
 predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp)):
 
     units      = ceil(L/pp) + 1                       blocks of the largest stage + embeddings/head
-    t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux)
+    t_compute  = α_c·units + β_c · flops_stage(b_m) · ac / tp        affine in b_m (Galvatron, Pollux);
+                 a GPU profile replaces flops_stage·ac/tp by the roofline's GEMM-equivalent FLOPs
+                 (`core.cost.compute`: GEMMs, flash attention, element-wise HBM traffic, head, per-class
+                 recompute) and β_c = 1/(κ·η_g·peak), κ = COMPUTE_EFFICIENCY
     t_tp       = n_tp · [2(tp−1)·α_tp + 2(tp−1)/tp · b_m·s·h·e · β_tp · slow(tier_tp)]
                  ring all-reduce (Thakur et al. 2005), n_tp = (7 + 2·AC)·ceil(L/pp) + 2 per
                  micro-batch: copus's DTensor TP issues 2 all-reduces forward (wo, w2) and 5
@@ -14,8 +17,8 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
     t_p2p      = 2 · [α_pp + b_m·s·h·e · β_pp · slow(tier_pp)]     activation out, gradient back
     t_ag       = n_ag · [(dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · e_p · β_dp · slow(tier_dp)]
                  FSDP2 all-gather per micro-batch, n_ag = 2 when resharding after forward;
-                 e_p = param_bytes: 4 for copus's runtime (fp32 params, bf16 autocast), 2 with
-                 FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
+                 e_p = param_bytes: 2 with FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (copus's
+                 runtime on GPUs, `copus plan`'s default there), 4 for fp32 parameters
     t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
     t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
     step_s     = (m − 2 + 1 + (pp − 1)/v)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
@@ -65,6 +68,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from copus.core.specs.hardware import STACKS, HardwareProfile, get_hardware, link_tier
+from copus.core.cost.compute import stage_compute_flops
 from copus.core.cost.megatron_cost import megatron_breakdown
 from copus.core.cost.overlap import gamma_sum
 from copus.core.specs.models import ModelShape
@@ -79,6 +83,10 @@ TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wis
 # torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
 # tokens/s/GPU, Table 1) by bench/published.py; Table 3 (128 GPUs) held out.
 COMPILE_SPEEDUP = 1.16
+# κ: the share of the summed roofline (`core.cost.compute`) an end-to-end training step reaches,
+# one hardware-independent factor: between its fits on H100 rows alone (0.82) and on A100 rows
+# alone (0.90) in bench/published.py (docs/published.md), rounded down to 0.85.
+COMPUTE_EFFICIENCY = 0.85
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,7 +139,9 @@ class StepTimeParams:
         2 moments; fp32), so β_opt = 32 / memory_bw.
         """
         bw0 = hardware.link_bw[0]
-        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / hardware.achieved_flops,
+        achieved = (hardware.achieved_flops if hardware.gemm_efficiency is None
+                    else hardware.sustained_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY)
+        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / achieved,
                    tp_latency_s=hardware.latency_s, tp_s_per_byte=1.0 / bw0,
                    dp_latency_s=hardware.latency_s, dp_s_per_byte=1.0 / bw0,
                    pp_latency_s=hardware.latency_s, pp_s_per_byte=1.0 / bw0,
@@ -295,8 +305,9 @@ class StepTimeModel:
         local_params = self.stage_params(pp_f) / tp_f
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
-        compute = (p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f, ac) * b / tp_f
-                   / self.compile_speedup + self.attention_scores_s(tp_f, pp_f, b, ac))
+        work = stage_compute_flops(self, tp_f, pp_f, b, ac, sp)
+        compute = (p.layer_overhead_s * units + p.s_per_flop * work["total"] / self.compile_speedup
+                   + self.attention_scores_s(tp_f, pp_f, b, ac))
         per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
         n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
         tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
@@ -313,7 +324,8 @@ class StepTimeModel:
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
         bubble = (pp_f - 1.0) / v * microbatch
         step = (m - 1.0) * microbatch + bubble + last + optimizer
-        return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
+        return {"compute_s": compute, "recompute_s": p.s_per_flop * work["recompute"] / self.compile_speedup,
+                "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
                 "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
                 "bubble_s": bubble, "step_s": step}
 
@@ -351,6 +363,29 @@ class StepTimeModel:
         """global_batch_size / step_s."""
         gbs = _i(dp) * _i(micro_batch_size) * _i(num_microbatches)
         return gbs / self.predict(dp, tp, pp, micro_batch_size, num_microbatches)
+
+
+def time_split(model: StepTimeModel, dp, tp, pp, micro_batch_size, num_microbatches, **options) -> dict:
+    """Where a step's seconds go, summing to step_s (vectorised; `options` as `breakdown`):
+
+    compute_s (m micro-batches less their recompute, + Megatron's unsplit element-wise work),
+    recompute_s, exposed communication per collective — fsdp_allgather_s (the part of FSDP's
+    parameter all-gathers the prefetch does not hide), tp_s, pp_p2p_s, grad_sync_s (FSDP's
+    gradient reduce-scatter or DP's all-reduce beyond the last micro-batch), embedding_sync_s —
+    then bubble_s (pipeline fill and drain) and optimizer_s (+ fixed per-step cost).
+    """
+    bd = model.breakdown(dp, tp, pp, micro_batch_size, num_microbatches, **options)
+    m = _i(num_microbatches)
+    zero = np.zeros_like(bd["step_s"])
+    elementwise = bd.get("elementwise_s", zero)
+    emb = bd.get("embedding_sync_s", zero)
+    mb = bd["microbatch_s"]
+    exposed_ag = np.maximum(mb - bd["compute_s"] - elementwise - bd["tp_s"] - bd["p2p_s"], 0.0)
+    last = bd["step_s"] - (m - 1.0) * mb - bd["bubble_s"] - emb - bd["optimizer_s"]
+    return {"compute_s": m * (bd["compute_s"] - bd["recompute_s"] + elementwise), "recompute_s": m * bd["recompute_s"],
+            "fsdp_allgather_s": m * exposed_ag, "tp_s": m * bd["tp_s"], "pp_p2p_s": m * bd["p2p_s"],
+            "grad_sync_s": last - mb, "embedding_sync_s": emb + zero, "bubble_s": bd["bubble_s"] + zero,
+            "optimizer_s": bd["optimizer_s"] + zero}
 
 
 def plan_columns(plans: Sequence[ParallelPlan]) -> tuple[np.ndarray, ...]:

@@ -75,6 +75,15 @@ class HardwareProfile:
     # a TP rank computes at tp_efficiency^log2(tp) of its tp = 1 speed (narrower GEMMs, NCCL
     # kernels sharing SMs, launch gaps). 1.0 = ideal 1/tp scaling. docs/cost-model.md.
     tp_efficiency: float = 1.0
+    # Roofline compute (`copus.core.cost.compute`): the maximum achievable matmul FLOPS as a
+    # fraction of `peak_flops` (measured per GPU generation) and the fraction of peak flash
+    # attention reaches. None: the plain FLOP count at `mfu` (the CPU profile).
+    gemm_efficiency: float | None = None
+    attention_efficiency: float | None = None
+    # Sustained tensor-core clock under a matmul load relative to the datasheet's boost clock
+    # (`power_clock`): < 1 for a card with less power per SM than the GPU its generation's
+    # gemm_efficiency was measured on. Scales the roofline's peak, not `peak_flops` (MFU).
+    power_clock: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw"):
@@ -82,6 +91,14 @@ class HardwareProfile:
                 raise ValueError(f"{f}={getattr(self, f)!r} is invalid; allowed: a number > 0")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu={self.mfu!r} is invalid; allowed: 0 < mfu <= 1")
+        for f in ("gemm_efficiency", "attention_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"{f}={v!r} is invalid; allowed: 0 < x <= 1, or None")
+        if not 0 < self.power_clock <= 1:
+            raise ValueError(f"power_clock={self.power_clock!r} is invalid; allowed: 0 < x <= 1")
+        if (self.gemm_efficiency is None) != (self.attention_efficiency is None):
+            raise ValueError("gemm_efficiency and attention_efficiency are set together; allowed: both or neither")
         if not 0 < self.tp_efficiency <= 1:
             raise ValueError(f"tp_efficiency={self.tp_efficiency!r} is invalid; allowed: 0 < x <= 1")
         if self.stack not in STACKS:
@@ -89,6 +106,11 @@ class HardwareProfile:
         if self.gpus_per_node < 1 or self.nvlink_group < 1 or self.gpus_per_node % self.nvlink_group:
             raise ValueError(f"nvlink_group={self.nvlink_group} must be >= 1 and divide "
                              f"gpus_per_node={self.gpus_per_node}")
+
+    @property
+    def sustained_flops(self) -> float:
+        """peak_flops · power_clock: the dense bf16 FLOP/s the tensor cores sustain under load."""
+        return self.peak_flops * self.power_clock
 
     @property
     def achieved_flops(self) -> float:
@@ -107,6 +129,42 @@ class HardwareProfile:
         return (1.0, bw[0] / bw[1], bw[0] / bw[2])
 
 
+# Per GPU generation: (gemm_efficiency, attention_efficiency). GEMM: maximum achievable matmul
+# FLOPS (BF16, best shape) over the datasheet peak, S. Bekman, ml-engineering,
+# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table": A100 SXM
+# 267.9/312 = 85.9 %, H100 SXM 792.1/989 = 80.1 %, MI250X one GCD 147.0/191.5 = 76.7 % (CDNA2,
+# the MI210's generation). Attention: FlashAttention-2 forward + backward, causal, head dim 128,
+# long sequences: ≈ 60 % of peak on A100 (Dao 2023, "FlashAttention-2", Fig. 5–6: 187–203
+# TFLOP/s of 312), 35 % on H100 (Shah et al. 2024, "FlashAttention-3", §1); CDNA2 0.30
+# (inferred: no published figure; ROCm's FlashAttention-2 port reaches less of peak than on A100).
+GPU_GENERATIONS: dict[str, tuple[float, float]] = {
+    "ampere": (0.859, 0.60),
+    "hopper": (0.801, 0.35),
+    "cdna2": (0.767, 0.30),
+}
+
+
+def power_clock(watts: float, units: int, ref_watts: float, ref_units: int) -> float:
+    """Sustained clock relative to boost of a card with `watts` over `units` SMs (CUs) against
+    the card its generation's gemm_efficiency was measured on: min(1, sqrt(w/u ÷ w_ref/u_ref)).
+
+    Dynamic power ∝ f·V² with V rising with f over the DVFS range, P ∝ f² (inferred, not
+    measured): a power-capped card sustains the square root of its power share per SM.
+    """
+    return min(1.0, ((watts / units) / (ref_watts / ref_units)) ** 0.5)
+
+
+# The cards the Hopper and CDNA2 GEMM efficiencies were measured on: H100 SXM (700 W, 132 SMs),
+# MI250X one GCD (560 W / 2, 110 CUs).
+H100_SXM_POWER = (700.0, 132)
+MI250X_GCD_POWER = (280.0, 110)
+
+
+def _gen(name: str) -> dict[str, float]:
+    gemm, attention = GPU_GENERATIONS[name]
+    return {"gemm_efficiency": gemm, "attention_efficiency": attention}
+
+
 HARDWARE: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
@@ -116,12 +174,12 @@ HARDWARE: dict[str, HardwareProfile] = {
         # torchtitan report 38-50 % on H100 for 7-70B Llama.
         HardwareProfile(name="h100-sxm", peak_flops=989e12, mfu=0.40, memory_bytes=80 * GB,
                         memory_bw=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
+                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
         # NVIDIA H200 SXM datasheet: the H100's compute (989 TFLOPS dense BF16) and NVLink 4,
         # 141 GB HBM3e at 4.8 TB/s; the same 8-GPU HGX board and NICs as the DGX H100.
         HardwareProfile(name="h200", peak_flops=989e12, mfu=0.40, memory_bytes=141 * GB,
                         memory_bw=4.8e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
+                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
         # COPUS's NVIDIA cluster (§5.1): H100 in NVLink pairs, PCIe between pairs, SR-IOV at
         # 350 Gb/s between nodes, Megatron-LM with a replicated optimizer (§4.4). (inferred)
         # PCIe cards with an NVLink bridge: H100 PCIe datasheet 756 TFLOPS dense BF16, 2.0 TB/s
@@ -131,27 +189,37 @@ HARDWARE: dict[str, HardwareProfile] = {
         # bandwidth / datasheet; docs/cost-model.md): NVLink 0.8, PCIe between pairs 0.5 (a
         # virtualised host: peer traffic through the root complex), network 0.8. 0.4 ms of fixed
         # cost per block per micro-batch (~80 kernels fwd+bwd, launch gaps and GEMM tails);
-        # TP keeps 0.9 of per-GPU efficiency per doubling (fitted; docs/cost-model.md).
+        # TP keeps 0.93 of per-GPU efficiency per doubling on top of the roofline's narrow GEMMs (fitted to
+        # COPUS's eight published layouts: [0.92, 0.96] meets them; docs/cost-model.md).
+        # Power: the PCIe card's 350 W over 114 SMs sustains sqrt((350/114)/(700/132)) = 0.76 of
+        # its boost clock under matmul load (`power_clock`), against the H100 SXM the Hopper GEMM
+        # efficiency was measured on. Checked against COPUS Table 1's token budgets: a run still
+        # training at minute t has processed at most its budget, so throughput ≤ budget/t
+        # (docs/cost-model.md, "Throughput bounds from COPUS Table 1").
         HardwareProfile(name="h100-nvlink-pairs", peak_flops=756e12, mfu=0.40,
+                        power_clock=power_clock(350, 114, *H100_SXM_POWER),
                         memory_bytes=80 * GB, memory_bw=2.0e12, intra_node_bw=300 * GB * 0.8,
                         cross_group_bw=64 * GB * 0.5, inter_node_bw=350e9 / 8 / 8 * 0.8,
                         gpus_per_node=8, nvlink_group=2, latency_s=1e-5, overlap_gamma=1.0, layer_overhead_s=4e-4,
-                        stack="megatron", shared_nic=True, tp_efficiency=0.9),
+                        stack="megatron", shared_nic=True, tp_efficiency=0.93, **_gen("hopper")),
         # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS dense BF16, 2.039 TB/s HBM2e, NVLink 3
         # 600 GB/s bidirectional (300 per direction) via NVSwitch (DGX A100), 8 x HDR 200 Gb/s
         # NICs = 25 GB/s per GPU. MFU 0.50 (Megatron-LM, Narayanan et al. SC'21: 44-52 %).
         HardwareProfile(name="a100-80gb", peak_flops=312e12, mfu=0.50, memory_bytes=80 * GB,
                         memory_bw=2.039e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=1e-5),
+                        gpus_per_node=8, nvlink_group=8, latency_s=1e-5, **_gen("ampere")),
         # torchtitan's benchmark H100 (benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton):
         # 96 GB HBM2e at 2.4 TB/s, default 500 W power limit, 8 per host on NVLink (450 GB/s per
         # direction), 400 Gb/s RDMA per GPU (50 GB/s). Peak: the SXM datasheet's 989 TFLOPS, as
-        # torchtitan computed MFU ("the actual peak is between SXM and NVL"); mfu is fitted on its
-        # Llama-3.1-8B FSDP 8 row (Table 1, 5,762 tokens/s/GPU) by bench/published.py, every other
-        # row held out. Capacity 95.0 GiB: 82.4 GiB is reported as 86.7 %.
-        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=989e12, mfu=0.372, memory_bytes=95.0 * GiB,
+        # torchtitan computes MFU ("the actual peak is between SXM and NVL", 989 and 835); at 500 W
+        # instead of the SXM's 700 W the tensor cores sustain sqrt(500/700) = 0.845 of its clock
+        # (`power_clock`), 836 TFLOPS: the NVL datasheet's figure. `mfu` is the old
+        # single-constant model's (fitted on Table 1's FSDP 8 row). Capacity 95.0 GiB: 82.4 GiB
+        # is reported as 86.7 %.
+        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=989e12,
+                        power_clock=power_clock(500, 132, *H100_SXM_POWER), mfu=0.372, memory_bytes=95.0 * GiB,
                         memory_bw=2.4e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6),
+                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
         # AMD Instinct MI210 datasheet: 181 TFLOPS BF16, 64 GB HBM2e at 1.6 TB/s. COPUS §5.1:
         # Infinity Fabric 200 GB/s inside a 4-GPU NUMA domain, PCIe4 64 GB/s across domains
         # (both taken as bidirectional: 100 and 32 GB/s per direction), Ethernet 25 GB/s
@@ -163,7 +231,7 @@ HARDWARE: dict[str, HardwareProfile] = {
                         memory_bw=1.6e12, intra_node_bw=100 * GB * 0.8, cross_group_bw=32 * GB * 0.4,
                         inter_node_bw=25 * GB / 8 * 0.8, gpus_per_node=8, nvlink_group=4,
                         latency_s=1.5e-5, layer_overhead_s=3e-4, overlap_gamma=1.0,
-                        stack="megatron", shared_nic=True, tp_efficiency=0.9),
+                        stack="megatron", shared_nic=True, tp_efficiency=0.93, **_gen("cdna2")),
         # This 2-core machine, one rank per process, gloo over shared memory, fp32, 4 ranks on
         # 2 cores as the tests run. Calibrated to cpu-notes.md §g/g2 (36 measured steps of two
         # 4-block models, one set of coefficients fitted to both, then rounded): ~55 GFLOP/s

@@ -23,8 +23,8 @@ import torch
 from copus.core.specs.hardware import HardwareProfile, get_hardware
 from copus.core.specs.models import ModelShape
 
-__all__ = ["device_memory_bytes", "memory_capacity_bytes", "mfu", "peak_flops",
-           "peak_memory_bytes", "wait_for_device"]
+__all__ = ["device_memory_bytes", "device_peak_flops", "memory_capacity_bytes", "mfu",
+           "peak_flops", "peak_memory_bytes", "wait_for_device"]
 
 
 def peak_flops(hardware: HardwareProfile | None) -> float:
@@ -32,9 +32,23 @@ def peak_flops(hardware: HardwareProfile | None) -> float:
     return (hardware if hardware is not None else get_hardware("cpu")).peak_flops
 
 
-def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int, device_peak: float) -> float:
-    """Model FLOPs utilisation: tokens/s · model_flops_per_token / (devices · peak FLOP/s)."""
-    if not (tokens_per_s > 0 and num_devices > 0 and device_peak > 0):
+def device_peak_flops(device: torch.device, hardware: HardwareProfile | None) -> float | None:
+    """The peak MFU is reported against: on CUDA the datasheet dense bf16 FLOP/s of the device
+    torch names (`core/specs/gpu_peaks.py`), None for a device not in that table ("peak
+    unknown": no MFU rather than another part's figure); elsewhere `peak_flops(hardware)`."""
+    if device.type == "cuda":   # CUDA only: the device's name
+        from copus.core.specs.gpu_peaks import device_peak
+
+        entry = device_peak(torch.cuda.get_device_name(device))
+        return entry.peak_flops if entry is not None else None
+    return peak_flops(hardware)
+
+
+def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int,
+        device_peak: float | None) -> float:
+    """Model FLOPs utilisation: tokens/s · model_flops_per_token / (devices · peak FLOP/s); NaN
+    when the peak is unknown (None)."""
+    if device_peak is None or not (tokens_per_s > 0 and num_devices > 0 and device_peak > 0):
         return float("nan")
     return tokens_per_s * shape.model_flops_per_token() / (num_devices * device_peak)
 

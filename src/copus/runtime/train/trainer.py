@@ -109,7 +109,7 @@ class Trainer:
             self.memory.forbid_in(self.policy)
         else:
             self.policy = self._make_policy(self.plan)
-        self.peak_flops = perf.peak_flops(self.hardware)
+        self.peak_flops = perf.device_peak_flops(device, self.hardware)   # None: peak unknown
         self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
         self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
         self.last_step_end: StepEnd | None = None

@@ -145,7 +145,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         """`rope`: a table for a standalone call (tests); None reads the shared buffer."""
-        h = x + self.attention(self.attention_norm(x), rope)
+        a = self.attention_norm(x)       # one input when the table is the buffer (TP's SP hooks)
+        h = x + (self.attention(a) if rope is None else self.attention(a, rope))
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -403,7 +403,8 @@ def run_leg(leg: str, s: dict, out: Path) -> dict:
     t0 = time.perf_counter()
     try:
         res = launch(cfg, str(run_dir), max_restarts=0, entry=entry)
-    except BaseException as exc:  # noqa: BLE001 - the leg's failure is its result
+    except Exception as exc:  # noqa: BLE001 - the leg's failure is its result (a signal from
+        # `timeout` is not: KeyboardInterrupt propagates and gpu.sh records the timeout)
         return {**row, "status": "error", "error": _error_text(exc),
                 "wall_s": time.perf_counter() - t0}
     row["wall_s"] = time.perf_counter() - t0
@@ -447,16 +448,15 @@ def copus_leg_row(res: dict, cfg, s: dict, run_dir: Path) -> dict:
 def leg_from_files(leg: str, legs_dir: Path) -> dict:
     """The leg's JSON, or (killed by `timeout`, crashed before writing) an error row from the
     exit status gpu.sh recorded and the log's last line."""
-    path = legs_dir / f"{leg}.json"
-    if path.exists():
+    path, rc_path, log = (legs_dir / f"{leg}.{ext}" for ext in ("json", "rc", "log"))
+    parts = rc_path.read_text().split() if rc_path.exists() else []
+    rc = int(parts[0]) if parts else None
+    limit = parts[1] if len(parts) > 1 else "?"
+    if path.exists() and rc not in (124, 137):
         return json.loads(path.read_text())
-    rc_path, log = legs_dir / f"{leg}.rc", legs_dir / f"{leg}.log"
-    if not rc_path.exists():
+    if rc is None:
         return {"leg": leg, "status": "skipped", "reason": "not run (not in --legs, or the "
                 "check's time budget was spent)"}
-    parts = rc_path.read_text().split()
-    rc = int(parts[0]) if parts else -1
-    limit = parts[1] if len(parts) > 1 else "?"
     tail = [ln for ln in (log.read_text(errors="replace").splitlines() if log.exists() else [])
             if ln.strip()]
     if rc in (124, 137):

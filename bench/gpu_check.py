@@ -242,6 +242,7 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     import torch
 
     from copus.runtime.engine.dist import init_distributed, shutdown
+    from copus.runtime.train import perf
     from copus.runtime.train.trainer import Trainer
 
     opts = json.loads(Path(run_dir, "leg.json").read_text())
@@ -250,6 +251,7 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg, run_dir, device)
     build_s = time.perf_counter() - t0
+    perf.reset_peak_memory(device)          # the first plan's peak without the build's transients
     t0 = time.perf_counter()
     while not trainer.done():
         record = trainer.memory.guarded(trainer.train_step, trainer._where)

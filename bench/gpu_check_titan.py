@@ -149,6 +149,11 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     trainer = Trainer(trainer_config({**opts, "run_dir": run_dir}))
     build_s = time.perf_counter() - t0
     device = trainer.device
+    # torchtitan's metrics reset CUDA's peaks after logging step 1: kept off, so its peak covers
+    # every step as copus's segment peak does (compilation's first step included on both sides)
+    monitor = getattr(trainer.metrics_processor, "device_memory_monitor", None)
+    if monitor is not None:
+        monitor.reset_peak_stats = lambda: None
     torch.cuda.reset_peak_memory_stats(device)
     data = trainer.batch_generator(trainer.dataloader)
     times = []

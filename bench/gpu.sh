@@ -65,7 +65,13 @@ fi
 T0=$(date +%s)
 mkdir -p "${OUT}"
 # the device count from torch (CUDA_VISIBLE_DEVICES and MIG honoured), not nvidia-smi
-NPROC=$(timeout -k 5 120 "${PY}" bench/gpu_check.py --devices --nproc "${NPROC}" --out "${OUT}" ${DRYARG}) || exit 2
+NPROC=$(timeout -k 5 120 "${PY}" bench/gpu_check.py --devices --nproc "${NPROC}" --out "${OUT}" ${DRYARG})
+rc=$?
+if [ "${rc}" = 2 ]; then exit 2; fi      # gpu_check printed the one-line reason
+if [ "${rc}" != 0 ]; then
+  echo "bench/gpu.sh: the device check failed (exit ${rc}$([ "${rc}" = 124 ] && echo ': no answer from torch.cuda within 120 s'))" >&2
+  exit 2
+fi
 rm -rf "${OUT}/legs" && mkdir -p "${OUT}/legs"
 echo "gpu.sh: ${NPROC} rank(s)$([ "${DRY}" = 1 ] && echo ' (dry run: CPU, gloo, fp32, tiny model)'), legs ${LEGS}, budget ${BUDGET_S} s -> ${OUT}"
 for leg in ${LEGS//,/ }; do

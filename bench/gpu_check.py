@@ -27,8 +27,9 @@ GNS overhead where measured. A leg that fails writes its error; the next leg sti
     python bench/gpu_check.py --leg eager --out DIR            # one leg -> DIR/legs/eager.json
     python bench/gpu_check.py --collect --out DIR              # DIR/gpu_check.json + .md
 
-bench/gpu.sh runs these in order, each leg under `timeout`; bench/gpu_check_report.py reads them. `--dry-run`: the same code on 2 CPU
-ranks (gloo, fp32, a 2-layer model, 8 steps; tests/bench). Budget: docs/gpu-check.md.
+bench/gpu.sh runs these in order, each leg under `timeout`; bench/gpu_check_report.py reads
+them. `--dry-run`: the same code on 2 CPU ranks (gloo, fp32, a 2-layer model, 8 steps;
+tests/bench). Budget: docs/gpu-check.md.
 """
 
 from __future__ import annotations

@@ -163,3 +163,49 @@ def test_gpu_sh_refuses_unknown_arguments():
                           text=True, timeout=30)
     assert proc.returncode == 2
     assert "unknown argument '--bogus'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_report_reads_legs_timeouts_and_the_peer(tmp_path):
+    """gpu_check_report on leg files as gpu.sh leaves them: copus legs from a dry run's JSON, a
+    torchtitan row as its worker returns it (the path a CPU host never runs), a leg `timeout`
+    stopped after writing nothing, and one stopped after writing a partial row: the JSON and
+    the table carry the copus / torchtitan ratios and the timeouts."""
+    rep = _load("gpu_check_report")
+    gc = _load("gpu_check")
+    dry = json.loads((ROOT / "bench/results/gpu_dry_run/gpu_check.json").read_text())
+    legs = {leg["leg"]: leg for leg in dry["legs"]}
+    out = tmp_path / "gpu"
+    (out / "legs").mkdir(parents=True)
+    (out / "devices.json").write_text(json.dumps({"count": 2, "nproc": 2, "name": "cpu"}))
+    for name in ("eager", "throughput"):
+        (out / "legs" / f"{name}.json").write_text(json.dumps(legs[name]))
+        (out / "legs" / f"{name}.rc").write_text("0 90\n")
+    copus = legs["throughput"]["segments"][-1]
+    titan = {"leg": "torchtitan", "status": "ok", "nproc": 2, "micro_batch_size": 16,
+             "step_s": [9.0, 0.2, 0.25, 0.2], "median_step_s": 0.2, "first_step_s": 9.0,
+             "median_tokens_per_s": 5000.0, "peak_allocated_bytes": 2.0e8,
+             "peak_reserved_bytes": 3.0e8, "device_used_bytes": 4.0e8, "build_s": 3.0}
+    (out / "legs" / "torchtitan.json").write_text(json.dumps(titan))
+    (out / "legs" / "torchtitan.rc").write_text("0 200\n")
+    (out / "legs" / "growth.rc").write_text("124 100\n")          # killed, no JSON
+    (out / "legs" / "growth.log").write_text("step 3\n")
+    (out / "legs" / "switch.json").write_text(json.dumps({"leg": "switch", "status": "error",
+                                                          "error": "KeyboardInterrupt"}))
+    (out / "legs" / "switch.rc").write_text("137 140\n")          # SIGKILLed after writing
+    s = gc.settings(True, 2)
+    res = rep.collect(out, s, 300.0, 480.0)
+    by = {leg["leg"]: leg for leg in res["legs"]}
+    assert by["growth"] == {"leg": "growth", "status": "error", "rc": 124,
+                            "error": "timed out after 100 s (timeout exit 124); the leg's ranks "
+                                     "were killed"}
+    assert by["switch"]["error"].startswith("timed out after 140 s")
+    peer = res["peer"]
+    assert peer["status"] == "ok"
+    assert peer["step_time_ratio"] == pytest.approx(copus["median_step_s"] / 0.2)
+    assert peer["peak_allocated_ratio"] == pytest.approx(copus["peak_allocated_bytes"] / 2.0e8)
+    assert peer["peak_reserved_ratio"] is None                     # CPU: no reserved figure
+    table = rep.markdown(res)
+    assert f"step time {peer['step_time_ratio']:.3f}" in table
+    assert "| torchtitan | dp2 mb16 | 32 | 4 | 0.200 | 5,000 |" in table
+    assert "**error**: timed out after 100 s" in table
+    json.dumps(res)                                                 # serialisable as written

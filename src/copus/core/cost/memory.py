@@ -44,10 +44,16 @@ Recomputation in Large Transformer Models", §4.1 eq. 2 and §4.2.2 eq. 4, 16-bi
     sequence parallel, any mode: one block's backward also holds the re-all-gathered input of a
     column-parallel group and its full-size gradient before the reduce-scatter, 2·e·s·b·h
     (`sp_gather_bytes`; at large micro-batches the term that full AC's s·b·h·r/t count misses).
-    copus's own block (`runtime/engine/model.py`: RMSNorm and RoPE in fp32, SwiGLU, SDPA) saves more:
-    measured with `torch.autograd.graph.saved_tensors_hooks`, per sample per block, 83 bytes·s·h
-    in fp32 and 55.6 under bf16 autocast (the formula: 68 and 34). `activation_factor` (default
-    those ratios, RUNTIME_ACTIVATION_FACTOR) scales the "none" count; 1.0 gives the paper's numbers.
+    copus's own block (`runtime/engine/model.py`: RMSNorm and RoPE in fp32, SwiGLU, SDPA with
+    `enable_gqa`) saves more: measured on `small` with `torch.autograd.graph.saved_tensors_hooks`,
+    per sample per block, 78.8 bytes·s·h in fp32, 53.4 under bf16 autocast and 43.4 with bf16
+    parameters (the formula: 68, 34 and 34). With bf16 parameters the count is, per token,
+        2 RMSNorms × (4h fp32 input copy + 2h normalised + 2h weighted output) + SDPA's q, out (2h
+        each), k, v (2·kv each) and fp32 log-sum-exp (4·a) + SwiGLU's w1, w3, silu, product (2f each)
+        = 20h + 4·kv + 8f + 4a                (43.4·h on small; 42.6·h on TinyLlama-1.1B)
+    (RoPE saves only its fp32 table: its angles need no gradient). The fp32 ratio (1.16 = 78.8/68)
+    would under-count this by 9 %, hence a ratio of its own. `activation_factor` (default those
+    ratios, RUNTIME_ACTIVATION_FACTOR) scales the "none" count; 1.0 gives the paper's numbers.
 micro-batches in flight (in units of one micro-batch through a whole stage): 1 without a
     pipeline; GPipe: m; 1F1B: first stage min(pp, m), last 1 (Narayanan et al. SC'21 §2.2);
     interleaved 1F1B with v chunks per rank: first stage min(pp + (pp−1)/v, m) — L·(1 + (pp−1)/(pp·v))
@@ -74,7 +80,7 @@ from copus.core.specs.models import ModelShape
 
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
 # measured / Korthikanti for copus's runtime block (module docstring)
-RUNTIME_ACTIVATION_FACTOR = {"fp32": 83.1 / 68.0, "autocast": 55.6 / 34.0, "bf16": 83.1 / 68.0}
+RUNTIME_ACTIVATION_FACTOR = {"fp32": 78.8 / 68.0, "autocast": 53.4 / 34.0, "bf16": 43.4 / 34.0}
 PP_SCHEDULES = PIPELINE_SCHEDULES
 # reserved / allocated of the CUDA caching allocator, fitted on torchtitan's Llama-3.1-8B FSDP 8
 # row (Table 1, 82.4 GiB) by bench/published.py; every other published row is held out.

@@ -88,7 +88,14 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query attention. Heads are inferred from the projection outputs
-    (`view(b, s, -1, head_dim)`), so a tensor-parallel shard runs its local heads unchanged."""
+    (`view(b, s, -1, head_dim)`), so a tensor-parallel shard runs its local heads unchanged.
+
+    K and V keep their n_kv heads: SDPA's `enable_gqa=True` lets each group of n_heads/n_kv
+    query heads read one K/V head (no `repeat_interleave` copy of K and V, which the backward
+    would also keep). The RoPE table is the non-persistent buffer `rope`, shared by every block
+    (`Transformer.share_rope`) and read here, not passed as a forward input: FSDP2's
+    `MixedPrecisionPolicy(cast_forward_inputs=True)` casts every floating-point input of a
+    wrapped block to the parameter dtype, which would hand attention a bf16 table."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -98,19 +105,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=shape.qkv_bias)
         self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=shape.qkv_bias)
         self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=shape.o_bias)
+        self.register_buffer("rope", torch.empty(0), persistent=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """`rope`: a table for a standalone call (tests); the model's blocks use `self.rope`."""
+        table = self.rope if rope is None else rope
         b, s = x.shape[0], x.shape[1]
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        rep = q.shape[2] // k.shape[2]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
+        q, k = apply_rope(q, table), apply_rope(k, table)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
+                                           is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -137,8 +143,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """`rope`: a table for a standalone call (tests); None reads the shared buffer."""
+        a = self.attention_norm(x)       # one input when the table is the buffer (TP's SP hooks)
+        h = x + (self.attention(a) if rope is None else self.attention(a, rope))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -156,11 +164,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta,
                                                 scaling=shape.rope_scaling), persistent=False)
+        self.share_rope()
+
+    def share_rope(self) -> None:
+        """Point every block's `attention.rope` at the model's one fp32 table (no copy per block;
+        buffers are not cast by FSDP2's mixed precision, only forward inputs are)."""
+        for layer in self.layers.values():
+            layer.attention.rope = self.rope
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -213,10 +228,11 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 @torch.no_grad()
 def reset_rope(model: Transformer) -> None:
-    """Recompute the non-persistent RoPE buffer (garbage after `to_empty`)."""
+    """Recompute the non-persistent RoPE buffer (garbage after `to_empty`), shared by every block."""
     s = model.shape
     model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device,
                             scaling=s.rope_scaling)
+    model.share_rope()
 
 
 def materialize(model: Transformer, device: torch.device | str, seed: int) -> Transformer:

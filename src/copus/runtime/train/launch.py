@@ -7,6 +7,7 @@
   workers, up to `max_restarts` restarts; a restarted worker resumes from the latest good
   checkpoint of the same run (`elastic_run_id`, see `worker` below).
 - N = 1 without an outer launcher runs in-process with a one-rank process group.
+- OMP_NUM_THREADS: cores ÷ N for the spawned workers unless the user set it (`omp_threads`).
 
 The plan and policy are resolved and validated here, without torch, before anything starts.
 Workers report deliberate stops (bad plan, non-finite run, ...) as a result instead of raising,
@@ -25,7 +26,7 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
@@ -40,6 +41,24 @@ from copus.runtime.train.setup import (   # noqa: F401 (re-exported: the launche
 
 if TYPE_CHECKING:
     from copus.runtime.train.trainer import Hook, PolicyFactory
+
+def omp_threads(nproc: int, env: Mapping[str, str] | None = None,
+                cores: int | None = None) -> str | None:
+    """OMP_NUM_THREADS for `nproc` local workers: None when the user set it (kept), else
+    max(1, cores // nproc) with cores = the CPUs this process may run on
+    (`os.sched_getaffinity`, i.e. taskset / cgroup cpusets; else `os.cpu_count`). torchrun
+    sets it too (to 1); without it N workers each start one OpenMP thread per core and contend
+    on the host parts of the step (data, optimizer launch, gloo)."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):   # not on Linux
+            cores = os.cpu_count() or 1
+    return str(max(1, cores // max(1, nproc)))
+
 
 def free_port() -> int:
     """A TCP port free on localhost right now (the rendezvous binds it a moment later)."""
@@ -103,8 +122,12 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
         signals_to_handle="SIGHUP,SIGQUIT",    # SIGINT/SIGTERM: stop.SignalForwarder
     )
     saved_env = {k: os.environ.get(k) for k in (stop.LAUNCHER_ENV,
-                                                 "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+                                                 "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                                 "OMP_NUM_THREADS")}
     os.environ[stop.LAUNCHER_ENV] = "1"
+    threads = omp_threads(nproc)
+    if threads is not None:          # the spawned workers inherit it (torch reads it at import)
+        os.environ["OMP_NUM_THREADS"] = threads
     try:
         graceful = entry is worker
         with stop.SignalForwarder(run_dir, graceful=graceful) as forwarder:

@@ -173,9 +173,14 @@ def run_hardware(device_type: str, device_name: str = "",
         return None
     from copus.core.specs.hardware import with_overrides
 
+    from copus.core.specs.gpu_peaks import device_peak
+
     name = next((p for key, p in DEVICE_PROFILES if key in device_name.upper()), "h100-sxm")
-    # copus's own runtime is FSDP2 (a profile of COPUS's Megatron clusters keeps its links)
-    return launched_hardware(with_overrides(get_hardware(name), stack="fsdp2"), env)
+    # copus's own runtime is FSDP2 (a profile of COPUS's Megatron clusters keeps its links);
+    # the device's own datasheet peak when it is known (an H100 PCIe is not an SXM part)
+    known = device_peak(device_name)
+    peak = {"peak_flops": known.peak_flops} if known is not None else {}
+    return launched_hardware(with_overrides(get_hardware(name), stack="fsdp2", **peak), env)
 
 
 def elastic_run_id(env: Mapping[str, str] | None = None) -> str | None:

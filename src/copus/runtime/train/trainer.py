@@ -68,6 +68,8 @@ class StepEnd:
     signum: int
     checkpoint_due: bool
     decided: bool
+    peak_reserved_bytes: float = -1.0   # CUDA: max reserved since the plan began; -1 = n/a
+    device_used_bytes: float = -1.0     # CUDA: total − free (mem_get_info); -1 = n/a
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -109,7 +111,7 @@ class Trainer:
             self.memory.forbid_in(self.policy)
         else:
             self.policy = self._make_policy(self.plan)
-        self.peak_flops = perf.peak_flops(self.hardware)
+        self.peak_flops = perf.device_peak_flops(device, self.hardware)   # None: peak unknown
         self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
         self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
         self.last_step_end: StepEnd | None = None
@@ -330,13 +332,14 @@ class Trainer:
         stop signal, checkpoint due, decided] and one read; no collective on one rank."""
         signum, due = self.boundary.local()
         values = [step_s, float(perf.peak_memory_bytes(self.device)), float(signum),
-                  float(due), float(decided)]
+                  float(due), float(decided), *perf.device_memory_readings(self.device)]
         if self.world > 1:
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             values = t.tolist()
         return StepEnd(step_s=values[0], peak_memory_bytes=values[1], signum=int(values[2]),
-                       checkpoint_due=bool(values[3]), decided=bool(values[4]))
+                       checkpoint_due=bool(values[3]), decided=bool(values[4]),
+                       peak_reserved_bytes=values[5], device_used_bytes=values[6])
 
     def boundary_flags(self) -> tuple[int, bool]:
         """(stop signal, time-based checkpoint due) at this step boundary, identical on every
@@ -365,7 +368,8 @@ class Trainer:
                              small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
                              num_small=record.num_small, small_batch=record.small_batch,
                              mfu=perf.mfu(tokens_per_s, self.shape, self.world, self.peak_flops),
-                             peak_memory_bytes=int(self.last_step_end.peak_memory_bytes))
+                             peak_memory_bytes=int(self.last_step_end.peak_memory_bytes),
+                             **_device_memory(self.last_step_end))
         if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
             raise TrainingError(
                 f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
@@ -469,6 +473,7 @@ class Trainer:
                 self.policy.record_switch_cost(cost_s)
         self.writer.log_decision(decision, switch_s=cost_s, applied=True,
                                  lr_factor=self.lr.factor, **({"switch": switch} if switch else {}))
+        perf.reset_peak_memory(self.device)    # the new plan's peak is its own (not the switch's)
         how = "" if switch is None else f"; {switch['method']} switch {switch['wall_s']:.2f} s"
         self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
                  f"({decision.reason}){how}")
@@ -651,6 +656,14 @@ class Trainer:
         self.memory.close()
         self.writer.close()
         self.engine.close()
+
+
+def _device_memory(end: StepEnd) -> dict:
+    """The metrics row's CUDA-only memory fields (absent off CUDA)."""
+    if end.peak_reserved_bytes < 0:
+        return {}
+    return {"peak_reserved_bytes": int(end.peak_reserved_bytes),
+            "device_used_bytes": int(end.device_used_bytes)}
 
 
 def _json_float(x: float) -> float | None:

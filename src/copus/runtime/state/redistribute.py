@@ -344,7 +344,6 @@ class _Mover:
         recv_counts = [0] * self.world
         unpack: list[list[tuple[list[torch.Tensor], tuple[slice, ...]]]] = [
             [] for _ in range(self.world)]
-        traffic = False
         for n in names:
             nt = 1 + len(plan.info[n][2])
             for pc in plan.pieces[n]:
@@ -356,15 +355,14 @@ class _Mover:
                             d[b].copy_(s[a])
                         self.local += volume(pc.box) * nt * dtype.itemsize
                     continue
-                traffic = True
                 if pc.src == me:
                     a = _rel(pc.box, plan.old_box[n][me])
                     send[pc.dst] += [s[a].reshape(-1) for s in src_t[n]]
                 if pc.dst == me:
                     recv_counts[pc.src] += volume(pc.box) * nt
                     unpack[pc.src].append((dst_t[n], _rel(pc.box, plan.new_box[n][me])))
-        if not traffic:
-            return
+        # every rank joins the exchange (a rank without pieces sends and receives nothing):
+        # which ranks have traffic is known per rank only, not globally as before
         send_counts = [sum(t.numel() for t in parts) for parts in send]
         flat = [t for parts in send for t in parts]
         inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.device)

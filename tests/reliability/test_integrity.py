@@ -122,3 +122,127 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     raw[10] ^= 0xFF
     shard.write_bytes(bytes(raw))                    # repaired: verifies again, stamp updated
     shards.verify_folder(out)
+
+
+def _prepared(tmp_path, shard_tokens: int = 997) -> Path:
+    from copus.runtime.data.prepare import prepare
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor " * 30}) + "\n"
+                           for i in range(120)))
+    out = tmp_path / "p"
+    prepare([str(src)], out, progress=False, shard_tokens=shard_tokens)
+    return out
+
+
+def _counting(monkeypatch) -> dict:
+    from copus.runtime.data import shards
+
+    hashed = {"bytes": 0, "files": []}
+    real = shards.file_sha256
+
+    def count(p, *a):
+        hashed["bytes"] += Path(p).stat().st_size
+        hashed["files"].append(Path(p).name)
+        return real(p, *a)
+
+    monkeypatch.setattr(shards, "file_sha256", count)
+    return hashed
+
+
+def test_each_rank_hashes_only_its_share_of_the_dataset(tmp_path, monkeypatch):
+    """world 1, 2, 4: the shares are disjoint, cover every file, and each rank hashes at most
+    dataset/world + the largest file; the folder is stamped only once every share matched."""
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    index = json.loads((out / shards.INDEX).read_text())
+    entries = index["shards"] + list(index["docs"].values())
+    total, largest = sum(e["bytes"] for e in entries), max(e["bytes"] for e in entries)
+    assert len(index["shards"]) >= 8
+    for world in (1, 2, 4):
+        seen: list[str] = []
+        for rank in range(world):
+            hashed = _counting(monkeypatch)
+            shards.verify_folder(out, share=(rank, world))
+            assert hashed["bytes"] <= total / world + largest
+            seen += hashed["files"]
+            (out / shards.VERIFIED).unlink(missing_ok=True)     # every rank starts unstamped
+        assert sorted(seen) == sorted(e["file"] for e in entries)
+
+
+def test_a_read_only_folder_is_split_and_stamped_in_the_cache(tmp_path, monkeypatch):
+    """A folder this process cannot write (a read-only mount; simulated by `os.access`, as root
+    ignores file modes): each rank hashes its share, rank 0 stamps in the cache folder, and the
+    next start hashes nothing."""
+    import os
+
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    monkeypatch.setenv("COPUS_CACHE_DIR", str(tmp_path / "cache"))
+    real_access = os.access
+    monkeypatch.setattr(shards.os, "access", lambda p, mode: False if Path(p) == out and
+                        mode == os.W_OK else real_access(p, mode))
+    hashed = _counting(monkeypatch)
+    shards.verify_folder(out, share=(1, 2))                  # rank 1: its share, no stamp
+    first = hashed["bytes"]
+    shards.verify_folder(out, share=(0, 2))                  # rank 0 stamps (in the cache)
+    assert 0 < first < hashed["bytes"]
+    assert shards.stamp_path(out).is_file() and not (out / shards.VERIFIED).exists()
+    assert str(shards.stamp_path(out)).startswith(str(tmp_path / "cache"))
+    before = hashed["bytes"]
+    for rank in range(2):
+        shards.verify_folder(out, share=(rank, 2))
+    assert hashed["bytes"] == before                         # next start: nothing re-read
+
+
+def _verify_on_ranks(folder: str) -> str:
+    from copus.runtime.data import shards
+    from copus.runtime.data.run_data import agree_on_problem, rank_share
+
+    try:
+        shards.verify_folder(folder, share=rank_share(), agree=agree_on_problem)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_a_bad_shard_in_one_share_fails_every_rank_with_one_line(tmp_path):
+    """The damaged shard is hashed by rank 1 only; both ranks raise the same line naming it,
+    and the folder is not stamped."""
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    index = json.loads((out / shards.INDEX).read_text())
+    entries = index["shards"] + list(index["docs"].values())
+    owner = shards.hash_shares([e["bytes"] for e in entries], 2)
+    victim = out / next(e["file"] for e, r in zip(entries, owner) if r == 1 and
+                        e["file"].startswith("train-0"))
+    raw = bytearray(victim.read_bytes())
+    raw[3] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    errors = run_ranks(_verify_on_ranks, 2, str(out), timeout=120)
+    assert errors[0] == errors[1] != ""
+    assert "\n" not in errors[0] and victim.name in errors[0] and "sha256" in errors[0]
+    assert not (out / shards.VERIFIED).exists()
+
+
+def test_windows_are_gathered_per_shard_as_read_does(tmp_path):
+    """`batch` (one gather per shard, boundary-crossing rows read apart) = row-by-row `read`."""
+    import numpy as np
+
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path, shard_tokens=301)
+    ds = shards.open_split(out, "train", seq_len=64)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, len(ds), size=200)
+    expected = np.stack([ds.tokens.read(int(i) * 64, 65) for i in ids])
+    got = ds.batch(ids)
+    assert got.dtype == np.int64 and np.array_equal(got, expected)
+    crossing = [i for i in range(len(ds)) if (i * 64) // 301 != (i * 64 + 64) // 301]
+    assert crossing and np.array_equal(ds.batch(crossing),
+                                       np.stack([ds[i] for i in crossing]))
+    ds.tokens.close()
+    assert np.array_equal(ds.batch(ids[:3]), expected[:3])      # maps reopen after close

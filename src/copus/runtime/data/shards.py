@@ -14,9 +14,12 @@ datasets (`.bin` + `.idx`) and nanoGPT's `uint16` token files:
 A split is the concatenation of its shards, in order. Window i of a split (sequence length L) is
 tokens[i·L : i·L + L + 1], as `data.TokenDataset`; a window may cross a shard boundary. Windows
 are gathered from a read-only memory map of each shard, a step's rows in one vectorised gather
-per shard (no system call per row); after each batch the touched maps are told
-`MADV_DONTNEED`, so the process's resident memory does not grow with the data touched (mapped
-file pages count in RSS until dropped); the page cache does the rest. The folder is complete
+per shard (no Python loop or system call per row; a row not yet resident costs a page fault
+instead of a `pread`). Mapped file pages count in RSS until dropped (clean, reclaimable page
+cache, but counted), so once the rows gathered since the last release could have mapped
+`RELEASE_BYTES` (256 MiB; a row's bytes + 64 KiB of fault-around + a page counted) the maps are
+told `MADV_DONTNEED`: resident memory grows by at most that much with the data touched.
+bench/data_integrity.py measures both. The folder is complete
 iff `meta.json` exists: prepare writes into a temporary sibling folder and renames it at the end.
 
 Integrity (`verify_folder`): every rank checks every shard's presence and size (a stat), and
@@ -192,6 +195,7 @@ class ShardedTokens:
         self.num_tokens = pos
         self._starts = np.asarray([s.start for s in self.shards], dtype=np.int64)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self._mapped = 0      # bytes possibly made resident since the last `release`
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -201,6 +205,8 @@ class ShardedTokens:
         if k not in self._maps:
             with open(self.shards[k].path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if _RANDOM is not None:      # windows are read at random: no read-ahead
+                mm.madvise(_RANDOM)
             self._maps[k] = (mm, np.frombuffer(mm, dtype=self.dtype,
                                                count=self.shards[k].num_tokens))
         return self._maps[k][1]
@@ -208,6 +214,7 @@ class ShardedTokens:
     def release(self) -> None:
         """Drop the mapped pages from this process (they stay in the page cache): resident
         memory does not grow with the data read. One madvise per open shard."""
+        self._mapped = 0
         for mm, _ in self._maps.values():
             if _DONTNEED is not None:
                 mm.madvise(_DONTNEED)
@@ -248,7 +255,9 @@ class ShardedTokens:
             out[rows] = self._view(shard)[local[:, None] + offsets]
         for row in np.flatnonzero(~inside).tolist():
             out[row] = self.read(int(starts[row]), n)
-        self.release()
+        self._mapped += starts.size * (n * self.dtype.itemsize + _FAULT_AROUND + _PAGE)
+        if self._mapped >= RELEASE_BYTES:
+            self.release()
         return out
 
     def close(self) -> None:
@@ -263,7 +272,7 @@ class ShardedTokens:
 
     def __getstate__(self) -> dict:  # maps are not inherited by pickling
         return {"dtype": self.dtype, "shards": self.shards, "num_tokens": self.num_tokens,
-                "_starts": self._starts, "_maps": {}}
+                "_starts": self._starts, "_maps": {}, "_mapped": 0}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -277,6 +286,10 @@ class ShardedTokens:
 
 
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+RELEASE_BYTES = 256 << 20    # resident mapped pages allowed before they are dropped
+_RANDOM = getattr(mmap, "MADV_RANDOM", None)
+_PAGE = mmap.PAGESIZE
+_FAULT_AROUND = 64 << 10     # what Linux maps around a read fault (fault_around_bytes)
 
 
 class WindowDataset:

@@ -327,9 +327,7 @@ def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
     resulting maximum (ties: lowest index). O(n² · distinct columns), vectorised over tensors
     and ranks: ranks whose columns are equal (the same balance at every step, e.g. the dp
     replicas of a stage) are kept once, which changes no maximum."""
-    d = np.asarray(deltas, dtype=np.float64).reshape(len(deltas), -1)
-    if d.size:
-        d = np.unique(d, axis=1)
+    d = _distinct_columns(np.asarray(deltas, dtype=np.float64).reshape(len(deltas), -1))
     run = np.zeros(d.shape[1])
     left = np.ones(len(d), dtype=bool)
     order = []
@@ -340,6 +338,17 @@ def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
         left[best] = False
         run += d[best]
     return order
+
+
+def _distinct_columns(d: np.ndarray) -> np.ndarray:
+    """The distinct columns of `d` (any order): grouped by a random projection (equal columns
+    give bit-equal keys), checked exactly; `np.unique(axis=1)` (a full sort) if a key collides."""
+    if d.shape[1] < 2:
+        return d
+    keys = np.random.default_rng(0).standard_normal(d.shape[0]) @ d
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    kept = d[:, first]
+    return kept if np.array_equal(kept[:, inverse.reshape(-1)], d) else np.unique(d, axis=1)
 
 
 def buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:

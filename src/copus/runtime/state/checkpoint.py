@@ -6,11 +6,13 @@ Layout of one checkpoint, `<root>/step-N/`:
     trainer_state.json             step, samples, tokens, sampler offset, plan, GNS, policy, LR, RNG
     manifest.json                  {"step": N, "files": {name: {"bytes": n, "sha256": hex}}}
 
-Integrity off the critical path: each rank hashes the DCP files it wrote, all ranks at once,
-after the save's barrier; rank 0 gathers the checksums (one small all_gather_object) and hashes
-only `.metadata` and the trainer state. On load every rank verifies an interleaved share of the
-files (`agree_on_latest`). Before, rank 0 read the whole checkpoint while every other rank
-waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
+Integrity without reading back: each rank's DCP files are hashed as they are written
+(`hashing_writer.HashingWriter`: sha256 fed by the write stream), `.metadata` likewise on
+rank 0 and the trainer state from its bytes in memory; rank 0 gathers the checksums (one small
+all_gather_object) into the manifest. On load every rank verifies an interleaved share of the
+files (`agree_on_latest`); a single process (launcher, export, calibrate) hashes the files on
+a few threads (`verify(threads=)`). Before, rank 0 read the whole checkpoint while every other
+rank waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
 
 Atomicity (design §6): everything is written to `<root>/tmp-step-N`, every file is fsync'ed,
 `manifest.json` (checksums of every other file) is written last, the folder is renamed to `step-N`
@@ -46,6 +48,7 @@ from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanne
                                          FileSystemReader)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from copus.atomic import atomic_write_json, fsync_path
+from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -239,15 +242,6 @@ def _quiet(_: str) -> None:
     return None
 
 
-def _own_files(folder: Path, rank: int) -> dict[str, dict]:
-    """This rank's DCP files (`__<rank>_<i>.distcp`: FileSystemWriter's names): size and sha256,
-    hashed here, in parallel with the other ranks, instead of all by rank 0."""
-    out = {}
-    for p in sorted(folder.glob(f"__{rank}_*.distcp")):
-        out[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-    return out
-
-
 def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = None) -> None:
     """manifest.json: every file's size and sha256; the entries of `known` (hashed by the rank
     that wrote the file) are taken as they are when the size still matches."""
@@ -261,11 +255,14 @@ def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = Non
     atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
+def _write_json(path: Path, obj: Any) -> dict:
+    """Write `obj` as JSON (fsync'ed); its manifest entry, hashed from the bytes in memory."""
+    raw = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict,
@@ -284,16 +281,17 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    writer = HashingWriter(str(tmp))
     try:
-        dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
+        dcp.save(dcp_state, storage_writer=writer, no_dist=not _distributed())
     except CheckpointException as exc:  # a BaseException holding each rank's traceback
         causes = sorted({str(failure) for failure, _ in exc.failures.values()})
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)   # free the space a full disk needs back
         raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
                               "checkpoints are intact") from None
-    # every rank hashes the files it wrote (in parallel), rank 0 gathers the checksums
-    known = _own_files(tmp, _rank())
+    # every rank hashed the files it wrote while writing them; rank 0 gathers the checksums
+    known = writer.hashes
     if _distributed():
         parts: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, known)
@@ -317,7 +315,9 @@ def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict
     """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,
     fsync, manifest, rename, fsync of the parent, retention."""
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
-    _write_json(tmp / TRAINER_STATE, trainer_state)
+    known = {**(known or {}), TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
+    for side in tmp.glob(f"__*{SIDECAR_SUFFIX}"):
+        side.unlink()
     for f in _files(tmp):
         fsync_path(f)
     _write_manifest(tmp, step, known)

@@ -30,6 +30,7 @@ the folder structure, and multi-node runs need `<root>` on a shared file system 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -121,10 +122,19 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 class _SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through `read_metadata` (no arbitrary unpickling)."""
+    """FileSystemReader whose metadata goes through `read_metadata` (no arbitrary unpickling),
+    or is the `metadata` given (read once by the caller: export loads tensor by tensor)."""
+
+    def __init__(self, path: str, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.path)
+        if self._metadata is None:
+            metadata = read_metadata(self.path)
+        else:   # a shallow copy: DCP sets the load id on it; the tensor entries are shared
+            metadata = copy.copy(self._metadata)
+            metadata.storage_meta = copy.copy(metadata.storage_meta)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -162,12 +172,13 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int = 1) -> str | None:
     """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
 
     `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
     file's size and presence, and the metadata on r = 0, always), so n ranks verify a
-    checkpoint in parallel (`agree_on_latest`)."""
+    checkpoint in parallel (`agree_on_latest`). `threads` > 1: the share is hashed on that many
+    threads (hashlib releases the GIL), for a single process (launcher, export, calibrate)."""
     path = Path(path)
     r, n = share
     manifest = path / MANIFEST
@@ -177,6 +188,7 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
         return f"{manifest} is missing (incomplete checkpoint)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({exc.__class__.__name__})"
+    mine = []
     for i, (name, meta) in enumerate(sorted(entries.items())):
         f = path / name
         if not f.is_file():
@@ -184,11 +196,21 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
         size = f.stat().st_size
         if size != meta["bytes"]:
             return f"{f} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
-        if i % n == r and _sha256(f) != meta["sha256"]:
-            return f"{f} fails its sha256 checksum (corrupt)"
+        if i % n == r:
+            mine.append((f, meta["sha256"]))
     for name in (TRAINER_STATE, ".metadata"):
         if name not in entries:
             return f"{path} has no {name} in its manifest"
+    if threads > 1 and len(mine) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(mine))) as pool:
+            digests = list(pool.map(lambda fs: _sha256(fs[0]), mine))
+    else:
+        digests = [_sha256(f) for f, _ in mine]
+    for (f, want), got in zip(mine, digests, strict=True):
+        if got != want:
+            return f"{f} fails its sha256 checksum (corrupt)"
     if r == 0:
         try:
             read_metadata(path)
@@ -197,11 +219,23 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
     return None
 
 
-def find_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
-    """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped."""
+def verify_threads() -> int:
+    """Hashing threads for a single-process verification: the cores this process may use (≤ 8)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def find_latest(root: str | Path, log: Callable[[str], None] = print,
+                threads: int | None = None) -> Path | None:
+    """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped.
+    One process: the checksums are hashed on `threads` threads (default `verify_threads`)."""
     bad: list[str] = []
+    threads = verify_threads() if threads is None else threads
     for _, path in step_dirs(root):
-        problem = verify(path)
+        problem = verify(path, threads=threads)
         if problem is None:
             for msg in bad:
                 log(f"checkpoint: {msg}; using {path.name}")
@@ -355,11 +389,14 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> dict:
+def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True,
+         metadata: Metadata | None = None) -> dict:
     """Load tensors into `dcp_state` in place (resharding to its layout); return trainer state.
 
     `dcp_state` must be the target structure (the current engine's state dicts). With
     `check`, the manifest and checksums are verified first (CheckpointError names the file).
+    `metadata`: the checkpoint's `read_metadata`, when the caller already holds it (it is then
+    not read again).
     """
     path = Path(path)
     if check and _rank() == 0:
@@ -367,7 +404,8 @@ def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> 
         if problem is not None:
             raise CheckpointError(problem)
     try:
-        dcp.load(dcp_state, checkpoint_id=str(path), storage_reader=_SafeReader(str(path)),
+        dcp.load(dcp_state, checkpoint_id=str(path),
+                 storage_reader=_SafeReader(str(path), metadata),
                  planner=_SafeLoadPlanner(), no_dist=not _distributed())
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None

@@ -248,3 +248,39 @@ def test_windows_are_gathered_per_shard_as_read_does(tmp_path):
                                        np.stack([ds[i] for i in crossing]))
     ds.tokens.close()
     assert np.array_equal(ds.batch(ids[:3]), expected[:3])      # maps reopen after close
+
+
+def _async_saves(root: str) -> dict:
+    """2 ranks: an asynchronous save, the tensors changed at once (training goes on), a second
+    save that waits for the first; nothing is read back for hashing."""
+    from copus.runtime.state import checkpoint as ck
+
+    hashed: list[str] = []
+    original = ck._sha256
+    ck._sha256 = lambda p: hashed.append(Path(p).name) or original(p)
+    saver = ck.AsyncCheckpointer()
+    state = _state(10)                                    # replicated: rank 0 writes it
+    snapshot = {k: v.clone() for k, v in state["model"].items()}
+    try:
+        first = saver.save(root, 1, state, {"step": 1})
+        with torch.no_grad():
+            for v in state["model"].values():
+                v.add_(1.0)                               # the next step, during the write
+        second = saver.save(root, 2, state, {"step": 2})  # waits for step 1 first
+        saver.close()
+    finally:
+        ck._sha256 = original
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    ck.load(first, loaded, check=False)
+    same = all(torch.equal(loaded["model"][k], snapshot[k]) for k in snapshot)
+    return {"first": str(first), "second": str(second), "hashed": hashed, "snapshot_kept": same}
+
+
+def test_async_saves_hash_while_writing_and_keep_the_staged_values(tmp_path):
+    out = run_ranks(_async_saves, 2, str(tmp_path), timeout=180)
+    assert all(o["snapshot_kept"] for o in out)          # staged before training changed them
+    assert all(o["hashed"] == [] for o in out)           # no byte re-read for hashing
+    for name in ("step-1", "step-2"):
+        assert ckpt.verify(tmp_path / name) is None      # complete, checksums right
+    assert not list(tmp_path.glob("tmp-step-*"))
+    assert json.loads((tmp_path / "step-2" / ckpt.TRAINER_STATE).read_text()) == {"step": 2}

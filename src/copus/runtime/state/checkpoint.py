@@ -344,6 +344,96 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
     return final
 
 
+class AsyncCheckpointer:
+    """Checkpoints written in the background, as torchtitan's async mode: `save` stages the
+    tensors to host memory (DCP `async_save`: a copy, so training may change them at once) and
+    returns; a thread writes them through `HashingWriter` over a gloo group of its own (the
+    training collectives keep the default group), and rank 0 finishes the checkpoint as soon as
+    DCP's coordinator has gathered every rank's write — trainer state, fsync, manifest from the
+    checksums computed while writing, rename — with no collective outside DCP's. Atomicity is
+    `save`'s: until the rename the checkpoint is a `tmp-step-N` folder that resume ignores, so
+    a crash or kill mid-write leaves the last good checkpoint as it was.
+
+    `wait()` (collective: every rank at the same point) joins the pending save and agrees on
+    its outcome (CheckpointError on every rank if any failed); the next `save` and `close` call
+    it first, so at most one save is in flight and none is left unfinished."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._pending: tuple[Any, Path, list[str]] | None = None
+
+    def _process_group(self) -> Any:
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")   # collective: the first save
+        return self._group
+
+    def save(self, root: str | Path, step: int, dcp_state: dict[str, Any],
+             trainer_state: dict, *, keep: int = 0) -> Path:
+        """Start checkpoint `step` (collective); return the path it will have once finished."""
+        import threading
+
+        self.wait()
+        root = Path(root)
+        tmp, final = root / f"{_TMP_PREFIX}{step}", root / f"step-{step}"
+        state = json.loads(json.dumps(trainer_state))      # a snapshot, JSON-checked now
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(_TMP_PREFIX + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        writer = HashingWriter(str(tmp))
+        future = dcp.async_save(dcp_state, storage_writer=writer,
+                                process_group=self._process_group(),
+                                no_dist=not _distributed())
+        problem: list[str] = []
+        rank = _rank()
+
+        def finish() -> None:
+            try:
+                future.result()
+                if rank == 0:
+                    _finalize(root, tmp, final, step, state, keep, writer.gathered)
+            except CheckpointException as exc:
+                problem.append("; ".join(sorted({str(f) for f, _ in exc.failures.values()})))
+            except Exception as exc:  # noqa: BLE001 - reported by wait() on every rank
+                problem.append(f"{type(exc).__name__}: {exc}")
+            if problem and rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        thread = threading.Thread(target=finish, name=f"copus-checkpoint-{step}", daemon=True)
+        thread.start()
+        self._pending = (thread, final, problem)
+        return final
+
+    def wait(self) -> Path | None:
+        """Join the pending save (collective); its path, None when none was pending."""
+        if self._pending is None:
+            return None
+        thread, final, problem = self._pending
+        self._pending = None
+        thread.join()
+        if not _all_ok(not problem):
+            state = "written but not finished" if final.exists() else "not saved"
+            why = problem[0] if problem else "failed on another rank"
+            raise CheckpointError(f"checkpoint {final} {state} ({why}); earlier checkpoints are "
+                                  "intact")
+        return final
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def close(self) -> None:
+        """Finish the pending save, then release the checkpoint group (collective)."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+
 def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict,
               keep: int, known: dict[str, dict] | None = None) -> None:
     """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanne
                                          FileSystemReader)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from copus.atomic import atomic_write_json, fsync_path
-from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter
+from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter, read_sidecars
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -358,7 +358,15 @@ class AsyncCheckpointer:
     its outcome (CheckpointError on every rank if any failed); the next `save` and `close` call
     it first, so at most one save is in flight and none is left unfinished."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 10, kind: str = "thread") -> None:
+        """`nice`: the writing thread's scheduling priority offset (Linux), so that on a host
+        whose cores also train (CPU runs) the write yields to the step. `kind`: "thread" (DCP's
+        default: the write shares the interpreter, and its lock, with training) or "process"
+        (DCP's checkpoint daemon process per rank: no shared interpreter lock; the staged state
+        travels to it through shared memory)."""
+        if kind not in ("thread", "process"):
+            raise ValueError(f"kind={kind!r}: allowed: 'thread', 'process'")
+        self.nice, self.kind = nice, kind
         self._group: Any = None
         self._pending: tuple[Any, Path, list[str]] | None = None
 
@@ -383,9 +391,14 @@ class AsyncCheckpointer:
             tmp.mkdir()
         _barrier()
         writer = HashingWriter(str(tmp))
+        writer.background_nice = self.nice
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = (AsyncCheckpointerType.PROCESS if self.kind == "process" else
+                AsyncCheckpointerType.THREAD)
         future = dcp.async_save(dcp_state, storage_writer=writer,
                                 process_group=self._process_group(),
-                                no_dist=not _distributed())
+                                async_checkpointer_type=kind, no_dist=not _distributed())
         problem: list[str] = []
         rank = _rank()
 
@@ -439,8 +452,9 @@ def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict
     """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,
     fsync, manifest, rename, fsync of the parent, retention."""
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
-    known = {**(known or {}), TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
-    for side in tmp.glob(f"__*{SIDECAR_SUFFIX}"):
+    known = {**read_sidecars(tmp), **(known or {}),
+             TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
+    for side in tmp.glob(f"*{SIDECAR_SUFFIX}"):
         side.unlink()
     for f in _files(tmp):
         fsync_path(f)

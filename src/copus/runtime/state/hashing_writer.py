@@ -64,6 +64,12 @@ class HashingFileSystem(FileSystem):
         self.hashes: dict[str, dict] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:      # pickled into DCP's checkpoint process: no lock
+        return {"hashes": dict(self.hashes)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.hashes, self._lock = state["hashes"], threading.Lock()
+
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[Any]:
         with super().create_stream(path, mode) as stream:
@@ -91,23 +97,41 @@ class HashingWriter(FileSystemWriter):
     def hashes(self) -> dict[str, dict]:
         return dict(self.fs.hashes)
 
+    background_nice = 0     # > 0: the thread that writes lowers its scheduling priority
+
     def write_data(self, plan, planner):
+        if self.background_nice > 0 and threading.current_thread() is not threading.main_thread():
+            try:            # Linux: a thread is a task with its own nice value
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.background_nice)
+            except (AttributeError, OSError):
+                pass
         fut = super().write_data(plan, planner)   # written when it returns (a done future)
         mine = {k: v for k, v in self.fs.hashes.items() if k.endswith(".distcp")}
-        side = Path(self.path) / f"__{self.rank or 0}{SIDECAR_SUFFIX}"
-        with open(side, "w") as f:
-            json.dump(mine, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_sidecar(Path(self.path) / f"__{self.rank or 0}{SIDECAR_SUFFIX}", mine)
         return fut
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
-        gathered: dict[str, dict] = {}
-        for side in sorted(Path(self.path).glob(f"__*{SIDECAR_SUFFIX}")):
-            try:
-                gathered.update(json.loads(side.read_text()))
-            except (OSError, ValueError):
-                continue          # that rank's files are hashed from disk by the manifest
-        gathered.update({k: v for k, v in self.fs.hashes.items() if k == ".metadata"})
-        self.gathered = gathered
+        meta = {k: v for k, v in self.fs.hashes.items() if k == ".metadata"}
+        _write_sidecar(Path(self.path) / f"_metadata{SIDECAR_SUFFIX}", meta)
+        self.gathered = {**read_sidecars(Path(self.path)), **meta}
+
+
+def _write_sidecar(path: Path, hashes: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(hashes, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_sidecars(folder: Path) -> dict[str, dict]:
+    """Every rank's {file: {bytes, sha256}} filed in `folder` (a writer process may be another
+    process: an asynchronous save's); an unreadable one is skipped (its files are then hashed
+    from disk by the manifest)."""
+    out: dict[str, dict] = {}
+    for side in sorted(folder.glob(f"*{SIDECAR_SUFFIX}")):
+        try:
+            out.update(json.loads(side.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out

@@ -172,15 +172,19 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int = 1) -> str | None:
+def verify(path: str | Path, share: tuple[int, int] = (0, 1),
+           threads: int | None = None) -> str | None:
     """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
 
     `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
     file's size and presence, and the metadata on r = 0, always), so n ranks verify a
-    checkpoint in parallel (`agree_on_latest`). `threads` > 1: the share is hashed on that many
-    threads (hashlib releases the GIL), for a single process (launcher, export, calibrate)."""
+    checkpoint in parallel (`agree_on_latest`). `threads`: the share is hashed on that many
+    threads (hashlib releases the GIL); default `verify_threads()` for a whole checkpoint in
+    one process (launcher, export, calibrate), 1 for a rank's share."""
     path = Path(path)
     r, n = share
+    if threads is None:
+        threads = verify_threads() if n == 1 else 1
     manifest = path / MANIFEST
     try:
         entries = json.loads(manifest.read_text())["files"]
@@ -233,7 +237,6 @@ def find_latest(root: str | Path, log: Callable[[str], None] = print,
     """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped.
     One process: the checksums are hashed on `threads` threads (default `verify_threads`)."""
     bad: list[str] = []
-    threads = verify_threads() if threads is None else threads
     for _, path in step_dirs(root):
         problem = verify(path, threads=threads)
         if problem is None:

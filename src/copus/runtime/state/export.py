@@ -54,7 +54,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if not path.is_dir():
         raise ValueError(f"--step={step}: no checkpoint step-{step} in {root}; allowed: "
                          f"{', '.join(map(str, steps)) or 'none'}")
-    problem = ckpt.verify(path, threads=ckpt.verify_threads())
+    problem = ckpt.verify(path)             # hashed on a few threads (checkpoint.verify)
     if problem is not None:
         raise ValueError(f"--step={step}: {problem}")
     return path

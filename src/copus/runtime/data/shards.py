@@ -146,7 +146,7 @@ def stamp_path(root: Path) -> Path:
     the cache ($COPUS_CACHE_DIR, else ~/.cache/copus) under a name derived from the folder."""
     if os.access(root, os.W_OK):
         return root / VERIFIED
-    from copus.runtime.data.stream import default_cache_dir
+    from copus.runtime.data.cache import default_cache_dir
 
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
     return default_cache_dir() / "verified" / f"{key}.json"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from copus.runtime.data.cache import default_cache_dir
 from copus.runtime.data.tokenizer import ByteCodec, HfTokenizer, line_chunks, train_bpe_tokenizer
 from copus.atomic import atomic_write_text, atomic_writer
 
@@ -119,14 +119,6 @@ def check_data(data_cfg) -> None:
 
 # --------------------------------------------------------------------------------- tokenizers
 # One tokenizer wrapper and one BPE trainer for the whole package: runtime/data/tokenizer.py.
-
-def default_cache_dir() -> Path:
-    """$COPUS_CACHE_DIR, else $XDG_CACHE_HOME/copus, else ~/.cache/copus (run-independent)."""
-    if os.environ.get("COPUS_CACHE_DIR"):
-        return Path(os.environ["COPUS_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "copus"
-
 
 def bpe_cache_key(text: str, vocab_size: int) -> str:
     """sha256 of (format version, tokenizers version, vocab size, text): same input → same file."""

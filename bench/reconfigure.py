@@ -6,7 +6,7 @@ launcher, the launcher `copus train` uses.
 
 - direct (`switch_engine(path="direct")`, runtime/state/redistribute.py): shards move between the
   layouts in memory. Phases: build (meta model, wrappers, then optimizer), plan (describe both
-  layouts: one all_gather_object), move (per bucket: materialise, all_to_all_single, free),
+  layouts: digests + one broadcast per distinct description), move (per bucket: materialise, all_to_all_single, free),
   teardown. Bytes moved between ranks and copied within ranks are counted.
 - dcp (`switch_engine(path="dcp")`): stage (DCP save to /dev/shm), teardown, build, load.
 - checkpoint-restart (models only): per transition and repeat, job 1 builds X, takes 1 step and,

@@ -294,6 +294,7 @@ class CheckpointConfig:
     interval_s: float = _opt(0.0, _real(0.0))   # also save when this much wall time passed
     keep: int = _opt(2, _int(1))
     max_failed_saves: int = _opt(3, _int(1))
+    background: bool = _opt(False, _bool())     # interval saves written asynchronously (DCP async_save)
 
 
 @dataclass(**_FROZEN)

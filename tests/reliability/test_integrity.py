@@ -63,14 +63,16 @@ def _agree(root: str) -> dict:
     return {"rank": dist.get_rank(), "found": str(found), "hashed": hashed, "logged": logged}
 
 
-def test_each_rank_hashes_its_own_files_and_verifies_a_share(tmp_path):
+def test_checksums_come_from_the_writes_and_resume_verifies_a_share(tmp_path):
+    """Saving reads no file back (every checksum is computed while writing) and the manifest's
+    checksums are right; on resume the ranks split the verification."""
     saved = run_ranks(_save_and_count, 2, str(tmp_path), timeout=120)
     step2 = tmp_path / "step-2"
     files = sorted(json.loads((step2 / ckpt.MANIFEST).read_text())["files"])
-    assert ckpt.verify(step2) is None
-    by_rank = {r["rank"]: set(r["hashed"]) for r in saved}
-    assert by_rank[1] and all(n.startswith("__1_") for n in by_rank[1])   # its own DCP files
-    assert not any(n.startswith("__1_") for n in by_rank[0])               # rank 0 skips them
+    assert ckpt.verify(step2) is None                                      # hashes from disk agree
+    assert {r["rank"]: r["hashed"] for r in saved} == {0: [], 1: []}       # nothing re-read
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", ckpt.TRAINER_STATE} <= set(files)
+    assert not list(step2.glob("*.hashes.json"))                           # side files removed
     # resume: the two ranks split the checksums; together they cover every file once
     agreed = run_ranks(_agree, 2, str(tmp_path), timeout=120)
     assert {a["found"] for a in agreed} == {str(step2)}
@@ -122,3 +124,163 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     raw[10] ^= 0xFF
     shard.write_bytes(bytes(raw))                    # repaired: verifies again, stamp updated
     shards.verify_folder(out)
+
+
+def _prepared(tmp_path, shard_tokens: int = 997) -> Path:
+    from copus.runtime.data.prepare import prepare
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor " * 30}) + "\n"
+                           for i in range(120)))
+    out = tmp_path / "p"
+    prepare([str(src)], out, progress=False, shard_tokens=shard_tokens)
+    return out
+
+
+def _counting(monkeypatch) -> dict:
+    from copus.runtime.data import shards
+
+    hashed = {"bytes": 0, "files": []}
+    real = shards.file_sha256
+
+    def count(p, *a):
+        hashed["bytes"] += Path(p).stat().st_size
+        hashed["files"].append(Path(p).name)
+        return real(p, *a)
+
+    monkeypatch.setattr(shards, "file_sha256", count)
+    return hashed
+
+
+def test_each_rank_hashes_only_its_share_of_the_dataset(tmp_path, monkeypatch):
+    """world 1, 2, 4: the shares are disjoint, cover every file, and each rank hashes at most
+    dataset/world + the largest file; the folder is stamped only once every share matched."""
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    index = json.loads((out / shards.INDEX).read_text())
+    entries = index["shards"] + list(index["docs"].values())
+    total, largest = sum(e["bytes"] for e in entries), max(e["bytes"] for e in entries)
+    assert len(index["shards"]) >= 8
+    for world in (1, 2, 4):
+        seen: list[str] = []
+        for rank in range(world):
+            hashed = _counting(monkeypatch)
+            shards.verify_folder(out, share=(rank, world))
+            assert hashed["bytes"] <= total / world + largest
+            seen += hashed["files"]
+            (out / shards.VERIFIED).unlink(missing_ok=True)     # every rank starts unstamped
+        assert sorted(seen) == sorted(e["file"] for e in entries)
+
+
+def test_a_read_only_folder_is_split_and_stamped_in_the_cache(tmp_path, monkeypatch):
+    """A folder this process cannot write (a read-only mount; simulated by `os.access`, as root
+    ignores file modes): each rank hashes its share, rank 0 stamps in the cache folder, and the
+    next start hashes nothing."""
+    import os
+
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    monkeypatch.setenv("COPUS_CACHE_DIR", str(tmp_path / "cache"))
+    real_access = os.access
+    monkeypatch.setattr(shards.os, "access", lambda p, mode: False if Path(p) == out and
+                        mode == os.W_OK else real_access(p, mode))
+    hashed = _counting(monkeypatch)
+    shards.verify_folder(out, share=(1, 2))                  # rank 1: its share, no stamp
+    first = hashed["bytes"]
+    shards.verify_folder(out, share=(0, 2))                  # rank 0 stamps (in the cache)
+    assert 0 < first < hashed["bytes"]
+    assert shards.stamp_path(out).is_file() and not (out / shards.VERIFIED).exists()
+    assert str(shards.stamp_path(out)).startswith(str(tmp_path / "cache"))
+    before = hashed["bytes"]
+    for rank in range(2):
+        shards.verify_folder(out, share=(rank, 2))
+    assert hashed["bytes"] == before                         # next start: nothing re-read
+
+
+def _verify_on_ranks(folder: str) -> str:
+    from copus.runtime.data import shards
+    from copus.runtime.data.run_data import agree_on_problem, rank_share
+
+    try:
+        shards.verify_folder(folder, share=rank_share(), agree=agree_on_problem)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_a_bad_shard_in_one_share_fails_every_rank_with_one_line(tmp_path):
+    """The damaged shard is hashed by rank 1 only; both ranks raise the same line naming it,
+    and the folder is not stamped."""
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path)
+    index = json.loads((out / shards.INDEX).read_text())
+    entries = index["shards"] + list(index["docs"].values())
+    owner = shards.hash_shares([e["bytes"] for e in entries], 2)
+    victim = out / next(e["file"] for e, r in zip(entries, owner) if r == 1 and
+                        e["file"].startswith("train-0"))
+    raw = bytearray(victim.read_bytes())
+    raw[3] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    errors = run_ranks(_verify_on_ranks, 2, str(out), timeout=120)
+    assert errors[0] == errors[1] != ""
+    assert "\n" not in errors[0] and victim.name in errors[0] and "sha256" in errors[0]
+    assert not (out / shards.VERIFIED).exists()
+
+
+def test_windows_are_gathered_per_shard_as_read_does(tmp_path):
+    """`batch` (one gather per shard, boundary-crossing rows read apart) = row-by-row `read`."""
+    import numpy as np
+
+    from copus.runtime.data import shards
+
+    out = _prepared(tmp_path, shard_tokens=301)
+    ds = shards.open_split(out, "train", seq_len=64)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, len(ds), size=200)
+    expected = np.stack([ds.tokens.read(int(i) * 64, 65) for i in ids])
+    got = ds.batch(ids)
+    assert got.dtype == np.int64 and np.array_equal(got, expected)
+    crossing = [i for i in range(len(ds)) if (i * 64) // 301 != (i * 64 + 64) // 301]
+    assert crossing and np.array_equal(ds.batch(crossing),
+                                       np.stack([ds[i] for i in crossing]))
+    ds.tokens.close()
+    assert np.array_equal(ds.batch(ids[:3]), expected[:3])      # maps reopen after close
+
+
+def _async_saves(root: str) -> dict:
+    """2 ranks: an asynchronous save, the tensors changed at once (training goes on), a second
+    save that waits for the first; nothing is read back for hashing."""
+    from copus.runtime.state import checkpoint as ck
+
+    hashed: list[str] = []
+    original = ck._sha256
+    ck._sha256 = lambda p: hashed.append(Path(p).name) or original(p)
+    saver = ck.AsyncCheckpointer()
+    state = _state(10)                                    # replicated: rank 0 writes it
+    snapshot = {k: v.clone() for k, v in state["model"].items()}
+    try:
+        first = saver.save(root, 1, state, {"step": 1})
+        with torch.no_grad():
+            for v in state["model"].values():
+                v.add_(1.0)                               # the next step, during the write
+        second = saver.save(root, 2, state, {"step": 2})  # waits for step 1 first
+        saver.close()
+    finally:
+        ck._sha256 = original
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    ck.load(first, loaded, check=False)
+    same = all(torch.equal(loaded["model"][k], snapshot[k]) for k in snapshot)
+    return {"first": str(first), "second": str(second), "hashed": hashed, "snapshot_kept": same}
+
+
+def test_async_saves_hash_while_writing_and_keep_the_staged_values(tmp_path):
+    out = run_ranks(_async_saves, 2, str(tmp_path), timeout=180)
+    assert all(o["snapshot_kept"] for o in out)          # staged before training changed them
+    assert all(o["hashed"] == [] for o in out)           # no byte re-read for hashing
+    for name in ("step-1", "step-2"):
+        assert ckpt.verify(tmp_path / name) is None      # complete, checksums right
+    assert not list(tmp_path.glob("tmp-step-*"))
+    assert json.loads((tmp_path / "step-2" / ckpt.TRAINER_STATE).read_text()) == {"step": 2}

@@ -436,3 +436,26 @@ def test_failed_saves_in_a_row_stop_the_run_with_a_clear_error(tmp_path, monkeyp
     assert "2 checkpoint saves failed in a row (checkpoint.max_failed_saves=2)" in result["error"]
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 4                                   # stopped at the second failure
+
+
+@pytest.mark.slow
+def test_a_background_checkpoint_resumes_bit_for_bit(tmp_path):
+    """checkpoint.background: the step-3 checkpoint is written while steps 4-6 train (from the
+    staged copy of step 3's state); resuming from it reproduces steps 4-6 exactly, as a
+    synchronous one does."""
+    import shutil
+
+    from copus.runtime.state import checkpoint as ckpt
+
+    cfg = _cfg("parallel.nproc=2", "train.max_tokens=" + str(6 * 8 * 128),
+               "checkpoint.interval_steps=3", "checkpoint.background=true",
+               "batch.policy='constant'", "train.lr_schedule='cosine'")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    _launch(cfg, full)
+    for step in (3, 6):
+        assert ckpt.verify(full / "checkpoints" / f"step-{step}") is None
+    assert not list((full / "checkpoints").glob("tmp-step-*"))
+    shutil.copytree(full / "checkpoints" / "step-3", cut / "checkpoints" / "step-3")
+    _launch(cfg, cut, resume=True)
+    a, b = _losses(full), _losses(cut)
+    assert sorted(b) == [4, 5, 6] and [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]

@@ -21,6 +21,7 @@ into consecutive groups of at most `cap` bytes: the state in flight at any momen
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -127,11 +128,206 @@ def plan_pieces(old: Mapping[int, Box], new: Mapping[int, Box]) -> list[Piece]:
     return sorted(pieces, key=lambda p: (p.dst, p.src, p.box))
 
 
+# ------------------------------------------------------------- per-rank planning (chunk arithmetic)
+
+class Mesh:
+    """A device mesh as plain data: its shape and the global rank at each coordinate (row-major),
+    with the reverse map rank → coordinate built once."""
+
+    __slots__ = ("shape", "ranks", "_where", "_hash")
+
+    def __init__(self, shape: Sequence[int], ranks: Sequence[int]) -> None:
+        self.shape, self.ranks = tuple(int(n) for n in shape), tuple(int(r) for r in ranks)
+        if int(np.prod(self.shape, dtype=np.int64)) != len(self.ranks):
+            raise UnsupportedLayout(f"mesh {self.shape} lists {len(self.ranks)} ranks")
+        self._where: dict[int, tuple[int, ...]] | None = None
+        self._hash = hash((self.shape, self.ranks))
+
+    def __reduce__(self):
+        return (Mesh, (self.shape, self.ranks))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and (self.shape, self.ranks) == (other.shape, other.ranks)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def coord(self, rank: int) -> tuple[int, ...] | None:
+        """The coordinate of global `rank` in this mesh, None when it is not a member."""
+        if self._where is None:
+            idx = np.indices(self.shape).reshape(len(self.shape), -1).T.tolist()
+            self._where = {r: tuple(c) for r, c in zip(self.ranks, idx, strict=True)}
+        return self._where.get(rank)
+
+    def rank(self, coord: Sequence[int]) -> int:
+        flat = 0
+        for c, n in zip(coord, self.shape, strict=True):
+            flat = flat * n + c
+        return self.ranks[flat]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One tensor under one layout: full shape, mesh and placements (one per mesh dimension).
+    Every holder's box follows from these by `local_box`; nothing per rank is listed."""
+
+    shape: tuple[int, ...]
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+
+    def box_of(self, rank: int) -> Box | None:
+        coord = self.mesh.coord(rank)
+        if coord is None:
+            return None
+        return local_box(self.shape, self.mesh.shape, coord, self.placements)
+
+
+def holders(layout: Layout, query: Box) -> list[tuple[Box, list[int]]]:
+    """The non-empty boxes of `layout` that intersect `query`, each with the sorted ranks that
+    hold it (replicas differ only in replicated mesh dimensions). Chunk arithmetic: along each
+    sharding mesh dimension, in chunking order, only the chunk indices
+    ⌊(q_lo − lo)/s⌋ … ⌊(q_hi − 1 − lo)/s⌋ (s = ⌈n/k⌉) are visited, so the cost is the number of
+    intersecting boxes, not the mesh size."""
+    if not volume(query):
+        return []
+    mesh, place = layout.mesh, layout.placements
+    order = [m for m in _order(place, mesh.shape) if place[m][0] != "R"]
+    for m in order:
+        if place[m][0] not in ("S", "SS") or not 0 <= place[m][1] < len(layout.shape):
+            raise UnsupportedLayout(f"placement {place[m]!r}; allowed: replicate or shard of a dim")
+    replicated = [m for m, p in enumerate(place) if p[0] == "R"]
+    out: list[tuple[Box, list[int]]] = []
+
+    def walk(depth: int, ranges: list[tuple[int, int]], coord: dict[int, int]) -> None:
+        if depth == len(order):
+            box = tuple(ranges)
+            if volume(box) and intersect(box, query) is not None:
+                out.append((box, _class_ranks(mesh, coord, replicated)))
+            return
+        m = order[depth]
+        d, k = place[m][1], mesh.shape[m]
+        lo, hi = ranges[d]
+        size = -(-(hi - lo) // k) if hi > lo else 0
+        qlo, qhi = max(query[d][0], lo), min(query[d][1], hi)
+        if size == 0 or qhi <= qlo:
+            return
+        for i in range((qlo - lo) // size, min(k - 1, (qhi - 1 - lo) // size) + 1):
+            ranges[d] = chunk_range(lo, hi, k, i)
+            coord[m] = i
+            walk(depth + 1, ranges, coord)
+        ranges[d] = (lo, hi)
+        coord.pop(m, None)
+
+    walk(0, [(0, int(n)) for n in layout.shape], {})
+    return out
+
+
+def _class_ranks(mesh: Mesh, fixed: dict[int, int], replicated: list[int]) -> list[int]:
+    """Ranks whose coordinate equals `fixed` on the sharding dims (any value elsewhere)."""
+    free = [m for m in range(len(mesh.shape)) if m not in fixed]
+    ranks = []
+    for values in itertools.product(*(range(mesh.shape[m]) for m in free)):
+        coord = dict(fixed)
+        coord.update(zip(free, values, strict=True))
+        ranks.append(mesh.rank([coord[m] for m in range(len(mesh.shape))]))
+    return sorted(ranks)
+
+
+Placed = Sequence[Layout]   # a tensor's groups: disjoint meshes whose equal boxes are replicas
+                           # (e.g. a norm FSDP-sharded over the dp sub-mesh of each tp rank)
+
+
+def _groups(placed: Layout | Placed) -> Sequence[Layout]:
+    return (placed,) if isinstance(placed, Layout) else placed
+
+
+def box_of(placed: Layout | Placed, rank: int) -> Box | None:
+    """`rank`'s box under a (grouped) layout, None when it holds none."""
+    for lay in _groups(placed):
+        box = lay.box_of(rank)
+        if box is not None:
+            return box
+    return None
+
+
+def classes(placed: Layout | Placed, query: Box) -> list[tuple[Box, list[int]]]:
+    """`holders` over every group, replicas of one box (in any group) merged, ranks sorted."""
+    groups = _groups(placed)
+    if len(groups) == 1:
+        return holders(groups[0], query)
+    merged: dict[Box, list[int]] = {}
+    for lay in groups:
+        for box, ranks in holders(lay, query):
+            merged.setdefault(box, []).extend(ranks)
+    return [(box, sorted(ranks)) for box, ranks in merged.items()]
+
+
+def rank_pieces(old: Layout | Placed, new: Layout | Placed, me: int) -> list[Piece]:
+    """The pieces of `plan_pieces` (same sources, same boxes) in which rank `me` sends or
+    receives, computed from the two layouts alone: O(boxes overlapping me), not O(world).
+
+    Receive: each old box class intersecting my new box sends from me when I hold a replica,
+    else from replica number (me mod replicas). Send: for each new holder d whose box meets my
+    old box, the source `plan_pieces` picks for d from my class is checked to be me."""
+    shapes = {lay.shape for lay in (*_groups(old), *_groups(new))}
+    if len(shapes) != 1:
+        raise UnsupportedLayout(f"shapes {sorted(shapes)} differ")
+    pieces: set[Piece] = set()
+    want = box_of(new, me)
+    if want is not None and volume(want):
+        got = 0
+        for box, ranks in classes(old, want):
+            part = intersect(box, want)
+            src = me if me in ranks else ranks[me % len(ranks)]
+            pieces.add(Piece(src, me, part))
+            got += volume(part)
+        if got != volume(want):
+            raise UnsupportedLayout(f"rank {me}'s new shard {want} is covered {got} of "
+                                    f"{volume(want)} elements by the old shards; allowed: exactly once")
+    have = box_of(old, me)
+    if have is not None and volume(have):
+        mine = next(ranks for box, ranks in classes(old, have) if box == have)
+        members = set(mine)
+        for box, ranks in classes(new, have):
+            part = intersect(box, have)
+            for dst in ranks:
+                if (dst if dst in members else mine[dst % len(mine)]) == me:
+                    pieces.add(Piece(me, dst, part))
+    return sorted(pieces, key=lambda p: (p.dst, p.src, p.box))
+
+
+def layout_volumes(layout: Layout, world: int) -> np.ndarray:
+    """Elements held by each of `world` ranks under `layout` (0 outside its mesh), vectorised
+    over the mesh: the same cuts as `local_box` applied to every coordinate at once."""
+    mesh, place = layout.mesh, layout.placements
+    coords = np.indices(mesh.shape).reshape(len(mesh.shape), -1)
+    lo = np.zeros((len(layout.shape), coords.shape[1]), dtype=np.int64)
+    hi = np.tile(np.asarray(layout.shape, dtype=np.int64)[:, None], (1, coords.shape[1]))
+    for m in _order(place, mesh.shape):
+        if place[m][0] == "R":
+            continue
+        d, k = place[m][1], mesh.shape[m]
+        size = -(-(hi[d] - lo[d]) // k)
+        start = np.minimum(lo[d] + coords[m] * size, hi[d])
+        lo[d], hi[d] = start, np.minimum(start + size, hi[d])
+    out = np.zeros(world, dtype=np.int64)
+    out[list(mesh.ranks)] = np.prod(np.maximum(hi - lo, 0), axis=0)
+    return out
+
+
+def placed_volumes(placed: Layout | Placed, world: int) -> np.ndarray:
+    """`layout_volumes` summed over a grouped layout's (disjoint) groups."""
+    return sum((layout_volumes(lay, world) for lay in _groups(placed)),
+               np.zeros(world, dtype=np.int64))
+
+
 def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
     """An order of the tensors (rows: per-rank bytes allocated − freed when it moves) that keeps
     max over ranks of the running sum small: at each step take the tensor that minimises the
-    resulting maximum (ties: lowest index). O(n² · ranks), vectorised over tensors and ranks."""
-    d = np.asarray(deltas, dtype=np.float64).reshape(len(deltas), -1)
+    resulting maximum (ties: lowest index). O(n² · distinct columns), vectorised over tensors
+    and ranks: ranks whose columns are equal (the same balance at every step, e.g. the dp
+    replicas of a stage) are kept once, which changes no maximum."""
+    d = _distinct_columns(np.asarray(deltas, dtype=np.float64).reshape(len(deltas), -1))
     run = np.zeros(d.shape[1])
     left = np.ones(len(d), dtype=bool)
     order = []
@@ -142,6 +338,17 @@ def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
         left[best] = False
         run += d[best]
     return order
+
+
+def _distinct_columns(d: np.ndarray) -> np.ndarray:
+    """The distinct columns of `d` (any order): grouped by a random projection (equal columns
+    give bit-equal keys), checked exactly; `np.unique(axis=1)` (a full sort) if a key collides."""
+    if d.shape[1] < 2:
+        return d
+    keys = np.random.default_rng(0).standard_normal(d.shape[0]) @ d
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    kept = d[:, first]
+    return kept if np.array_equal(kept[:, inverse.reshape(-1)], d) else np.unique(d, axis=1)
 
 
 def buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:

@@ -41,13 +41,36 @@ def build_run_data(cfg, shape: ModelShape) -> RunData:
     """Datasets (validation sized for eval.num_samples), tokenizer, fitted shape, sampler."""
     min_val = cfg.eval.num_samples if cfg.eval.interval_steps > 0 else 0
     train, val, tok = data_mod.build_datasets(cfg.data, shape.seq_len, shape.vocab_size,
-                                              min_val_windows=min_val)
+                                              min_val_windows=min_val, share=rank_share(),
+                                              agree=agree_on_problem)
     what = (f"the tokenizer of {cfg.data.source}" if is_prepared(cfg.data.source)
             else f"data.tokenizer={cfg.data.tokenizer!r}")
     fitted = fit_vocab(shape, tok.vocab_size, what=what)
     sampler = (FeistelSampler(len(train), cfg.train.seed) if is_prepared(cfg.data.source)
                else data_mod.GlobalSampler(len(train), cfg.train.seed))
     return RunData(train, val, tok, fitted, sampler)
+
+
+def rank_share() -> tuple[int, int]:
+    """(rank, world) of the default process group, (0, 1) without one: this rank's share of the
+    dataset checksums (`shards.verify_folder`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agree_on_problem(problem: str) -> str:
+    """The first rank's non-empty `problem` on every rank (one all_gather_object of short
+    strings); `problem` itself without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return problem
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    return next((p for p in everyone if p), "")
 
 
 def tokenizer_state(tok, shape: ModelShape) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from copus.runtime.data.cache import default_cache_dir
 from copus.runtime.data.tokenizer import ByteCodec, HfTokenizer, line_chunks, train_bpe_tokenizer
 from copus.atomic import atomic_write_text, atomic_writer
 
@@ -119,14 +119,6 @@ def check_data(data_cfg) -> None:
 
 # --------------------------------------------------------------------------------- tokenizers
 # One tokenizer wrapper and one BPE trainer for the whole package: runtime/data/tokenizer.py.
-
-def default_cache_dir() -> Path:
-    """$COPUS_CACHE_DIR, else $XDG_CACHE_HOME/copus, else ~/.cache/copus (run-independent)."""
-    if os.environ.get("COPUS_CACHE_DIR"):
-        return Path(os.environ["COPUS_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "copus"
-
 
 def bpe_cache_key(text: str, vocab_size: int) -> str:
     """sha256 of (format version, tokenizers version, vocab size, text): same input → same file."""
@@ -307,15 +299,17 @@ def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:
 
 def build_datasets(data_cfg, seq_len: int, vocab_size: int,
                    cache_dir: str | Path | None = None, *, min_val_windows: int = 0,
-                   verify: bool = True):
+                   verify: bool = True, share: tuple[int, int] = (0, 1), agree=None):
     """config.DataConfig → (train, val, tokenizer). ValueError if the tokenizer's vocabulary does
     not fit the model's (`vocab_size`; a byte-level model of 256 follows any tokenizer, see
     runtime/tokenizer.fit_vocab). BPE is trained on the training part of the text only. A
-    prepared folder (copus prepare) is streamed from its shards (`open_prepared`)."""
+    prepared folder (copus prepare) is streamed from its shards (`open_prepared`; `share` and
+    `agree` split its checksums across the ranks: `shards.verify_folder`)."""
     from copus.runtime.data.shards import is_prepared
 
     if is_prepared(data_cfg.source):
-        return open_prepared(data_cfg, seq_len, vocab_size, verify=verify)
+        return open_prepared(data_cfg, seq_len, vocab_size, verify=verify, share=share,
+                             agree=agree)
     text = load_text(data_cfg.source, data_cfg.max_chars)
     if data_cfg.tokenizer == "bpe":
         cut = len(text) - int(len(text) * data_cfg.val_fraction)
@@ -332,7 +326,8 @@ def build_datasets(data_cfg, seq_len: int, vocab_size: int,
     return train, val, tokenizer
 
 
-def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = True):
+def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = True,
+                  share: tuple[int, int] = (0, 1), agree=None):
     """A prepared folder → (train windows, val windows, its tokenizer), after checking the shard
     sizes (and sha256 when `verify`), that data.tokenizer agrees with the folder's tokenizer and
     that the tokenizer fits the model (one line naming both hashes / sizes)."""
@@ -341,7 +336,7 @@ def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = Tru
 
     root = Path(data_cfg.source).expanduser()
     meta = shards.read_meta(root)
-    shards.verify_folder(root, checksums=verify)
+    shards.verify_folder(root, checksums=verify, share=share, agree=agree)
     info = meta["tokenizer"]
     tok = (HfTokenizer.from_file(root / info["file"]) if info.get("file") else ByteCodec())
     check_tokenizer_agrees(data_cfg.tokenizer, info["sha256"], str(root))

@@ -6,11 +6,13 @@ Layout of one checkpoint, `<root>/step-N/`:
     trainer_state.json             step, samples, tokens, sampler offset, plan, GNS, policy, LR, RNG
     manifest.json                  {"step": N, "files": {name: {"bytes": n, "sha256": hex}}}
 
-Integrity off the critical path: each rank hashes the DCP files it wrote, all ranks at once,
-after the save's barrier; rank 0 gathers the checksums (one small all_gather_object) and hashes
-only `.metadata` and the trainer state. On load every rank verifies an interleaved share of the
-files (`agree_on_latest`). Before, rank 0 read the whole checkpoint while every other rank
-waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
+Integrity without reading back: each rank's DCP files are hashed as they are written
+(`hashing_writer.HashingWriter`: sha256 fed by the write stream), `.metadata` likewise on
+rank 0 and the trainer state from its bytes in memory; rank 0 gathers the checksums (one small
+all_gather_object) into the manifest. On load every rank verifies an interleaved share of the
+files (`agree_on_latest`); a single process (launcher, export, calibrate) hashes the files on
+a few threads (`verify(threads=)`). Before, rank 0 read the whole checkpoint while every other
+rank waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
 
 Atomicity (design §6): everything is written to `<root>/tmp-step-N`, every file is fsync'ed,
 `manifest.json` (checksums of every other file) is written last, the folder is renamed to `step-N`
@@ -28,6 +30,7 @@ the folder structure, and multi-node runs need `<root>` on a shared file system 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanne
                                          FileSystemReader)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from copus.atomic import atomic_write_json, fsync_path
+from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter, read_sidecars
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -118,10 +122,19 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 class _SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through `read_metadata` (no arbitrary unpickling)."""
+    """FileSystemReader whose metadata goes through `read_metadata` (no arbitrary unpickling),
+    or is the `metadata` given (read once by the caller: export loads tensor by tensor)."""
+
+    def __init__(self, path: str, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.path)
+        if self._metadata is None:
+            metadata = read_metadata(self.path)
+        else:   # a shallow copy: DCP sets the load id on it; the tensor entries are shared
+            metadata = copy.copy(self._metadata)
+            metadata.storage_meta = copy.copy(metadata.storage_meta)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -159,14 +172,19 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def verify(path: str | Path, share: tuple[int, int] = (0, 1),
+           threads: int | None = None) -> str | None:
     """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
 
     `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
     file's size and presence, and the metadata on r = 0, always), so n ranks verify a
-    checkpoint in parallel (`agree_on_latest`)."""
+    checkpoint in parallel (`agree_on_latest`). `threads`: the share is hashed on that many
+    threads (hashlib releases the GIL); default `verify_threads()` for a whole checkpoint in
+    one process (launcher, export, calibrate), 1 for a rank's share."""
     path = Path(path)
     r, n = share
+    if threads is None:
+        threads = verify_threads() if n == 1 else 1
     manifest = path / MANIFEST
     try:
         entries = json.loads(manifest.read_text())["files"]
@@ -174,6 +192,7 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
         return f"{manifest} is missing (incomplete checkpoint)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({exc.__class__.__name__})"
+    mine = []
     for i, (name, meta) in enumerate(sorted(entries.items())):
         f = path / name
         if not f.is_file():
@@ -181,11 +200,21 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
         size = f.stat().st_size
         if size != meta["bytes"]:
             return f"{f} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
-        if i % n == r and _sha256(f) != meta["sha256"]:
-            return f"{f} fails its sha256 checksum (corrupt)"
+        if i % n == r:
+            mine.append((f, meta["sha256"]))
     for name in (TRAINER_STATE, ".metadata"):
         if name not in entries:
             return f"{path} has no {name} in its manifest"
+    if threads > 1 and len(mine) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(mine))) as pool:
+            digests = list(pool.map(lambda fs: _sha256(fs[0]), mine))
+    else:
+        digests = [_sha256(f) for f, _ in mine]
+    for (f, want), got in zip(mine, digests, strict=True):
+        if got != want:
+            return f"{f} fails its sha256 checksum (corrupt)"
     if r == 0:
         try:
             read_metadata(path)
@@ -194,11 +223,22 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
     return None
 
 
-def find_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
-    """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped."""
+def verify_threads() -> int:
+    """Hashing threads for a single-process verification: the cores this process may use (≤ 8)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def find_latest(root: str | Path, log: Callable[[str], None] = print,
+                threads: int | None = None) -> Path | None:
+    """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped.
+    One process: the checksums are hashed on `threads` threads (default `verify_threads`)."""
     bad: list[str] = []
     for _, path in step_dirs(root):
-        problem = verify(path)
+        problem = verify(path, threads=threads)
         if problem is None:
             for msg in bad:
                 log(f"checkpoint: {msg}; using {path.name}")
@@ -239,15 +279,6 @@ def _quiet(_: str) -> None:
     return None
 
 
-def _own_files(folder: Path, rank: int) -> dict[str, dict]:
-    """This rank's DCP files (`__<rank>_<i>.distcp`: FileSystemWriter's names): size and sha256,
-    hashed here, in parallel with the other ranks, instead of all by rank 0."""
-    out = {}
-    for p in sorted(folder.glob(f"__{rank}_*.distcp")):
-        out[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-    return out
-
-
 def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = None) -> None:
     """manifest.json: every file's size and sha256; the entries of `known` (hashed by the rank
     that wrote the file) are taken as they are when the size still matches."""
@@ -261,11 +292,14 @@ def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = Non
     atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
+def _write_json(path: Path, obj: Any) -> dict:
+    """Write `obj` as JSON (fsync'ed); its manifest entry, hashed from the bytes in memory."""
+    raw = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict,
@@ -284,16 +318,17 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    writer = HashingWriter(str(tmp))
     try:
-        dcp.save(dcp_state, checkpoint_id=str(tmp), no_dist=not _distributed())
+        dcp.save(dcp_state, storage_writer=writer, no_dist=not _distributed())
     except CheckpointException as exc:  # a BaseException holding each rank's traceback
         causes = sorted({str(failure) for failure, _ in exc.failures.values()})
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)   # free the space a full disk needs back
         raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
                               "checkpoints are intact") from None
-    # every rank hashes the files it wrote (in parallel), rank 0 gathers the checksums
-    known = _own_files(tmp, _rank())
+    # every rank hashed the files it wrote while writing them; rank 0 gathers the checksums
+    known = writer.hashes
     if _distributed():
         parts: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, known)
@@ -312,12 +347,118 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
     return final
 
 
+class AsyncCheckpointer:
+    """Checkpoints written in the background, as torchtitan's async mode: `save` stages the
+    tensors to host memory (DCP `async_save`: a copy, so training may change them at once) and
+    returns; a thread writes them through `HashingWriter` over a gloo group of its own (the
+    training collectives keep the default group), and rank 0 finishes the checkpoint as soon as
+    DCP's coordinator has gathered every rank's write — trainer state, fsync, manifest from the
+    checksums computed while writing, rename — with no collective outside DCP's. Atomicity is
+    `save`'s: until the rename the checkpoint is a `tmp-step-N` folder that resume ignores, so
+    a crash or kill mid-write leaves the last good checkpoint as it was.
+
+    `wait()` (collective: every rank at the same point) joins the pending save and agrees on
+    its outcome (CheckpointError on every rank if any failed); the next `save` and `close` call
+    it first, so at most one save is in flight and none is left unfinished."""
+
+    def __init__(self, nice: int = 10, kind: str = "thread") -> None:
+        """`nice`: the writing thread's scheduling priority offset (Linux), so that on a host
+        whose cores also train (CPU runs) the write yields to the step. `kind`: "thread" (DCP's
+        default: the write shares the interpreter, and its lock, with training) or "process"
+        (DCP's checkpoint daemon process per rank: no shared interpreter lock; the staged state
+        travels to it through shared memory)."""
+        if kind not in ("thread", "process"):
+            raise ValueError(f"kind={kind!r}: allowed: 'thread', 'process'")
+        self.nice, self.kind = nice, kind
+        self._group: Any = None
+        self._pending: tuple[Any, Path, list[str]] | None = None
+
+    def _process_group(self) -> Any:
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")   # collective: the first save
+        return self._group
+
+    def save(self, root: str | Path, step: int, dcp_state: dict[str, Any],
+             trainer_state: dict, *, keep: int = 0) -> Path:
+        """Start checkpoint `step` (collective); return the path it will have once finished."""
+        import threading
+
+        self.wait()
+        root = Path(root)
+        tmp, final = root / f"{_TMP_PREFIX}{step}", root / f"step-{step}"
+        state = json.loads(json.dumps(trainer_state))      # a snapshot, JSON-checked now
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(_TMP_PREFIX + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        writer = HashingWriter(str(tmp))
+        writer.background_nice = self.nice
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = (AsyncCheckpointerType.PROCESS if self.kind == "process" else
+                AsyncCheckpointerType.THREAD)
+        future = dcp.async_save(dcp_state, storage_writer=writer,
+                                process_group=self._process_group(),
+                                async_checkpointer_type=kind, no_dist=not _distributed())
+        problem: list[str] = []
+        rank = _rank()
+
+        def finish() -> None:
+            try:
+                future.result()
+                if rank == 0:
+                    _finalize(root, tmp, final, step, state, keep, writer.gathered)
+            except CheckpointException as exc:
+                problem.append("; ".join(sorted({str(f) for f, _ in exc.failures.values()})))
+            except Exception as exc:  # noqa: BLE001 - reported by wait() on every rank
+                problem.append(f"{type(exc).__name__}: {exc}")
+            if problem and rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        thread = threading.Thread(target=finish, name=f"copus-checkpoint-{step}", daemon=True)
+        thread.start()
+        self._pending = (thread, final, problem)
+        return final
+
+    def wait(self) -> Path | None:
+        """Join the pending save (collective); its path, None when none was pending."""
+        if self._pending is None:
+            return None
+        thread, final, problem = self._pending
+        self._pending = None
+        thread.join()
+        if not _all_ok(not problem):
+            state = "written but not finished" if final.exists() else "not saved"
+            why = problem[0] if problem else "failed on another rank"
+            raise CheckpointError(f"checkpoint {final} {state} ({why}); earlier checkpoints are "
+                                  "intact")
+        return final
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def close(self) -> None:
+        """Finish the pending save, then release the checkpoint group (collective)."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+
 def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict,
               keep: int, known: dict[str, dict] | None = None) -> None:
     """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,
     fsync, manifest, rename, fsync of the parent, retention."""
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
-    _write_json(tmp / TRAINER_STATE, trainer_state)
+    known = {**read_sidecars(tmp), **(known or {}),
+             TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
+    for side in tmp.glob(f"*{SIDECAR_SUFFIX}"):
+        side.unlink()
     for f in _files(tmp):
         fsync_path(f)
     _write_manifest(tmp, step, known)
@@ -355,11 +496,14 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> dict:
+def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True,
+         metadata: Metadata | None = None) -> dict:
     """Load tensors into `dcp_state` in place (resharding to its layout); return trainer state.
 
     `dcp_state` must be the target structure (the current engine's state dicts). With
     `check`, the manifest and checksums are verified first (CheckpointError names the file).
+    `metadata`: the checkpoint's `read_metadata`, when the caller already holds it (it is then
+    not read again).
     """
     path = Path(path)
     if check and _rank() == 0:
@@ -367,7 +511,8 @@ def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True) -> 
         if problem is not None:
             raise CheckpointError(problem)
     try:
-        dcp.load(dcp_state, checkpoint_id=str(path), storage_reader=_SafeReader(str(path)),
+        dcp.load(dcp_state, checkpoint_id=str(path),
+                 storage_reader=_SafeReader(str(path), metadata),
                  planner=_SafeLoadPlanner(), no_dist=not _distributed())
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None

@@ -7,7 +7,8 @@ and a tokenizer: the run's `tokenizer.json` + `tokenizer_config.json` when it ha
 byte tokenizer as a byte-level `tokenizer.json` (token id = UTF-8 byte value, as `ByteCodec`),
 so serving stacks that need a tokenizer accept the folder.
 
-Streaming: tensor by tensor. The safetensors header is computed from the DCP metadata (names,
+Streaming: tensor by tensor. The DCP metadata is read once (at 70B on 256 ranks it is large:
+reading it per tensor cost hours); the safetensors header is computed from it (names,
 global shapes, the output dtype), then each tensor is loaded alone from the checkpoint (DCP
 reassembles its FSDP / TP shards and pipeline stage; `no_dist`, one process), converted (names,
 RoPE permutation, dtype: `hf_weights`) and appended to the file. Peak memory is one full tensor
@@ -53,15 +54,16 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if not path.is_dir():
         raise ValueError(f"--step={step}: no checkpoint step-{step} in {root}; allowed: "
                          f"{', '.join(map(str, steps)) or 'none'}")
-    problem = ckpt.verify(path)
+    problem = ckpt.verify(path)             # hashed on a few threads (checkpoint.verify)
     if problem is not None:
         raise ValueError(f"--step={step}: {problem}")
     return path
 
 
-def model_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """copus name → (global shape, stored dtype) of every model tensor, from the DCP metadata."""
-    meta = ckpt.read_metadata(path)
+def model_tensors(path: Path, meta=None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """copus name → (global shape, stored dtype) of every model tensor, from the DCP metadata
+    (`meta`: already read)."""
+    meta = ckpt.read_metadata(path) if meta is None else meta
     out = {key[len("model."):]: (item.size, item.properties.dtype)
            for key, item in meta.state_dict_metadata.items()
            if key.startswith("model.") and hasattr(item, "size")}
@@ -70,12 +72,14 @@ def model_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return out
 
 
-def load_tensors(path: Path, sizes: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The named model tensors, full size, on CPU (DCP reads and reassembles only their shards)."""
+def load_tensors(path: Path, sizes: dict[str, tuple[torch.Size, torch.dtype]],
+                 meta=None) -> dict[str, torch.Tensor]:
+    """The named model tensors, full size, on CPU (DCP reads and reassembles only their shards;
+    `meta`: the checkpoint's metadata, read once by the caller, else read here)."""
     sd = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in sizes.items()}
     with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        ckpt.load(path, {"model": sd}, check=False)
+        ckpt.load(path, {"model": sd}, check=False, metadata=meta)
     return sd
 
 
@@ -199,8 +203,10 @@ def write_safetensors_stream(path: Path, entries: list[tuple[str, tuple[int, ...
 
 
 def _write_weights(out: Path, path: Path, shape: ModelShape, sizes: dict[str, tuple[torch.Size, torch.dtype]],
-                   dtype: torch.dtype, max_shard_bytes: int) -> None:
-    """Every tensor of `shape`, streamed from checkpoint `path` into one or more safetensors files."""
+                   dtype: torch.dtype, max_shard_bytes: int, meta=None) -> None:
+    """Every tensor of `shape`, streamed from checkpoint `path` into one or more safetensors files
+    (the DCP metadata `meta` read once for all of them)."""
+    meta = ckpt.read_metadata(path) if meta is None else meta
     names = hf_weights.copus_names(shape)
     missing = [n for n in names if n not in sizes]
     if missing:
@@ -211,7 +217,7 @@ def _write_weights(out: Path, path: Path, shape: ModelShape, sizes: dict[str, tu
 
     def produce(hf: str) -> torch.Tensor:
         name = by_hf[hf]
-        t = load_tensors(path, {name: sizes[name]})[name]
+        t = load_tensors(path, {name: sizes[name]}, meta)[name]
         return hf_weights.to_hf(name, t, shape)[1]
 
     by_hf = {v: k for k, v in hf_of.items()}
@@ -286,7 +292,8 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     _check_out(out)
     path = find_checkpoint(run_dir, step)
     state = json.loads((path / ckpt.TRAINER_STATE).read_text())
-    sizes = model_tensors(path)
+    meta = ckpt.read_metadata(path)          # once: every tensor's load reuses it
+    sizes = model_tensors(path, meta)
     shape = dataclasses.replace(get_model_shape(state["model"], trained_seq_len(run_dir)),
                                 vocab_size=int(sizes["tok_embeddings.weight"][0][0]))
     partial = out.parent / f".{out.name}.partial"
@@ -294,7 +301,7 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     partial.mkdir(parents=True)
     try:
         eos_id = _write_tokenizer(partial, run_dir, shape.seq_len)
-        _write_weights(partial, path, shape, sizes, out_dtype, max_shard_bytes)
+        _write_weights(partial, path, shape, sizes, out_dtype, max_shard_bytes, meta)
         config = hf_config(shape, out_dtype, eos_id)
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (partial / "generation_config.json").write_text(

@@ -72,7 +72,7 @@ class SwitchReport:
     teardown_s: float = 0.0    # free the old layout's tensors, close the old engine
     build_s: float = 0.0       # new mesh (cached), model, wrappers, optimizer
     load_s: float = 0.0        # DCP load (reshard) + set_state_dict
-    plan_s: float = 0.0        # direct: describe both layouts (one all_gather_object) + plan
+    plan_s: float = 0.0        # direct: describe both layouts (digests + distinct descriptions) + this rank's plan
     move_s: float = 0.0        # direct: materialise new shards, exchange, free old shards
     staged_bytes: int = 0      # size of the staged state, all ranks together
     staging: str = ""          # "shm" (RAM) | "disk"

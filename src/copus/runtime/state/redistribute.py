@@ -3,17 +3,23 @@
 `redistribute(old, new)` (collective, same world, every rank at the same step boundary) fills a
 meta-device engine `new` (`Engine(..., allocate=False)`) from the live engine `old`:
 
-1. describe — each rank lists, per parameter name, the box of the full tensor it holds under
-   each layout (`core.reshard.local_box` from the DTensor placements, checked against the local
-   shapes), the dtype and the AdamW entries: tensors with the parameter's placements
-   (`exp_avg`, `exp_avg_sq`) are moved like the parameter, 0-dim ones (`step`) are copied; ONE
-   `all_gather_object` shares the lists. Anything else (a placement other than shard/replicate,
-   a moment shaped otherwise, tied weights) makes every rank return the same reason instead, and
-   the caller falls back to DCP staging.
-2. plan — every rank derives the same pieces (`core.reshard.plan_pieces`: who sends which box to
-   whom), an order of the parameters that keeps each rank's "allocated − freed" balance small
-   (`memory_order`) and buckets of at most `cap` bytes (default: the largest parameter with its
-   moments, i.e. one parameter's worth in flight).
+1. describe — each rank lists, per parameter name, its layout under each layout: the full shape,
+   the mesh (shape and rank grid) and the placements (`core.reshard.Layout`; the local box it
+   implies is checked against the local shape), the dtype and the AdamW entries: tensors with
+   the parameter's placements (`exp_avg`, `exp_avg_sq`) are moved like the parameter, 0-dim ones
+   (`step`) are copied. Such a description is the same on every rank of a pipeline stage, so
+   ranks exchange only a digest of theirs (one small `all_gather_object`), and each distinct
+   description is broadcast once by the lowest rank holding it: pp_old + pp_new descriptions,
+   not world × the stage's. Anything else (a placement other than shard/replicate, a moment
+   shaped otherwise, tied weights) makes every rank return the same reason instead, and the
+   caller falls back to DCP staging.
+2. plan — each rank derives only the pieces it sends or receives (`core.reshard.rank_pieces`,
+   chunk arithmetic on the two layouts: O(boxes overlapping its own), the same pieces the global
+   `plan_pieces` gives restricted to that rank), the same order of the parameters on every rank,
+   keeping each rank's "allocated − freed" balance small (`memory_order` over the per-rank
+   volumes, vectorised per layout), and buckets of at most `cap` bytes (default: the largest
+   parameter with its moments, i.e. one parameter's worth in flight). A rank-local refusal is
+   agreed on with one small `all_gather_object` of the reason.
 3. move — per bucket: materialise the new shards of its parameters (`to_empty` of the owning
    module only, moments `empty_like`), copy the pieces a rank keeps, exchange the others with ONE
    `all_to_all_single` per dtype over the default process group (gloo on CPU, NCCL on GPU),
@@ -31,6 +37,8 @@ old) + 3·cap, never the two layouts' full states at once unless one bucket hold
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,12 +51,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from copus.core.plan.reshard import (
     Box,
+    Layout,
+    Mesh,
     Piece,
     UnsupportedLayout,
+    box_of,
     buckets,
+    placed_volumes,
     local_box,
     memory_order,
-    plan_pieces,
+    rank_pieces,
     volume,
 )
 from copus.runtime.engine.model import reset_rope
@@ -99,10 +111,22 @@ def _box(t: DTensor) -> Box:
     return box
 
 
+def _layout(t: DTensor, meshes: dict) -> Layout:
+    """DTensor `t` as a `Layout` (its mesh shared by every parameter on that mesh)."""
+    mesh = t.device_mesh
+    m = meshes.get(id(mesh))
+    if m is None:
+        m = meshes[id(mesh)] = (mesh, Mesh(tuple(mesh.shape), mesh.mesh.flatten().tolist()))
+    _box(t)   # the arithmetic agrees with the local shape
+    return Layout(tuple(t.shape), m[1], tuple(_placement(p) for p in t.placements))
+
+
 def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """{"params": {name: (shape, box, dtype, moved keys, scalars)}, "problem": str}."""
+    """{"params": {name: (layout, dtype, moved keys, scalars, key order)}, "problem": str};
+    no rank-specific entry, so every rank of a stage describes it identically."""
     out: dict[str, Any] = {}
     seen: set[int] = set()
+    meshes: dict = {}
     try:
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in seen:
@@ -122,11 +146,35 @@ def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
                 else:
                     raise UnsupportedLayout(f"optimizer state {name}.{key} is neither shaped "
                                             "like the parameter nor a scalar")
-            out[name] = (tuple(p.shape), _box(p), str(p.dtype), tuple(moved), scalars,
-                         tuple(state))
+            out[name] = (_layout(p, meshes), str(p.dtype), tuple(moved), scalars, tuple(state))
     except UnsupportedLayout as err:
         return {"params": {}, "problem": str(err)}
     return {"params": out, "problem": ""}
+
+
+def share(old_desc: dict, new_desc: dict) -> tuple[list[dict], list[dict]] | str:
+    """Every distinct (old, new) description, in the order of the lowest rank holding it, or the
+    first problem any rank reported (old layout first, as ranks are numbered). Collective: one
+    all_gather_object of (digest, digest, problem, problem) per rank, then one broadcast per
+    distinct description."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = (old_desc, new_desc)
+    tags = tuple(hashlib.sha256(pickle.dumps(d, protocol=5)).hexdigest() for d in mine)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (*tags, old_desc["problem"], new_desc["problem"]))
+    problems = [t[2] for t in everyone if t[2]] + [t[3] for t in everyone if t[3]]
+    if problems:
+        return problems[0]
+    out: tuple[list[dict], list[dict]] = ([], [])
+    for side in (0, 1):
+        first: dict[str, int] = {}
+        for rank, t in enumerate(everyone):
+            first.setdefault(t[side], rank)
+        for src in first.values():
+            box = [mine[side] if src == me else None]
+            dist.broadcast_object_list(box, src=src)
+            out[side].append(box[0])
+    return out
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -137,63 +185,84 @@ _SCALAR_DTYPES = {**_DTYPES, **{str(d): d for d in (torch.int64, torch.int32)}}
 
 @dataclass
 class _Plan:
-    names: list[str]                      # memory order
-    pieces: dict[str, list[Piece]]
+    names: list[str]                      # memory order (the same on every rank)
+    pieces: dict[str, list[Piece]]        # this rank's: it sends or receives each one
     info: dict[str, tuple]                # name -> (shape, dtype, moved keys, scalars, key order)
-    old_box: dict[str, dict[int, Box]]
+    old_box: dict[str, dict[int, Box]]    # name -> {this rank: its old box} when it holds one
     new_box: dict[str, dict[int, Box]]
     groups: list[list[str]]
     cap: int
 
 
-def make_plan(old_all: list[dict], new_all: list[dict], cap: int | None) -> _Plan | str:
-    """The same plan on every rank from everyone's descriptions, or the reason it cannot be."""
-    problems = [d["problem"] for d in old_all + new_all if d["problem"]]
-    if problems:
-        return problems[0]
+def _layouts(descs: list[dict], info: dict | None) -> tuple[list[str], dict, dict] | str:
+    """Names (first-seen order), info and grouped layout per name from the distinct
+    descriptions: a name described on disjoint meshes (e.g. a norm sharded over the dp sub-mesh
+    of each tp rank) gets one group per mesh."""
     names: list[str] = []
-    info: dict[str, tuple] = {}
-    old_box: dict[str, dict[int, Box]] = {}
-    new_box: dict[str, dict[int, Box]] = {}
-    for rank, d in enumerate(old_all):
-        for name, (shape, box, dtype, moved, scalars, keys) in d["params"].items():
-            if name not in info:
-                names.append(name)
-                info[name] = (shape, dtype, moved, scalars, keys)
-            elif info[name][:3] != (shape, dtype, moved):
+    info = {} if info is None else info
+    fresh = not info
+    lay: dict[str, list[Layout]] = {}
+    for d in descs:
+        for name, (layout, dtype, moved, scalars, keys) in d["params"].items():
+            if fresh and name in info and info[name][:3] != (layout.shape, dtype, moved):
                 return f"{name}: ranks disagree on its shape, dtype or optimizer state"
-            old_box.setdefault(name, {})[rank] = box
-    for rank, d in enumerate(new_all):
-        for name, (shape, box, dtype, *_rest) in d["params"].items():
-            if name not in info or info[name][:2] != (shape, dtype):
+            if not fresh and (name not in info or info[name][:2] != (layout.shape, dtype)):
                 return f"{name}: not in the old layout with the same shape and dtype"
-            new_box.setdefault(name, {})[rank] = box
-    if set(new_box) != set(info):
-        return f"parameters {sorted(set(info) - set(new_box))[:3]} are missing in the new layout"
+            if name in lay:
+                if layout in lay[name]:
+                    continue
+                if any(set(g.mesh.ranks) & set(layout.mesh.ranks) for g in lay[name]):
+                    return f"{name}: ranks disagree on its layout"
+                lay[name].append(layout)
+                continue
+            if fresh:
+                info[name] = (layout.shape, dtype, moved, scalars, keys)
+            names.append(name)
+            lay[name] = [layout]
+    return names, info, {k: tuple(v) for k, v in lay.items()}
+
+
+def make_plan(old_descs: list[dict], new_descs: list[dict], me: int, world: int,
+              cap: int | None) -> _Plan | str:
+    """This rank's part of the switch from the distinct descriptions (`share`): the same names
+    order and buckets on every rank, the pieces `me` sends or receives, or why it cannot be."""
+    found = _layouts(old_descs, None)
+    if isinstance(found, str):
+        return found
+    names, info, old_lay = found
+    found = _layouts(new_descs, info)
+    if isinstance(found, str):
+        return found
+    _, _, new_lay = found
+    if set(new_lay) != set(info):
+        return f"parameters {sorted(set(info) - set(new_lay))[:3]} are missing in the new layout"
     if any(dtype not in _DTYPES for _, dtype, *_ in info.values()):
         return "a parameter dtype is not a floating type"
-    world = len(old_all)
     pieces, deltas, sizes = {}, [], []
-    try:
-        for name in names:
-            pieces[name] = plan_pieces(old_box[name], new_box[name])
-    except UnsupportedLayout as err:
-        return f"{name}: {err}"
+    old_box: dict[str, dict[int, Box]] = {}
+    new_box: dict[str, dict[int, Box]] = {}
+    volumes: dict[tuple[Layout, ...], Any] = {}
     for name in names:
         shape, dtype, moved = info[name][:3]
+        old, new = old_lay[name], new_lay[name]
+        for lay, boxes in ((old, old_box), (new, new_box)):
+            box = box_of(lay, me)
+            boxes[name] = {} if box is None else {me: box}
+        try:
+            pieces[name] = (rank_pieces(old, new, me) if old_box[name] or new_box[name] else [])
+        except UnsupportedLayout as err:
+            return f"{name}: {err}"
         per = (1 + len(moved)) * _DTYPES[dtype].itemsize
-        deltas.append([per * (_vol(new_box[name], r) - _vol(old_box[name], r))
-                       for r in range(world)])
+        for lay in (old, new):
+            if lay not in volumes:
+                volumes[lay] = placed_volumes(lay, world)
+        deltas.append(per * (volumes[new] - volumes[old]))
         sizes.append(per * volume(tuple((0, n) for n in shape)))
-    order = [names[i] for i in memory_order(deltas)]
-    ordered_sizes = [sizes[names.index(n)] for n in order]
+    order_idx = memory_order(deltas)
+    order = [names[i] for i in order_idx]
     cap = int(cap or max(sizes, default=1))
-    groups = [[order[i] for i in g] for g in buckets(ordered_sizes, cap)]
+    groups = [[order[i] for i in g] for g in buckets([sizes[i] for i in order_idx], cap)]
     return _Plan(order, pieces, info, old_box, new_box, groups, cap)
-
-
-def _vol(boxes: dict[int, Box], rank: int) -> int:
-    return volume(boxes[rank]) if rank in boxes else 0
 
 
 # ------------------------------------------------------------------------------------ move
@@ -275,7 +344,6 @@ class _Mover:
         recv_counts = [0] * self.world
         unpack: list[list[tuple[list[torch.Tensor], tuple[slice, ...]]]] = [
             [] for _ in range(self.world)]
-        traffic = False
         for n in names:
             nt = 1 + len(plan.info[n][2])
             for pc in plan.pieces[n]:
@@ -287,15 +355,14 @@ class _Mover:
                             d[b].copy_(s[a])
                         self.local += volume(pc.box) * nt * dtype.itemsize
                     continue
-                traffic = True
                 if pc.src == me:
                     a = _rel(pc.box, plan.old_box[n][me])
                     send[pc.dst] += [s[a].reshape(-1) for s in src_t[n]]
                 if pc.dst == me:
                     recv_counts[pc.src] += volume(pc.box) * nt
                     unpack[pc.src].append((dst_t[n], _rel(pc.box, plan.new_box[n][me])))
-        if not traffic:
-            return
+        # every rank joins the exchange (a rank without pieces sends and receives nothing):
+        # which ranks have traffic is known per rank only, not globally as before
         send_counts = [sum(t.numel() for t in parts) for parts in send]
         flat = [t for parts in send for t in parts]
         inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.device)
@@ -357,12 +424,16 @@ def redistribute(old, new, *, cap_bytes: int | None = None) -> MoveStats | str:
     for module in old.model.modules():      # sharded parameters registered (a pipeline stage
         if isinstance(module, FSDPModule):  # without resharding may hold them gathered)
             module.reshard()
-    mine = (describe(old.model, old.optimizer), describe(new.model, None))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    plan = make_plan([x[0] for x in everyone], [x[1] for x in everyone], cap_bytes)
-    if isinstance(plan, str):
-        return plan
+    shared = share(describe(old.model, old.optimizer), describe(new.model, None))
+    if isinstance(shared, str):
+        return shared
+    plan = make_plan(*shared, dist.get_rank(), dist.get_world_size(), cap_bytes)
+    problems: list[Any] = [None] * dist.get_world_size()   # a rank-local refusal: all agree
+    dist.all_gather_object(problems, plan if isinstance(plan, str) else "")
+    problem = next((p for p in problems if p), "")
+    if problem:
+        return problem
+    assert not isinstance(plan, str)
     t1 = time.perf_counter()
     mover = _Mover(plan, old, new, new.device)
     for group in plan.groups:

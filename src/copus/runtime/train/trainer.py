@@ -127,6 +127,7 @@ class Trainer:
         self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)
         self.engine: Any = None          # built by resume() under the plan it chooses
         self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
+        self.saver = ckpt.AsyncCheckpointer() if cfg.checkpoint.background else None
         self._remove_stale_stages()
         self.memory.clear_marker()     # before any collective
         if not ((resume or auto_resume) and self.resume(required=resume)):
@@ -538,7 +539,10 @@ class Trainer:
         the failure is logged, the previous checkpoints stay intact (`checkpoint.save`), and
         training goes on; `checkpoint.max_failed_saves` failures in a row stop the run."""
         try:
-            self.save_checkpoint()
+            if self.saver is not None:
+                self.background_checkpoint()
+            else:
+                self.save_checkpoint()
         except ckpt.CheckpointError as err:
             self.failed_saves += 1
             self.total_failed_saves += 1
@@ -551,8 +555,29 @@ class Trainer:
             return
         self.failed_saves = 0
 
+    def background_checkpoint(self) -> Path:
+        """checkpoint.background: stage this step's state and write it while training goes on
+        (`checkpoint.AsyncCheckpointer`); the previous background save is finished first (a
+        failure of it is this call's CheckpointError)."""
+        t0 = time.perf_counter()
+        self.wait_for_checkpoint()
+        path = self.saver.save(self.ckpt_dir, self.progress.step, self.dcp_state(),
+                               self.trainer_state(), keep=self.cfg.checkpoint.keep)
+        self.log(f"checkpoint {path.name} staged in {time.perf_counter() - t0:.2f} s, "
+                 "writing in the background")
+        self.boundary.saved(self.progress.step)
+        return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish the pending background save, if any (collective)."""
+        if self.saver is not None and self.saver.pending:
+            t0 = time.perf_counter()
+            path = self.saver.wait()
+            self.log(f"checkpoint {path.name} finished (waited {time.perf_counter() - t0:.2f} s)")
+
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
+        self.wait_for_checkpoint()
         path = ckpt.save(self.ckpt_dir, self.progress.step, self.dcp_state(),
                          self.trainer_state(), keep=self.cfg.checkpoint.keep)
         self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
@@ -640,6 +665,7 @@ class Trainer:
     # -- end ----------------------------------------------------------------------------------
 
     def finish(self) -> dict:
+        self.wait_for_checkpoint()      # the last interval save is on disk before "finished"
         p = self.progress
         summary = {"steps": p.step, "samples": p.samples, "tokens": p.tokens,
                    "num_skipped": p.num_skipped, "train_s": p.train_s,
@@ -653,6 +679,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
         self.memory.close()
         self.writer.close()
         self.engine.close()

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from copus.core.sim.presets import PRESETS, get_preset
-    from copus.core.sim.simulator import compare_policies
+    from copus.core.sim.simulator import Planner, compare_policies
 
     fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
         scenarios = [(None, _custom(args))]
     out = []
     for preset, scenario in scenarios:
-        cmp_ = compare_policies(scenario, policies)
+        planner = Planner(scenario)
+        cmp_ = compare_policies(scenario, policies, planner=planner)
+        if preset is not None:
+            cmp_.yardstick = yardstick_score(preset, cmp_, planner)
         out.append((preset, cmp_))
         if not args.json:
             _print_comparison(preset, cmp_)
@@ -297,8 +300,34 @@ def _print_summary(out) -> None:
               + f"{_pct(_mean(oracle_speedups(cmp_))):>16s}")
 
 
+def yardstick_score(preset, cmp_, planner=None, yard=None) -> dict:
+    """The honest yardstick of a preset's comparison (`core.sim.yardstick.score`): the best
+    baseline, the honest ceiling and every goodput run's speed-ups on time to the final target."""
+    from copus.core.sim import yardstick as ys
+    from copus.core.sim.simulator import BASELINE_FAMILIES, Planner
+
+    sc = cmp_.scenario
+    if yard is None:
+        yard = ys.build(sc, planner or Planner(sc), horizon_tokens=preset.token_budget)
+    targets = yard.targets
+    simulated = {r.name: ys.seconds_to_minutes(r.time_to_target_s, targets) for r in cmp_.results
+                 if cmp_.families[r.name] in BASELINE_FAMILIES}
+    variants = {n: ys.seconds_to_minutes(cmp_.run(n).time_to_target_s, targets)
+                for n in cmp_.goodput_runs()}
+    return ys.score(yard, simulated, variants) | {"seed": sc.sim.seed}
+
+
 def _json(preset, cmp_) -> dict:
     d = cmp_.to_dict()
+    yard = getattr(cmp_, "yardstick", None)
+    if yard is not None:
+        d["honest_ceiling_pct"] = yard["honest_ceiling_pct"]
+        d["ceiling_ge_2pct"] = yard["ceiling_ge_2pct"]
+        d["yardstick"] = yard
+        for name, v in d["variants"].items():
+            d["variants"][name] = {"table1_speedups": v["speedups"],
+                                   "table1_average_speedup_pct": v["average_speedup_pct"]} | \
+                yard["variants"][name]
     if preset is not None:
         d["preset"] = preset.name
         d["truth"] = _truth_label(preset, cmp_.scenario.sim.trajectory)

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--preset: the truth's B_crit / b_noise (default: the preset's fit)")
     p.add_argument("--truth-grid", action="store_true",
                    help="every preset x truth (lr-tuned, sqrt-lr) x --crit-ratios; prints capture "
-                        "= goodput's average speed-up / the oracle's per cell")
+                        "= goodput's speed-up to the final target / the honest ceiling per cell "
+                        "(docs/yardstick.md)")
     p.add_argument("--crit-ratios", default="0.5,1,2,4,8",
                    help="--truth-grid: comma-separated B_crit / b_noise values")
     p.add_argument("--seeds", default=None,
@@ -382,47 +383,48 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     seeds = _numbers(args.seeds, "--seeds", int) if args.seeds is not None else [args.seed]
     cells = tg.grid_cells(names, tg.GRID_TRUTHS, ratios)
 
-    aware: dict[tg.Cell, list] = {}    # the switch-aware ceiling does not depend on the seed
+    yards: dict[tg.Cell, object] = {}    # the deterministic yardstick does not read the seed
 
     def run_one(cell: tg.Cell, seed: int) -> dict:
-        from copus.core.sim.oracle import scenario_switch_aware_minutes
+        from copus.core.sim import yardstick as ys
+        from copus.core.sim.simulator import Planner
 
-        sc = _preset(PRESETS[cell.preset], args, cell.truth, cell.crit_ratio, seed)
-        cmp_ = compare_policies(sc, policies)
-        if cell not in aware:
-            aware[cell] = scenario_switch_aware_minutes(sc)
-        return {"seed": seed, "oracle_avg": _mean(oracle_speedups(cmp_)),
-                "switch_aware_avg": _mean(oracle_speedups(cmp_, aware[cell])),
-                "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
+        preset = PRESETS[cell.preset]
+        sc = _preset(preset, args, cell.truth, cell.crit_ratio, seed)
+        planner = Planner(sc)
+        cmp_ = compare_policies(sc, policies, planner=planner)
+        if cell not in yards:
+            yards[cell] = ys.build(sc, planner, horizon_tokens=preset.token_budget)
+        return yardstick_score(preset, cmp_, planner, yard=yards[cell])
 
     def show(cell: dict) -> None:
         if args.json:
             return
-        parts = [f"{n} {_pct(v['average_speedup_pct'])} ({_capture(v['capture'])})"
-                 for n, v in cell["variants"].items()]
-        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} oracle "
-              f"{_pct(cell['oracle_avg_pct']):>7s} (paying for switches "
-              f"{_pct(cell['switch_aware_oracle_avg_pct'])})  " + "  ".join(parts), flush=True)
+        parts = [f"{n} {_pct(v['speedup_pct'])} ({_capture(v['capture'])}, spread "
+                 f"{_cell(v['seed_spread_pct'])})" for n, v in cell["variants"].items()]
+        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} honest ceiling "
+              f"{_pct(cell['honest_ceiling_pct']):>7s}{'' if cell['ceiling_ge_2pct'] else ' (<2 %)'}"
+              f"  best baseline {cell['best_baseline'][0]}  " + "  ".join(parts), flush=True)
 
     if not args.json:
-        print(f"== truth grid: average speed-up over the fastest baseline (capture = / oracle), "
-              f"mean of seeds {','.join(map(str, seeds))} ==")
-    out = tg.run_grid(cells, seeds, run_one, show)
+        print(f"== truth grid: speed-up in time to the final target over the best baseline "
+              f"(capture = / honest ceiling), mean of seeds {','.join(map(str, seeds))} ==")
+    out = tg.run_yardstick_grid(cells, seeds, run_one, show)
     variants = list(out[0]["variants"]) if out else []
-    result = {"seeds": seeds, "crit_ratios": ratios, "cells": out,
-              "goals": {n: tg.goals(out, n) for n in variants}}
+    result = {"seeds": seeds, "crit_ratios": ratios, "metric": out[0]["metric"] if out else None,
+              "policies": list(policies), "cells": out,
+              "goals": {n: tg.yardstick_goals(out, n) for n in variants}}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
         for n in variants:
             g = result["goals"][n]
-            print(f"{n}: median capture {_capture(g['median_capture'])} "
-                  f"({_capture(g['median_capture_switch_aware'])} of the ceiling paying for "
-                  f"switches) over {g['cells_counted']} "
-                  f"cells with ceiling >= {tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; "
-                  f"below 0.6: {', '.join(g['cells_below_0.6']) or 'none'}; "
-                  f"> 1 % behind the best baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
+            print(f"{n}: median capture {_capture(g['median_capture'])} over "
+                  f"{g['cells_counted']} of {g['cells']} cells with honest ceiling >= "
+                  f"{tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; below 0.5: "
+                  f"{', '.join(g['cells_below_0.5']) or 'none'}; > 1 % behind the best "
+                  f"baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
     return 0
 
 

@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lr-aware", action="store_true",
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
     p.add_argument("--seed", type=int, default=None, help="seed of the simulated noise (default 0)")
-    p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
+    p.add_argument("--preset", default=None,
+                   help="a COPUS configuration (core.sim.presets), 'olmo-long' (a long pre-training "
+                        "truth) or 'all' (COPUS's four)")
     p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
                    help="--preset: the ground truth (default: each preset's best-fitting one)")
     p.add_argument("--crit-ratio", type=float, default=None, metavar="R",
@@ -63,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.presets import COPUS_PRESETS, get_preset
     from copus.core.sim.simulator import Planner, compare_policies
 
     fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
@@ -80,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         args.seed = _numbers(args.seeds, "--seeds", int)[0]
     if args.preset is not None:
-        names = list(PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
-        scenarios = [(PRESETS[n], _preset(PRESETS[n], args)) for n in names]
+        names = list(COPUS_PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
+        scenarios = [(get_preset(n), _preset(get_preset(n), args)) for n in names]
     else:
         scenarios = [(None, _custom(args))]
     out = []
@@ -372,13 +374,14 @@ def _plot(out, path: str) -> None:
 def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     """--truth-grid: the capture table (`core.sim.truth_grid`), as a table or JSON."""
     from copus.core.sim import truth_grid as tg
-    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.presets import COPUS_PRESETS, get_preset
     from copus.core.sim.simulator import compare_policies
 
     if "goodput" not in policies or not {"static", "cbs"} & set(policies):
         raise ValueError(f"--policies={args.policies!r} is invalid with --truth-grid; allowed: "
                          "goodput and at least one of static, cbs")
-    names = list(PRESETS) if args.preset in (None, "all") else [get_preset(args.preset).name]
+    names = (list(COPUS_PRESETS) if args.preset in (None, "all")
+             else [get_preset(args.preset).name])
     ratios = _numbers(args.crit_ratios, "--crit-ratios")
     seeds = _numbers(args.seeds, "--seeds", int) if args.seeds is not None else [args.seed]
     cells = tg.grid_cells(names, tg.GRID_TRUTHS, ratios)
@@ -389,7 +392,7 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
         from copus.core.sim import yardstick as ys
         from copus.core.sim.simulator import Planner
 
-        preset = PRESETS[cell.preset]
+        preset = get_preset(cell.preset)
         sc = _preset(preset, args, cell.truth, cell.crit_ratio, seed)
         planner = Planner(sc)
         cmp_ = compare_policies(sc, policies, planner=planner)

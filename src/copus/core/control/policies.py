@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from copus.core.stats import batch_tests as bt
 from copus.core.stats.gns import lower_bound
 from copus.core.specs.models import ModelShape
-from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.plan import ParallelPlan, default_micro_batch_size
 from copus.core.plan.records import Decision, StepRecord
 from copus.core.control.schedules import (STEP_SCHEDULE_UNITS, BatchSchedule, StepSchedule,
                                           parse_step_schedule,
@@ -443,22 +443,42 @@ class SchedulePolicy(_BatchPolicy):
         text = settings.schedule or f"0:{initial_plan.global_batch_size}"
         unit = settings.schedule_unit if settings.schedule else "samples"
         self.schedule: StepSchedule = parse_step_schedule(text, unit=unit, seq_len=seq_len)
-        self.schedule.check_divisible(initial_plan.dp * initial_plan.micro_batch_size)
+
+    def check_layouts(self, layout_for=None, micro_batch_size: int = 0) -> None:
+        """Every entry's batch must split over the plan it will run on: a multiple of dp ×
+        `micro_batch_size` (parallel.micro_batch_size; 0 = chosen per batch, then of dp) with at
+        least pp micro-batches, dp from `layout_for(batch)` (a layout map) or the initial plan.
+        One-line ValueError naming the entry and what is allowed."""
+        p = self.initial_plan
+        for entry, (_, batch) in zip(self.schedule.describe().split(","), self.schedule.entries):
+            layout = (layout_for(batch) if layout_for is not None else None) or p.layout
+            dp, _, pp = layout
+            m = dp * (micro_batch_size or 1)
+            if batch % m or batch // m < pp:
+                what = f"dp*micro_batch_size={dp}*{micro_batch_size}" if micro_batch_size \
+                    else f"dp={dp}"
+                raise ValueError(f"batch.schedule entry '{entry}' is invalid on layout "
+                                 f"dp{dp}.tp{layout[1]}.pp{pp}: {batch} is not a multiple of {what} "
+                                 f"with >= {pp} micro-batches; allowed: multiples of {m} (>= {m * pp})")
 
     def observe(self, record: StepRecord) -> Decision | None:
         if record.skipped:
             return None
         target = self.schedule(record.tokens)
-        if target <= record.plan.global_batch_size:
+        plan = record.plan
+        if target <= plan.global_batch_size:
             return None
-        m = record.plan.dp * record.plan.micro_batch_size
-        if target % m:
-            raise ValueError(f"batch.schedule batch {target} is invalid on {record.plan.describe()}: "
-                             f"not a multiple of dp*micro_batch_size={m}; allowed: multiples of {m}")
+        if target % plan.dp:
+            raise ValueError(f"batch.schedule batch {target} is invalid on {plan.describe()}: not a "
+                             f"multiple of dp={plan.dp}; allowed: multiples of {plan.dp}")
+        per_dp = target // plan.dp
+        mbs = plan.micro_batch_size
+        if per_dp % mbs or per_dp // mbs < plan.pp:
+            mbs = default_micro_batch_size(per_dp, plan.pp, cap=mbs)
         self.num_decisions += 1
         reason = (f"schedule {self.schedule.describe()} at {record.tokens} tokens: "
-                  f"B {record.plan.global_batch_size} -> {target}")
-        return Decision(kind="batch", plan=record.plan.with_batch(target), reason=reason,
+                  f"B {plan.global_batch_size} -> {target}")
+        return Decision(kind="batch", plan=plan.with_batch(target, mbs), reason=reason,
                         step=record.step, b_noise=record.b_noise)
 
 

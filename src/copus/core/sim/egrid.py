@@ -109,13 +109,74 @@ def _steps(traj: Trajectory, batch: np.ndarray, loss: float, tokens: np.ndarray,
     return np.where(gain > 0, de / np.where(gain > 0, gain, 1.0), np.inf)
 
 
+def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray,
+          tokens: np.ndarray) -> np.ndarray:
+    """One step's effective samples for every run at once (`Trajectory.progress_per_step`
+    with a loss per run): ΔE = B·B_crit/(B_crit + B) [· (2x − x²) under the sqrt-LR truth]."""
+    from copus.core.stats.lr_progress import sqrt_lr_progress_factor
+
+    p = traj.params
+    loss = p.final_loss + (p.initial_loss - p.final_loss) * (
+        1.0 + np.maximum(progress, 0.0) / p.progress_scale_samples) ** (-p.loss_exponent)
+    bcrit = np.maximum(p.bcrit_star_tokens / np.maximum(loss, 1e-6) ** (1.0 / p.bcrit_exponent)
+                       / traj.seq_len, p.min_bcrit_samples)
+    tuned = batch * bcrit / (bcrit + batch)
+    if p.lr_model == "lr-tuned":
+        return tuned
+    return tuned * sqrt_lr_progress_factor(batch, bcrit, p.lr_fraction_x0, ref_batch=p.lr_ref_batch,
+                                           exponent=p.lr_opt_exponent, tokens=tokens,
+                                           warmup_tokens=p.lr_warmup_tokens)
+
+
+STEPWISE_MAX = 20_000        # steps of the exact head of a fixed run
+SMOOTH = 0.01                # the head ends once a step changes the gain by < 1 %
+
+
+def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, order, out, col):
+    """March every run step by step, as the simulator does, through the LR warm-up and while a
+    step changes its gain by ≥ 1 % (a near-stall after the warm-up, where the gain crawls up
+    from ~0 and the grid's midpoint rule would run ahead). Returns (progress, tokens, wall,
+    batch, step_s, layout) where each run left the head."""
+    seq, warm = traj.seq_len, traj.params.lr_warmup_tokens
+    e, tok, wall = np.zeros(runs), np.zeros(runs), np.zeros(runs)
+    batch = np.asarray(batch_of(tok), dtype=float)
+    step, lay = menu_lookup(batch)
+    active = np.isfinite(step)
+    prev = np.full(runs, np.nan)
+    for _ in range(STEPWISE_MAX):
+        if not active.any():
+            break
+        g = _gain(traj, batch, e, tok)
+        e = np.where(active, e + g, e)
+        tok = np.where(active, tok + batch * seq, tok)
+        wall = np.where(active, wall + step, wall)
+        for k, goal in enumerate(goals):
+            newly = active & (e >= goal) & np.isnan(out[:, col[order[k]]])
+            out[newly, col[order[k]]] = wall[newly] / 60.0
+        smooth = (g > 0) & (np.abs(g - prev) <= SMOOTH * g)
+        stalled = (tok >= warm) & ~(g > 0)           # x ≥ 2 past the warm-up: never moves again
+        wall = np.where(active & stalled, np.inf, wall)
+        active &= ~((tok >= warm) & (smooth | stalled)) & (e < goals[-1])
+        prev = g
+        nb = np.asarray(batch_of(tok), dtype=float)
+        moved = active & (nb != batch)
+        if moved.any():
+            new_step, new_lay = menu_lookup(nb)
+            wall = np.where(moved & (new_lay != lay), wall + menu_lookup.switch_cost_s, wall)
+            batch, step, lay = (np.where(moved, nb, batch), np.where(moved, new_step, step),
+                                np.where(moved, new_lay, lay))
+    return e, tok, wall, batch, step, lay
+
+
 def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
                        batch_of: Callable[[np.ndarray], np.ndarray], runs: int,
                        targets: Sequence[float], switch_cost_s: float = 0.0,
                        points: int = GRID_POINTS) -> np.ndarray:
     """Minutes to each target (shape runs × len(targets), NaN = missed) of `runs` runs whose
     batch is `batch_of(tokens)` (an array of `runs` batches from their tokens seen), each batch
-    on its fastest plan; a layout change pays `switch_cost_s`. A batch no layout hosts: missed."""
+    on its fastest plan; a layout change pays `switch_cost_s`. A batch no layout hosts: missed.
+
+    The head of each run is marched step by step (`_stepwise_head`), the rest on the grid."""
     traj = Trajectory(params, seq_len)
     out = np.full((runs, len(targets)), np.nan)
     g = _grid(traj, targets, points)
@@ -123,31 +184,36 @@ def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
         return out
     edges, order, goals = g
     tb, ts, tl = menu.fastest_table()
-    tokens, wall = np.zeros(runs), np.zeros(runs)
 
     def lookup(b: np.ndarray):
         i = np.clip(np.searchsorted(tb, b), 0, len(tb) - 1)
         ok = tb[i] == b
         return np.where(ok, ts[i], np.inf), np.where(ok, tl[i], -1)
 
-    batch = np.asarray(batch_of(tokens), dtype=float)
-    step, lay = lookup(batch)
-    if _zero_progress_start(traj):
-        wall += step
-        tokens += batch * seq_len
-    k = 0
+    lookup.switch_cost_s = switch_cost_s
     col = {t: targets.index(t) for t in order}
+    e0, tokens, wall, batch, step, lay = _stepwise_head(traj, lookup, batch_of, runs, goals,
+                                                        order, out, col)
+    k = 0
     for lo, hi in zip(edges[:-1], edges[1:]):
+        de = np.clip(hi - np.maximum(lo, e0), 0.0, None)
+        if not de.any():
+            continue
         nb = np.asarray(batch_of(tokens), dtype=float)
         if np.any(nb != batch):
-            step, new_lay = lookup(nb)
+            new_step, new_lay = lookup(nb)
             wall += np.where((new_lay != lay) & (nb != batch), switch_cost_s, 0.0)
-            batch, lay = nb, new_lay
-        n = _steps(traj, batch, traj.loss(0.5 * (lo + hi)), tokens, hi - lo)
-        wall += n * step
-        tokens += n * batch * seq_len
+            batch, step, lay = nb, new_step, new_lay
+        mid = np.maximum(lo, e0) + 0.5 * de
+        gain = _gain(traj, batch, mid, tokens)
+        n = np.where(de > 0, de / np.where(gain > 0, gain, np.nan), 0.0)
+        n = np.where(np.isnan(n), np.inf, n)
+        wall = wall + n * step
+        tokens = tokens + np.where(np.isfinite(n), n * batch * seq_len, 0.0)
         while k < len(goals) and hi >= goals[k]:
-            out[:, col[order[k]]] = np.where(np.isfinite(wall), wall / 60.0, np.nan)
+            c = col[order[k]]
+            fresh = np.isnan(out[:, c])
+            out[fresh, c] = np.where(np.isfinite(wall[fresh]), wall[fresh] / 60.0, np.nan)
             k += 1
     return out
 

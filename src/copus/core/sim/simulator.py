@@ -624,6 +624,7 @@ def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
     return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
                     world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,
                     max_batch=preset.max_batch, static_batches=preset.static_batches,
+                    batch_grid=getattr(preset, "batch_grid", "multiples"),
                     goodput_variants=tuple(variants), cbs_layouts=tuple(preset.cbs_layouts),
                     # COPUS started from the layout its profiler found fastest at B = 16
                     start_layout=preset.published_layouts[0] if preset.published_layouts else None,

@@ -134,3 +134,27 @@ def test_simulate_json_carries_the_yardstick(capsys):
         v = d["variants"][name]
         assert {"speedup_pct", "capture", "average_speedup_pct", "vs_untuned_pct"} <= set(v)
         assert "median static B=128" in v["vs_untuned_pct"]
+
+
+def test_olmo_long_truth_grows_the_critical_batch_from_near_zero_to_thousands():
+    """Merrill et al. 2025's shape: near zero at the start, thousands of sequences by the last
+    target, on a cluster the smallest batch fills to less than half."""
+    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.simulator import preset_scenario
+    from copus.core.sim.trajectory import Trajectory
+
+    p = get_preset("olmo-long")
+    assert p.name not in PRESETS                  # COPUS's four stay "all"
+    traj = Trajectory(p.trajectory, 2048)
+    assert traj.critical_batch(6.0) < 2 and traj.critical_batch(min(p.target_losses)) > 4000
+    assert 50e9 < traj.progress_for_loss(min(p.target_losses)) * 2048 < 500e9
+    sc = preset_scenario(p)
+    planner = Planner(sc)
+    menu = Menu.from_candidates(*planner.menu())
+    b, s, _ = menu.fastest_table()
+    rate = b / s
+    assert b[0] == 256 and rate[0] < 0.5 * rate.max()
+    yard = ys.build(sc, planner, horizon_tokens=p.token_budget)
+    best = min(m[-1] for m in yard.deterministic_baselines().values() if m[-1] is not None)
+    assert yard.ceiling_min[-1] < best              # ramping has something to win here
+    assert yard.median_min[-1] > best

@@ -230,12 +230,12 @@ _TOLMO[SQRT_LR] = _TOLMO[LR_TUNED].with_(lr_model=SQRT_LR, lr_opt_exponent=0.5,
                                          lr_warmup_tokens=2e9)
 
 OLMO_LONG = Preset(
-    name="olmo-long", description="OLMo-1B-like long pre-training on 16x8 H100 (TinyLlama 1.1B "
+    name="olmo-long", description="OLMo-1B-like long pre-training on 32x8 H100 (TinyLlama 1.1B "
                                   "shape; Merrill et al. 2025's critical-batch growth)",
-    model="tinyllama-1.1b", hardware="h100-sxm", world_size=128,
+    model="tinyllama-1.1b", hardware="h100-sxm", world_size=256,
     token_budget=200_000_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
-    trajectory=_TOLMO[LR_TUNED], truths=_TOLMO, initial_batch=128, max_batch=16384,
-    sim_budget_factor=2.0, static_batches=(128, 512, 2048, 8192), batch_grid="geometric",
+    trajectory=_TOLMO[LR_TUNED], truths=_TOLMO, initial_batch=256, max_batch=16384,
+    sim_budget_factor=2.0, static_batches=(256, 1024, 4096, 16384), batch_grid="geometric",
     cbs_layouts=())
 # not in PRESETS (COPUS's four, with published rows): `get_preset` finds it
 LONG_PRESETS: dict[str, Preset] = {OLMO_LONG.name: OLMO_LONG}

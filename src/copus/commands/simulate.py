@@ -185,6 +185,7 @@ def _minutes(s: float | None) -> str:
 def _print_comparison(preset, cmp_) -> None:
     if preset is not None:
         _print_preset(preset, cmp_)
+        _print_yardstick(cmp_.yardstick)
         return
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
@@ -211,6 +212,20 @@ def _print_comparison(preset, cmp_) -> None:
                 last = s.plan.layout
         print(f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
               f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}")
+
+
+def _print_yardstick(yard: dict | None) -> None:
+    """The honest yardstick (docs/yardstick.md): time to the final target."""
+    if yard is None:
+        return
+    best = yard["best_baseline"]
+    print(f"honest yardstick ({yard['metric']} {yard['final_target']:g}): best baseline "
+          f"{best['name']} {_cell(best['minutes'])} min; honest ceiling "
+          f"{_pct(yard['honest_ceiling_pct'])} ({'counts' if yard['ceiling_ge_2pct'] else '< 2 %'})")
+    for name, v in yard["variants"].items():
+        untuned = ", ".join(f"{k} {_pct(x)}" for k, x in v["vs_untuned_pct"].items())
+        print(f"  {name}: {_pct(v['speedup_pct'])} (capture {_capture(v['capture'])}); over the "
+              f"untuned choice: {untuned}")
 
 
 def _cell(v: float | None) -> str:

@@ -34,7 +34,7 @@ def test_grid_static_runs_match_the_stepwise_simulator(three_b):
     sc, planner, menu = three_b
     targets = list(sc.sim.target_losses)
     batches = np.array([32.0, 64.0])
-    grid = fixed_runs_minutes(sc.sim.trajectory, sc.shape.seq_len, menu, lambda t: batches, 2,
+    grid = fixed_runs_minutes(sc.sim.trajectory, sc.shape.seq_len, menu, lambda t, e: batches, 2,
                               targets)
     cmp_ = compare_policies(sc, ("static",), planner=planner)
     for row, b in zip(grid, batches):
@@ -63,7 +63,7 @@ def test_ceiling_pays_switches_and_dominates_every_static(three_b):
     assert all(p >= f - 1e-9 for p, f in zip(paid, free))
     assert huge[-1] > paid[-1]
     batches = np.unique(menu.batches)
-    static = fixed_runs_minutes(sc.sim.trajectory, sc.shape.seq_len, menu, lambda t: batches,
+    static = fixed_runs_minutes(sc.sim.trajectory, sc.shape.seq_len, menu, lambda t, e: batches,
                                 len(batches), list(sc.sim.target_losses))
     assert paid[-1] <= np.nanmin(static[:, -1]) * 1.001
     # with switches free the programme is the greedy oracle (lr-tuned: no warm-up)
@@ -158,3 +158,19 @@ def test_olmo_long_truth_grows_the_critical_batch_from_near_zero_to_thousands():
     best = min(m[-1] for m in yard.deterministic_baselines().values() if m[-1] is not None)
     assert yard.ceiling_min[-1] < best              # ramping has something to win here
     assert yard.median_min[-1] > best
+
+
+def test_doubling_on_the_true_critical_batch_doubles_when_it_passes_twice_the_batch():
+    from copus.core.sim.egrid import critical_batch_of_progress
+    from copus.core.sim.schedule_baselines import doubling_batches
+    from copus.core.sim.trajectory import Trajectory
+
+    sc = _scenario()
+    traj = Trajectory(sc.sim.trajectory, sc.shape.seq_len)
+    batch_of = doubling_batches(traj, 16, 1024, np.arange(16, 1025))
+    e = np.geomspace(1.0, 1e7, 200)
+    b, bcrit = batch_of(None, e), critical_batch_of_progress(traj, e)
+    assert np.all(np.diff(b) >= 0) and b[0] == 16
+    assert np.all((2 * b >= bcrit) | (b == 1024))            # never left behind by B_crit / 2
+    assert np.all((b == 16) | (bcrit > b))                   # doubled only once B_crit > 2 · B/2
+    assert set(np.unique(b)) <= {16, 32, 64, 128, 256, 512, 1024}

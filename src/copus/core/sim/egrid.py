@@ -109,6 +109,15 @@ def _steps(traj: Trajectory, batch: np.ndarray, loss: float, tokens: np.ndarray,
     return np.where(gain > 0, de / np.where(gain > 0, gain, 1.0), np.inf)
 
 
+def critical_batch_of_progress(traj: Trajectory, progress: np.ndarray) -> np.ndarray:
+    """B_crit(L(E)) in samples for an array of effective samples (`Trajectory.critical_batch`)."""
+    p = traj.params
+    loss = p.final_loss + (p.initial_loss - p.final_loss) * (
+        1.0 + np.maximum(progress, 0.0) / p.progress_scale_samples) ** (-p.loss_exponent)
+    return np.maximum(p.bcrit_star_tokens / np.maximum(loss, 1e-6) ** (1.0 / p.bcrit_exponent)
+                      / traj.seq_len, p.min_bcrit_samples)
+
+
 def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray,
           tokens: np.ndarray) -> np.ndarray:
     """One step's effective samples for every run at once (`Trajectory.progress_per_step`
@@ -116,10 +125,7 @@ def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray,
     from copus.core.stats.lr_progress import sqrt_lr_progress_factor
 
     p = traj.params
-    loss = p.final_loss + (p.initial_loss - p.final_loss) * (
-        1.0 + np.maximum(progress, 0.0) / p.progress_scale_samples) ** (-p.loss_exponent)
-    bcrit = np.maximum(p.bcrit_star_tokens / np.maximum(loss, 1e-6) ** (1.0 / p.bcrit_exponent)
-                       / traj.seq_len, p.min_bcrit_samples)
+    bcrit = critical_batch_of_progress(traj, progress)
     tuned = batch * bcrit / (bcrit + batch)
     if p.lr_model == "lr-tuned":
         return tuned
@@ -139,7 +145,7 @@ def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, or
     batch, step_s, layout) where each run left the head."""
     seq, warm = traj.seq_len, traj.params.lr_warmup_tokens
     e, tok, wall = np.zeros(runs), np.zeros(runs), np.zeros(runs)
-    batch = np.asarray(batch_of(tok), dtype=float)
+    batch = np.asarray(batch_of(tok, e), dtype=float)
     step, lay = menu_lookup(batch)
     active = np.isfinite(step)
     prev = np.full(runs, np.nan)
@@ -158,7 +164,7 @@ def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, or
         wall = np.where(active & stalled, np.inf, wall)
         active &= ~((tok >= warm) & (smooth | stalled)) & (e < goals[-1])
         prev = g
-        nb = np.asarray(batch_of(tok), dtype=float)
+        nb = np.asarray(batch_of(tok, e), dtype=float)
         moved = active & (nb != batch)
         if moved.any():
             new_step, new_lay = menu_lookup(nb)
@@ -169,11 +175,12 @@ def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, or
 
 
 def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
-                       batch_of: Callable[[np.ndarray], np.ndarray], runs: int,
+                       batch_of: Callable[[np.ndarray, np.ndarray], np.ndarray], runs: int,
                        targets: Sequence[float], switch_cost_s: float = 0.0,
                        points: int = GRID_POINTS) -> np.ndarray:
     """Minutes to each target (shape runs × len(targets), NaN = missed) of `runs` runs whose
-    batch is `batch_of(tokens)` (an array of `runs` batches from their tokens seen), each batch
+    batch is `batch_of(tokens, progress)` (an array of `runs` batches from their tokens and
+    effective samples so far), each batch
     on its fastest plan; a layout change pays `switch_cost_s`. A batch no layout hosts: missed.
 
     The head of each run is marched step by step (`_stepwise_head`), the rest on the grid."""
@@ -199,7 +206,7 @@ def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
         de = np.clip(hi - np.maximum(lo, e0), 0.0, None)
         if not de.any():
             continue
-        nb = np.asarray(batch_of(tokens), dtype=float)
+        nb = np.asarray(batch_of(tokens, np.maximum(lo, e0)), dtype=float)
         if np.any(nb != batch):
             new_step, new_lay = lookup(nb)
             wall += np.where((new_lay != lay) & (nb != batch), switch_cost_s, 0.0)

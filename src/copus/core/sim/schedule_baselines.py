@@ -62,6 +62,27 @@ def scaled(name: str, final_batch: int, horizon_tokens: float,
     return StepSchedule(tuple(entries))
 
 
+def doubling_batches(traj, initial_batch: int, max_batch: int, menu_batches: np.ndarray):
+    """Merrill et al. 2025's rule with a perfect measurement of the critical batch: start at
+    `initial_batch`, double whenever B_crit(L) > 2·B, i.e. B = initial·2^k with the smallest
+    k ≥ 0 such that 2·B ≥ B_crit, capped at `max_batch`, each value snapped to the menu.
+    Returns batch_of(tokens, progress) for `egrid.fixed_runs_minutes` (one run)."""
+    from copus.core.sim.egrid import critical_batch_of_progress
+
+    ladder, b = [], initial_batch
+    while b <= max_batch:
+        ladder.append(_snap(b, menu_batches))
+        b *= 2
+    ladder_arr = np.asarray(ladder, dtype=float)
+
+    def batch_of(_tokens: np.ndarray, progress: np.ndarray) -> np.ndarray:
+        bcrit = critical_batch_of_progress(traj, progress)
+        k = np.ceil(np.log2(np.maximum(bcrit / (2.0 * initial_batch), 1.0)) - 1e-12)
+        return ladder_arr[np.clip(k.astype(int), 0, len(ladder_arr) - 1)]
+
+    return batch_of
+
+
 def anchors(initial_batch: int, max_batch: int) -> list[int]:
     out, b = [], 2 * initial_batch
     while b <= max_batch:
@@ -84,7 +105,7 @@ def schedule_runs(truth, seq_len: int, menu, targets: list[float], switch_cost_s
         finals = sorted(set(anchors(initial_batch, max_batch)) | {median_batch})
         scheds = [scaled(name, f, horizon_tokens, batches) for f in finals]
 
-        def batch_of(tokens: np.ndarray, scheds=scheds) -> np.ndarray:
+        def batch_of(tokens: np.ndarray, _progress, scheds=scheds) -> np.ndarray:
             return np.array([s(t) for s, t in zip(scheds, tokens)], dtype=float)
 
         mins = fixed_runs_minutes(truth, seq_len, menu, batch_of, len(scheds), targets,

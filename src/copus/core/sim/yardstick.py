@@ -47,11 +47,15 @@ class Yardstick:
     median_batch: int                        # the untuned user's static batch
     median_min: list[float | None]
     schedules: dict[str, dict] = field(default_factory=dict)   # name -> tuned/untuned runs
+    # Merrill et al.'s doubling rule on the true critical batch (a perfect measurement)
+    doubling_min: list[float | None] | None = None
 
     def deterministic_baselines(self) -> dict[str, list[float | None]]:
         out = {f"static B={self.static_batch} (best of full menu)": self.static_min}
         for name, s in self.schedules.items():
             out[f"schedule {name} tuned"] = s["tuned"]["minutes"]
+        if self.doubling_min is not None:
+            out["doubling on the true critical batch"] = self.doubling_min
         return out
 
     def untuned(self) -> dict[str, list[float | None]]:
@@ -75,7 +79,7 @@ def build(scenario, planner, *, horizon_tokens: float) -> Yardstick:
     ceiling = ceiling_minutes(truth, seq, menu, scenario.initial_batch, targets, cost)
     free = ceiling_minutes(truth, seq, menu, scenario.initial_batch, targets, 0.0)
     batches = np.unique(menu.batches)
-    static = fixed_runs_minutes(truth, seq, menu, lambda tok: batches, len(batches), targets)
+    static = fixed_runs_minutes(truth, seq, menu, lambda tok, e: batches, len(batches), targets)
     col = targets.index(final)
     finite = np.where(np.isfinite(static[:, col]), static[:, col], np.inf)
     best = int(np.argmin(finite))
@@ -84,10 +88,15 @@ def build(scenario, planner, *, horizon_tokens: float) -> Yardstick:
     schedules = sb.schedule_runs(truth, seq, menu, targets, cost, horizon_tokens=horizon_tokens,
                                  initial_batch=scenario.initial_batch,
                                  max_batch=scenario.max_batch, median_batch=median)
+    from copus.core.sim.trajectory import Trajectory
+
+    doubling = fixed_runs_minutes(truth, seq, menu, sb.doubling_batches(
+        Trajectory(truth, seq), scenario.initial_batch, scenario.max_batch, batches), 1,
+        targets, cost)
     return Yardstick(targets=targets, final_target=final, ceiling_min=ceiling, free_min=free,
                      static_batch=int(batches[best]), static_min=_minutes_list(static[best]),
                      median_batch=int(median), median_min=_minutes_list(med_row),
-                     schedules=schedules)
+                     schedules=schedules, doubling_min=_minutes_list(doubling[0]))
 
 
 def speedup(base: float | None, run: float | None) -> float | None:

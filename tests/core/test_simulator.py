@@ -163,7 +163,7 @@ def test_compare_policies_reports_every_family_and_speedups():
     sc = _scenario()
     cmp_ = compare_policies(sc)
     fams = set(cmp_.families.values())
-    assert fams == {"static", "cbs", "norm-test", "goodput"}
+    assert fams == {"static", "cbs", "doubling", "norm-test", "goodput"}
     rows = cmp_.speedups()
     assert [r["target"] for r in rows] == [6.0, 4.5]
     for r in rows:

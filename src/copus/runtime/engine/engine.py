@@ -11,10 +11,20 @@ compute, fp32 gradient accumulation and reduce-scatters (torchtitan's default); 
 CUDA and fp32 elsewhere. The loss and every noise-scale sum are fp32 (`grad_stats`).
 
 One `train_step` = num_microbatches forward/backward passes per dp rank (plain gradient
-accumulation with FSDP2's reduce-scatter on the last micro-batch only, or a pipeline schedule
-at pp > 1), ONE all-reduce of a small fp32/fp64 vector [loss, Σ_j‖g_j‖², ‖ḡ‖², g_jᵀḡ...] over
-the world, clipping by the global norm, then AdamW. Statistics are taken before clipping; if the
-loss or any statistic is not finite the optimizer step is skipped and the gradients dropped.
+accumulation, or a pipeline schedule at pp > 1), ONE all-reduce of a small fp32/fp64 vector
+[loss, Σ_j‖g_j‖², ‖ḡ‖², g_jᵀḡ...] over the world, clipping by the global norm, then AdamW.
+Statistics are taken before clipping; if the loss or any statistic is not finite the optimizer
+step is skipped and the gradients dropped.
+
+Accumulation memory (pp = 1): with `gns.small = "microbatch"` (the default) FSDP2 reduce-scatters
+after every micro-batch and adds the result to the sharded fp32 gradient, so per rank the
+gradient costs 4·P/(tp·dp) bytes plus one FSDP unit's unsharded gradient in flight, whatever
+num_microbatches is (the per-micro-batch statistic is read by a tensor hook before the reduce,
+unchanged). `gns.small = "rank"` needs this rank's gradient summed over its micro-batches before
+the dp reduction, which by definition is dp-unsharded: it reduce-scatters on the last
+micro-batch only and holds 4·P/tp bytes of unsharded fp32 gradient when num_microbatches ≥ 2
+(`core/cost/memory.py` counts it in that mode only). Under pp > 1 torch's pipeline schedule
+disables gradient sync until the last backward in both modes (`pipeline.py`).
 """
 
 from __future__ import annotations
@@ -199,7 +209,11 @@ class Engine:
             self.stats.begin(k, grad_scale=float(k) if self.gns_small == "microbatch" else 1.0)
             total = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
-                self.model.set_requires_gradient_sync(i == k - 1)
+                # "microbatch": reduce-scatter every micro-batch into the sharded fp32
+                # gradient (torchtitan's way; no unsharded gradient outlives its FSDP unit's
+                # backward). "rank" needs this rank's unsharded sum over its micro-batches,
+                # so it reduce-scatters on the last micro-batch only (module docstring).
+                self.model.set_requires_gradient_sync(self.gns_small != "rank" or i == k - 1)
                 if not self.settings.reshard_after_forward:
                     # keep parameters gathered across the accumulation, as a pipeline stage
                     # does: one all-gather per step instead of one per micro-batch

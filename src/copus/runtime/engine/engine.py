@@ -139,10 +139,11 @@ class Engine:
 
     def __init__(self, shape: ModelShape, plan: ParallelPlan, settings: EngineSettings,
                  device: torch.device | str, mesh_cache: MeshCache, seed: int = 0,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, init: bool = True) -> None:
         """`allocate=False`: the model stays on the meta device (no memory, no optimizer); the
         caller fills it (reconfigure's direct path: `runtime/state/redistribute.py`) and then calls
-        `finish_build()`."""
+        `finish_build()`. `init=False`: memory but no initial values drawn (the caller loads a
+        checkpoint or Hugging Face weights into every parameter next)."""
         plan.validate(dist.get_world_size(), shape)
         self.shape, self.plan, self.settings = shape, plan, settings
         self.device = torch.device(device)
@@ -159,7 +160,7 @@ class Engine:
                     activation_checkpointing=settings.activation_checkpointing,
                     reshard_after_forward=settings.reshard_after_forward, dtype=self.dtype,
                     compile=settings.compile, loss_parallel=self.loss_parallel)
-        self.model = materialize(model, self.device, seed) if allocate else model
+        self.model = materialize(model, self.device, seed, init=init) if allocate else model
         self.optimizer = self.pipeline = self.stats = None
         if allocate:
             self.finish_build()

@@ -52,6 +52,7 @@ from copus.runtime.engine.model import build_model, materialize
 from copus.runtime.engine.optim import build_adamw
 from copus.runtime.engine.parallelize import DTYPES, ac_mode, check_compile_available, parallelize
 from copus.runtime.engine.pipeline import SCHEDULES, Pipeline, split_stage
+from copus.runtime.engine.release import drop_tensors
 
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -310,10 +311,13 @@ class Engine:
                        optim_state_dict=optim_sd, options=DCP_OPTIONS)
 
     def close(self) -> None:
-        """Drop hooks, model and optimizer (the cached mesh and its groups stay alive)."""
+        """Drop hooks, model and optimizer (the cached mesh and its groups stay alive). The
+        tensors are freed now, by reference counting (`release.drop_tensors`: FSDP2's reference
+        cycles would otherwise keep them until the next `gc.collect()`)."""
         if self.stats is not None:
             self.stats.close()
-        self.pipeline = None
+        self.stats = self.pipeline = None
+        drop_tensors(self.model, self.optimizer)
         self.optimizer = None
         self.model = None
 

@@ -1,5 +1,7 @@
 """Memory model: hand-computed bytes, sharding, activation checkpointing, pipeline schedules."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -26,11 +28,16 @@ def test_hand_computed_fp32_data_parallel():
     assert float(mm.bytes_per_rank(2, 1, 1, 2, 1)) == pytest.approx(32_000_000, abs=1)
     parts = mm.breakdown(2, 1, 1, 2, 1)
     assert float(parts["states"]) == states and float(parts["buffers"]) == buffers
-    # 4 micro-batches: gradient accumulation keeps the whole model's gradients unsharded in fp32
-    # (FSDP2 without gradient sync) instead of one unit (issue 25: a deliberate model change)
-    acc = mm.breakdown(2, 1, 1, 2, 4)
+    # 4 micro-batches: the runtime reduce-scatters every micro-batch, one gradient unit as at m = 1
+    assert float(mm.bytes_per_rank(2, 1, 1, 2, 4)) == pytest.approx(32_000_000, abs=1)
+    # without gradient sync until the last micro-batch (gns.small = "rank"): the whole model's
+    # gradients stay unsharded in fp32 instead of one unit
+    acc = replace(mm, unsharded_accumulation=True).breakdown(2, 1, 1, 2, 4)
     assert float(acc["grads_unsharded"]) == 4 * params
     assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params, abs=1)
+    # at dp = 1 the engine falls back to per-micro-batch statistics and syncs every micro-batch
+    solo = replace(mm, unsharded_accumulation=True).breakdown(1, 1, 1, 2, 4)
+    assert float(solo["grads_unsharded"]) == layer * 4
 
 
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
@@ -56,12 +63,12 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():
     """copus on CUDA: fp32 params/grads/all-gathers, bf16 autocast (saved bf16 weight copies),
-    activations × the measured factor 55.6/34. dp=2, micro-batch 1, 2 micro-batches (the whole
-    model's fp32 gradients unsharded during accumulation, issue 25)."""
+    activations × the measured factor 55.6/34. dp=2, micro-batch 1, 2 micro-batches (each
+    micro-batch reduce-scattered: one fp32 gradient unit)."""
     mm = MemoryModel(TINY)
     layer, params = 393_600, 1_672_896
     states = params / 2 * (4 + 4 + 8)
-    buffers = 2 * layer * 4 + 4 * params + 2 * params * 1                  # + bf16 copies, 1 in flight
+    buffers = 2 * layer * 4 + layer * 4 + 2 * params * 1                   # + bf16 copies, 1 in flight
     sbh = 128 * 1 * 192
     acts = 4 * sbh * 55.6 + 128 * 256 * (2 + 4)
     assert float(mm.bytes_per_rank(2, 1, 1, 1, 2)) == pytest.approx(states + buffers + acts)
@@ -115,9 +122,13 @@ def test_pipeline_schedules_micro_batches_in_flight():
     assert np.all(np.diff(ag) > 0)          # GPipe: every micro-batch until the backward starts
     assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
     # no pipeline: gradient accumulation frees each micro-batch's activations, so m ≥ 2 does not
-    # matter; m = 1 → 2 adds the unsharded fp32 gradients (issue 25)
+    # matter; each micro-batch is reduce-scattered, so neither does m = 1 → 2; without gradient
+    # sync until the last micro-batch (gns.small = "rank") m = 1 → 2 adds the unsharded fp32
+    # gradients
     assert float(one_f.bytes_per_rank(8, 1, 1, 1, 2)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 64))
-    extra = float(one_f.bytes_per_rank(8, 1, 1, 1, 2) - one_f.bytes_per_rank(8, 1, 1, 1, 1))
+    assert float(one_f.bytes_per_rank(8, 1, 1, 1, 2)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 1))
+    rank = replace(one_f, unsharded_accumulation=True)
+    extra = float(rank.bytes_per_rank(8, 1, 1, 1, 2) - rank.bytes_per_rank(8, 1, 1, 1, 1))
     unit = SEVEN_B.layer_params()
     assert extra == pytest.approx(4 * SEVEN_B.num_params() - 4 * unit)
 

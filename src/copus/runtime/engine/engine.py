@@ -2,8 +2,9 @@
 
 Build order (each step documented in its module): meta model → pipeline split (`pipeline.py`)
 → TP → activation checkpointing → torch.compile → FSDP2 with its mixed-precision policy
-(`parallelize.py`) → `to_empty` + per-name seeded init (`model.py`) → AdamW (after wrapping:
-parameters are DTensors; fused on CUDA) → `GradStats` hooks.
+(`parallelize.py`) → `to_empty` + shard-local tile-seeded init (`model.py`; none with
+`init=False`) → AdamW (after wrapping: parameters are DTensors; fused on CUDA) → `GradStats`
+hooks. `close()` frees the tensors by reference counting (`release.py`).
 
 Precision (`dtype`): "bf16" runs FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`: fp32 sharded master weights and optimizer state, bf16 all-gathers and

@@ -28,7 +28,9 @@ buffers (FSDP2; one unit = one block or the embedding/head, FSDP2's `fully_shard
                          4·P_stage/t, where gradient sync is off until the last micro-batch:
                          under a pipeline (torch.distributed.pipelining does that) and, with
                          `unsharded_accumulation` (the runtime's gns.small = "rank" at
-                         dp ≥ 2, which needs each rank's own accumulated gradient), at pp = 1
+                         dp ≥ 2, which needs each rank's own accumulated gradient), at pp = 1;
+                         the sharded gradient (in "states") then only appears after the peak,
+                         at the last micro-batch's reduce-scatter, and is not counted
     communicators        `comm_bytes_per_group` per process group this rank belongs to with
                          more than one rank (dp, tp, pp and the world): NCCL's per-peer
                          channel buffers (CUDA; 0 on CPU / gloo, whose buffers are per call)
@@ -287,9 +289,13 @@ class MemoryModel:
         """One unit · e_p while it is reduce-scattered; with m ≥ 2 and gradient sync off until
         the last micro-batch (pp > 1, or `unsharded_accumulation` at dp ≥ 2) the stage's fp32
         accumulated gradients, 4 · P/t."""
-        no_sync = (_f(pp) > 1) | (self.unsharded_accumulation & (_f(dp) > 1))
-        acc = (_f(m) >= 2) & self.accumulation_buffers & no_sync
+        acc = self._no_sync(m, pp, dp)
         return np.where(acc, 4.0 * params / tp, unit * self.param_bytes)
+
+    def _no_sync(self, m, pp, dp) -> np.ndarray:
+        """Whether gradient sync is off until the last micro-batch (see `unsharded_grad_bytes`)."""
+        no_sync = (_f(pp) > 1) | (self.unsharded_accumulation & (_f(dp) > 1))
+        return (_f(m) >= 2) & self.accumulation_buffers & no_sync
 
     def comm_bytes(self, dp, tp, pp) -> np.ndarray:
         """`comm_bytes_per_group` × the process groups of > 1 rank this rank is in (dp, tp, pp,
@@ -343,6 +349,10 @@ class MemoryModel:
             else:
                 parts["params_gathered"] = self.gathered_params_bytes(params, unit, tp, pp, m, reshard)
                 parts["grads_unsharded"] = self.unsharded_grad_bytes(params, unit, tp, m, pp, dp)
+                # without sync the sharded gradient is created by the last micro-batch's
+                # reduce-scatter, after the peak (the previous step's was freed by zero_grad)
+                parts["states"] = parts["states"] - np.where(
+                    self._no_sync(m, pp, dp), params / (tp * dp) * self.param_bytes, 0.0)
             parts["weight_copies"] = self.weight_copy_bytes(params, unit, tp, flight, ac)
             parts["communicators"] = self.comm_bytes(dp, tp, pp) + zero
             parts["blocks"] = flight * layers * stored

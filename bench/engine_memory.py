@@ -17,7 +17,7 @@ resident memory follows live tensors. Sections (each a list of rows in the JSON)
 - model: `perf.runtime_memory_model` (fp32 on CPU) against the measured peak above the resident
   memory before the engine was built, per plan (dp2 / tp2 / pp2, micro-batch 1–2, 1–2 micro-batches).
 
-    python bench/engine_memory.py   → bench/results/engine_memory.json, engine_memory.md
+    python bench/engine_memory.py [--sections model,staging] → bench/results/engine_memory.json, .md
 """
 
 from __future__ import annotations
@@ -205,14 +205,16 @@ def _model(shape, cache) -> list[dict]:
     return rows
 
 
-def _work(folder: str, repeats: int):
+def _work(folder: str, repeats: int, sections: list[str]):
     from copus.core.specs.models import ModelShape
     from copus.runtime.engine.dist import MeshCache
 
     shape = ModelShape(**SHAPE_KW)
     cache = MeshCache("cpu")
-    return {"accumulation": _accumulation(shape, cache, repeats), "close": _close(shape, cache),
-            "staging": _staging(shape, cache, folder), "model": _model(shape, cache)}
+    runs = {"accumulation": lambda: _accumulation(shape, cache, repeats),
+            "close": lambda: _close(shape, cache), "staging": lambda: _staging(shape, cache, folder),
+            "model": lambda: _model(shape, cache)}
+    return {name: runs[name]() for name in sections}
 
 
 def _logits() -> list[dict]:
@@ -294,7 +296,7 @@ def _md(out: dict) -> str:
     for r in out["model"]:
         lines.append(f"| {r['plan']} | {r['measured'] / mb:.1f} | {r['model'] / mb:.1f} | "
                      f"{r['model'] / r['measured']:.3f} |")
-    lines += ["", f"command: `{out['command']}`"]
+    lines += ["", "commands: " + "; ".join(f"{k}: `{v}`" for k, v in out.get("commands", {}).items())]
     return "\n".join(lines) + "\n"
 
 
@@ -304,19 +306,29 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sections", default="accumulation,close,staging,model",
+                    help="a subset re-runs those sections and keeps the others from the last JSON")
     args = ap.parse_args()
+    sections = args.sections.split(",")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     with tempfile.TemporaryDirectory() as folder:
-        ranks = run_ranks(_work, 2, folder, args.repeats, timeout=1800)
-    out = {"command": "python bench/engine_memory.py " + " ".join(sys.argv[1:]),
-           "machine": "2 shared CPU cores (other jobs running), gloo", "shape": SHAPE_KW,
-           "accumulation": ranks[0]["accumulation"], "close": ranks[0]["close"],
-           "staging": ranks[0]["staging"], "logits": _logits(),
-           "model": [dict(r0, measured=max(r0["measured"], r1["measured"]))
-                     for r0, r1 in zip(ranks[0]["model"], ranks[1]["model"])],
-           "ranks": ranks}
+        ranks = run_ranks(_work, 2, folder, args.repeats, sections, timeout=3000)
+    path = RESULTS / "engine_memory.json"
+    out = json.loads(path.read_text()) if path.is_file() else {}
+    out.setdefault("commands", {})
+    command = "python bench/engine_memory.py " + " ".join(sys.argv[1:])
+    out.update({"command": command, "machine": "2 shared CPU cores (other jobs running), gloo",
+                "shape": SHAPE_KW, "logits": _logits()})
+    for name in sections:
+        out["commands"][name] = command
+        out[name] = ranks[0][name]
+        if name == "model":
+            out[name] = [dict(r0, measured=max(r0["measured"], r1["measured"]), ranks=[r0["measured"],
+                                                                                      r1["measured"]])
+                         for r0, r1 in zip(ranks[0]["model"], ranks[1]["model"])]
+    out.pop("ranks", None)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_memory.json").write_text(json.dumps(out, indent=1))
+    path.write_text(json.dumps(out, indent=1))
     text = _md(out)
     (RESULTS / "engine_memory.md").write_text(text)
     print(text)

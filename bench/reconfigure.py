@@ -107,8 +107,9 @@ def _setup(args: dict, layout: str):
     shape = model_shape(args["model"])
     cache = MeshCache(device.type)
 
-    def build(plan, allocate=True):
-        return Engine(shape, plan, EngineSettings(), device, cache, seed=0, allocate=allocate)
+    def build(plan, allocate=True, init=True):
+        return Engine(shape, plan, EngineSettings(), device, cache, seed=0, allocate=allocate,
+                      init=init)
 
     def step(engine, i: int) -> float:
         """One optimizer step on a fixed batch; returns the slowest rank's wall time."""

@@ -1,5 +1,7 @@
 """Memory model: hand-computed bytes, sharding, activation checkpointing, pipeline schedules."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -26,11 +28,18 @@ def test_hand_computed_fp32_data_parallel():
     assert float(mm.bytes_per_rank(2, 1, 1, 2, 1)) == pytest.approx(32_000_000, abs=1)
     parts = mm.breakdown(2, 1, 1, 2, 1)
     assert float(parts["states"]) == states and float(parts["buffers"]) == buffers
-    # 4 micro-batches: gradient accumulation keeps the whole model's gradients unsharded in fp32
-    # (FSDP2 without gradient sync) instead of one unit (issue 25: a deliberate model change)
-    acc = mm.breakdown(2, 1, 1, 2, 4)
+    # 4 micro-batches: the runtime reduce-scatters every micro-batch, one gradient unit as at m = 1
+    assert float(mm.bytes_per_rank(2, 1, 1, 2, 4)) == pytest.approx(32_000_000, abs=1)
+    # without gradient sync until the last micro-batch (gns.small = "rank"): the whole model's
+    # gradients stay unsharded in fp32 instead of one unit
+    acc = replace(mm, unsharded_accumulation=True).breakdown(2, 1, 1, 2, 4)
     assert float(acc["grads_unsharded"]) == 4 * params
-    assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params, abs=1)
+    # (the sharded gradient is created after the peak, by the last micro-batch's reduce-scatter)
+    assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params - params / 2 * 4,
+                                                abs=1)
+    # at dp = 1 the engine falls back to per-micro-batch statistics and syncs every micro-batch
+    solo = replace(mm, unsharded_accumulation=True).breakdown(1, 1, 1, 2, 4)
+    assert float(solo["grads_unsharded"]) == layer * 4
 
 
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
@@ -39,13 +48,14 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     and its gradients unsharded in fp32 (torch.distributed.pipelining; issue 25)."""
     mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
-    first = (2 * layer + 256 * 192) / 2 * (2 + 2 + 4 + 8)                  # 6,690,816
+    first = (2 * layer + 256 * 192) / 2 * (2 + 4 + 8)                      # 5,854,464 (no sharded grad
+    #                                                                        before the last reduce)
     buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)                         # 2,509,056
     per_block = 128 * 1 * 192 * (10 + 24 / 2)                               # 540,672 (16-bit)
     first_acts = 2 * 2 * per_block                                          # min(pp, m)=2 in flight, 2 blocks
-    last = (2 * layer + 256 * 192 + 192) / 2 * (16 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4)
+    last = (2 * layer + 256 * 192 + 192) / 2 * (14 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4)
     expected = first + buffers + first_acts
-    assert expected == 11_362_560 and last == 10_479_936
+    assert expected == 10_526_208 and last == 9_643_392
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
     # one micro-batch: 2 gathered units + 1 gradient unit, as before issue 25
     # (the last stage is then the fuller: its head's logits)
@@ -56,12 +66,12 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():
     """copus on CUDA: fp32 params/grads/all-gathers, bf16 autocast (saved bf16 weight copies),
-    activations × the measured factor 53.4/34. dp=2, micro-batch 1, 2 micro-batches (the whole
-    model's fp32 gradients unsharded during accumulation, issue 25)."""
+    activations × the measured factor 53.4/34. dp=2, micro-batch 1, 2 micro-batches (each
+    micro-batch reduce-scattered: one fp32 gradient unit)."""
     mm = MemoryModel(TINY)
     layer, params = 393_600, 1_672_896
     states = params / 2 * (4 + 4 + 8)
-    buffers = 2 * layer * 4 + 4 * params + 2 * params * 1                  # + bf16 copies, 1 in flight
+    buffers = 2 * layer * 4 + layer * 4 + 2 * params * 1                   # + bf16 copies, 1 in flight
     sbh = 128 * 1 * 192
     acts = 4 * sbh * 53.4 + 128 * 256 * (2 + 4)
     assert float(mm.bytes_per_rank(2, 1, 1, 1, 2)) == pytest.approx(states + buffers + acts)
@@ -86,7 +96,7 @@ def test_sharding_divides_parameter_state():
     # mixed-precision AdamW: 16 bytes per parameter in all (ZeRO §3.1: 2 + 2 + 12)
     assert states(1, 1) == pytest.approx(16 * SEVEN_B.num_params())
     # pipeline stages split the blocks: 2 stages hold about half each (plus a vocab matrix)
-    half = float(mm.breakdown(1, 1, 2, 1, 2)["states"])
+    half = float(mm.breakdown(1, 1, 2, 1, 1)["states"])
     assert 0.45 * states(1, 1) < half < 0.60 * states(1, 1)
 
 
@@ -115,11 +125,16 @@ def test_pipeline_schedules_micro_batches_in_flight():
     assert np.all(np.diff(ag) > 0)          # GPipe: every micro-batch until the backward starts
     assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
     # no pipeline: gradient accumulation frees each micro-batch's activations, so m ≥ 2 does not
-    # matter; m = 1 → 2 adds the unsharded fp32 gradients (issue 25)
+    # matter; each micro-batch is reduce-scattered, so neither does m = 1 → 2; without gradient
+    # sync until the last micro-batch (gns.small = "rank") m = 1 → 2 adds the unsharded fp32
+    # gradients
     assert float(one_f.bytes_per_rank(8, 1, 1, 1, 2)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 64))
-    extra = float(one_f.bytes_per_rank(8, 1, 1, 1, 2) - one_f.bytes_per_rank(8, 1, 1, 1, 1))
+    assert float(one_f.bytes_per_rank(8, 1, 1, 1, 2)) == float(one_f.bytes_per_rank(8, 1, 1, 1, 1))
+    rank = replace(one_f, unsharded_accumulation=True)
+    extra = float(rank.bytes_per_rank(8, 1, 1, 1, 2) - rank.bytes_per_rank(8, 1, 1, 1, 1))
     unit = SEVEN_B.layer_params()
-    assert extra == pytest.approx(4 * SEVEN_B.num_params() - 4 * unit)
+    # (less the sharded gradient, which only appears at the last micro-batch's reduce-scatter)
+    assert extra == pytest.approx(4 * SEVEN_B.num_params() - 4 * unit - 4 * SEVEN_B.num_params() / 8)
 
 
 def test_stored_attention_scores_add_korthikanti_term():

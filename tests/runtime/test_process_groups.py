@@ -32,8 +32,9 @@ def _switches(release: bool, n: int = 20) -> list[dict]:
     plans = [ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
              ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)]
 
-    def build(plan, allocate=True):
-        return Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate)
+    def build(plan, allocate=True, init=True):
+        return Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate,
+                      init=init)
 
     engine = build(plans[0])
     tokens = torch.randint(0, 256, (4, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))

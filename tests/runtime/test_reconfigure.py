@@ -91,8 +91,9 @@ def _engine_switches(root: str) -> dict:
 
     cache = MeshCache("cpu")
 
-    def build(plan, allocate=True):
-        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate)
+    def build(plan, allocate=True, init=True):
+        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate,
+                      init=init)
 
     engine = build(DP4)
     losses = _steps(engine, range(0, 2))

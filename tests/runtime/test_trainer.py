@@ -287,10 +287,14 @@ def resume_report_worker(cfg, run_dir, resume):
         with open(ids, "a") as f:
             f.write(json.dumps({"step": step, "global": global_ids.tolist()}) + "\n")
 
+    from copus.runtime.engine.model import DrawCounter
+
     device = init_distributed(backend="gloo")
+    drawn = DrawCounter.values
     trainer = Trainer(cfg, run_dir, device, resume=resume, on_batch=on_batch)
     try:
-        report = {"gns": trainer.gns.state_dict(), "samples": trainer.progress.samples,
+        report = {"drawn": DrawCounter.values - drawn,   # initial values drawn while building
+                  "gns": trainer.gns.state_dict(), "samples": trainer.progress.samples,
                   "step": trainer.progress.step, "plan": trainer.plan.layout,
                   "micro_batch_size": trainer.plan.micro_batch_size}
         result = trainer.run()
@@ -316,6 +320,7 @@ def test_resume_at_a_smaller_world_replans_and_keeps_samples_and_gns(tmp_path):
                      entry=resume_report_worker)
     saved = json.loads((run / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     after = second["after_resume"]
+    assert first["after_resume"]["drawn"] > 0 and after["drawn"] == 0     # resume draws nothing
     assert after["gns"] == json.loads(json.dumps(saved["gns"]))           # GNS state equal
     assert saved["gns"]["num_updates"] == 4
     assert (after["step"], after["samples"]) == (4, 32) == (saved["progress"]["step"],

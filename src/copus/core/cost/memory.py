@@ -21,10 +21,19 @@ buffers (FSDP2; one unit = one block or the embedding/head, FSDP2's `fully_shard
                          whole stage; the whole stage also under a pipeline with m ≥ 2
                          (torch.distributed.pipelining keeps FSDP modules unsharded between
                          micro-batches: `set_reshard_after_backward(False)`)
-    gradients            1 unit unsharded while it is reduce-scattered; with m ≥ 2 gradient
-                         accumulation (`set_requires_gradient_sync(False)` until the last
-                         micro-batch) keeps the whole stage's gradients unsharded in fp32
-                         (FSDP2 accumulates in the reduce dtype): 4·P_stage/t
+    gradients            1 unit unsharded while it is reduce-scattered. copus's runtime
+                         reduce-scatters every micro-batch at pp = 1 (torchtitan's way), so
+                         that stays 1 unit for any m. With m ≥ 2 the whole stage's gradients
+                         stay unsharded in fp32 (FSDP2 accumulates in the reduce dtype),
+                         4·P_stage/t, where gradient sync is off until the last micro-batch:
+                         under a pipeline (torch.distributed.pipelining does that) and, with
+                         `unsharded_accumulation` (the runtime's gns.small = "rank" at
+                         dp ≥ 2, which needs each rank's own accumulated gradient), at pp = 1;
+                         the sharded gradient (in "states") then only appears after the peak,
+                         at the last micro-batch's reduce-scatter, and is not counted
+    communicators        `comm_bytes_per_group` per process group this rank belongs to with
+                         more than one rank (dp, tp, pp and the world): NCCL's per-peer
+                         channel buffers (CUDA; 0 on CPU / gloo, whose buffers are per call)
     weight copies        bf16 autocast: the saved bf16 copy of every weight, 2·P_stage/t per
                          micro-batch in flight (one unit with checkpointing, recast on recompute)
 activations per micro-batch and block (Korthikanti et al. 2022, "Reducing Activation
@@ -59,14 +68,19 @@ micro-batches in flight (in units of one micro-batch through a whole stage): 1 w
     interleaved 1F1B with v chunks per rank: first stage min(pp + (pp−1)/v, m) — L·(1 + (pp−1)/(pp·v))
     layer-micro-batches (Korthikanti §4.2.3; torch's ScheduleInterleaved1F1B warm-up of rank 0 is
     2(pp−1) + (v−1)·pp chunks) — last stage min(((v−1)·pp + 1)/v, m).
-logits (head stage): s·b·V/t_lp·c bytes, t_lp = t with loss parallel. copus: c = e + 4, the
-    logits in the compute dtype and their fp32 log-softmax. torchtitan (`logit_bytes=12`): the
-    bf16 logits are deleted before the backward (`del pred`), whose log-softmax backward holds
-    three fp32 tensors (saved output, its gradient, the input gradient): c = 12 ≥ the forward's
-    2 + 4 + 4 (bf16 logits, `.float()` copy, log-softmax output).
+logits (head stage): s·b·V/t_lp·c bytes, t_lp = t with loss parallel. c = e + 4 by default,
+    the logits in the compute dtype and their fp32 log-softmax. copus's runtime measured 12.0
+    bytes per logit at the forward+backward peak in both fp32 and bf16 (bench/engine_memory.py,
+    "logits": the fp32 log-softmax output, its gradient and the logits' gradient are live
+    together; the head's weight gradient excluded), so the runtime passes `logit_bytes = 12`.
+    torchtitan (`logit_bytes=12`): the bf16 logits are deleted before the backward (`del pred`),
+    whose log-softmax backward holds three fp32 tensors (saved output, its gradient, the input
+    gradient): c = 12 ≥ the forward's 2 + 4 + 4 (bf16 logits, `.float()` copy, log-softmax output).
 allocator overhead: the CUDA caching allocator's reserved − allocated (fragmentation), a fraction
     of the rest; 0 by default, `ALLOCATOR_OVERHEAD` as fitted on torchtitan's 8B FSDP 8 row
-    (bench/published.py, docs/published.md). Published GiB are `max_memory_reserved`.
+    (bench/published.py, docs/published.md). Published GiB are `max_memory_reserved`. The
+    runtime uses the fitted value on CUDA (the guard must hold reserved memory) and 0 on CPU
+    (glibc returns large blocks to the system on free: reserved = allocated).
 """
 
 from __future__ import annotations
@@ -85,6 +99,12 @@ PP_SCHEDULES = PIPELINE_SCHEDULES
 # reserved / allocated of the CUDA caching allocator, fitted on torchtitan's Llama-3.1-8B FSDP 8
 # row (Table 1, 82.4 GiB) by bench/published.py; every other published row is held out.
 ALLOCATOR_OVERHEAD = 0.10
+# bytes per logit at the loss's forward+backward peak, measured on copus's runtime (fp32 and bf16
+# alike; bench/engine_memory.py) and torchtitan's `logit_bytes`
+RUNTIME_LOGIT_BYTES = 12.0
+# NCCL buffers per communicator (hypothesis, not measured here): the Simple protocol's
+# NCCL_BUFFSIZE = 4 MiB per channel, send and receive, up to 32 channels on NVLink: 2·32·4 MiB
+NCCL_COMM_BYTES = 256 * 2**20
 
 
 def _f(x) -> np.ndarray:
@@ -124,6 +144,9 @@ class MemoryModel:
     logit_bytes: float | None = None         # bytes per logit at the loss peak; None: e + 4 (torchtitan: 12)
     allocator_overhead: float = 0.0          # reserved/allocated − 1 (ALLOCATOR_OVERHEAD: fitted)
     accumulation_buffers: bool = True        # unsharded fp32 grads (+ params under pp) when m ≥ 2
+    unsharded_accumulation: bool = False     # pp = 1 also without gradient sync until the last
+    #                                          micro-batch (the runtime's gns.small = "rank")
+    comm_bytes_per_group: float = 0.0        # communicator buffers per process group (> 1 rank)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_BYTES:
@@ -286,11 +309,24 @@ class MemoryModel:
         whole = (np.asarray(reshard) == 0) | ((pp > 1) & (m >= 2) & self.accumulation_buffers)
         return np.where(whole, params / tp, 2.0 * unit) * self.param_bytes
 
-    def unsharded_grad_bytes(self, params, unit, tp, m) -> np.ndarray:
-        """One unit · e_p while it is reduce-scattered; with m ≥ 2 the stage's fp32 accumulated
-        gradients, 4 · P/t (FSDP2 without gradient sync until the last micro-batch)."""
-        acc = (m >= 2) & self.accumulation_buffers
+    def unsharded_grad_bytes(self, params, unit, tp, m, pp=1, dp=2) -> np.ndarray:
+        """One unit · e_p while it is reduce-scattered; with m ≥ 2 and gradient sync off until
+        the last micro-batch (pp > 1, or `unsharded_accumulation` at dp ≥ 2) the stage's fp32
+        accumulated gradients, 4 · P/t."""
+        acc = self._no_sync(m, pp, dp)
         return np.where(acc, 4.0 * params / tp, unit * self.param_bytes)
+
+    def _no_sync(self, m, pp, dp) -> np.ndarray:
+        """Whether gradient sync is off until the last micro-batch (see `unsharded_grad_bytes`)."""
+        no_sync = (_f(pp) > 1) | (self.unsharded_accumulation & (_f(dp) > 1))
+        return (_f(m) >= 2) & self.accumulation_buffers & no_sync
+
+    def comm_bytes(self, dp, tp, pp) -> np.ndarray:
+        """`comm_bytes_per_group` × the process groups of > 1 rank this rank is in (dp, tp, pp,
+        world)."""
+        dp, tp, pp = _f(dp), _f(tp), _f(pp)
+        groups = (dp > 1).astype(float) + (tp > 1) + (pp > 1) + (dp * tp * pp > 1)
+        return groups * self.comm_bytes_per_group
 
     def weight_copy_bytes(self, params, unit, tp, in_flight, ac) -> np.ndarray:
         """bf16 autocast: 2 · P/t per micro-batch in flight (2 · unit with checkpointing); else 0."""
@@ -312,7 +348,7 @@ class MemoryModel:
                   reshard_after_forward=None) -> dict[str, np.ndarray]:
         """Every component of the fuller of the first and last stage (bytes); "total" = bytes_per_rank.
 
-        "states", "buffers" (= params_gathered + grads_unsharded + weight_copies) and
+        "states", "buffers" (= params_gathered + grads_unsharded + weight_copies + communicators) and
         "activations" (= blocks + recompute + sp_gather + logits) are the sums the memory guard reads;
         "allocator" = allocator_overhead · their sum.
         """
@@ -336,14 +372,20 @@ class MemoryModel:
                 parts.update(params_gathered=zero, grads_unsharded=zero)
             else:
                 parts["params_gathered"] = self.gathered_params_bytes(params, unit, tp, pp, m, reshard)
-                parts["grads_unsharded"] = self.unsharded_grad_bytes(params, unit, tp, m)
+                parts["grads_unsharded"] = self.unsharded_grad_bytes(params, unit, tp, m, pp, dp)
+                # without sync the sharded gradient is created by the last micro-batch's
+                # reduce-scatter, after the peak (the previous step's was freed by zero_grad)
+                parts["states"] = parts["states"] - np.where(
+                    self._no_sync(m, pp, dp), params / (tp * dp) * self.param_bytes, 0.0)
             parts["weight_copies"] = self.weight_copy_bytes(params, unit, tp, flight, ac)
+            parts["communicators"] = self.comm_bytes(dp, tp, pp) + zero
             parts["blocks"] = flight * layers * stored
             parts["recompute"] = np.where(ac > 0, full_set, 0.0) + zero
             parts["sp_gather"] = self.sp_gather_bytes(tp, b, sp) + zero
             head = self.logits_bytes(tp, b)
             parts["logits"] = (head if last else np.where(pp > 1, 0.0, head)) + zero
-            parts["buffers"] = parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"]
+            parts["buffers"] = (parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"]
+                                + parts["communicators"])
             parts["activations"] = parts["blocks"] + parts["recompute"] + parts["sp_gather"] + parts["logits"]
             raw = parts["states"] + parts["buffers"] + parts["activations"]
             parts["allocator"] = raw * self.allocator_overhead

@@ -2,8 +2,9 @@
 
 Build order (each step documented in its module): meta model → pipeline split (`pipeline.py`)
 → TP → activation checkpointing → torch.compile → FSDP2 with its mixed-precision policy
-(`parallelize.py`) → `to_empty` + per-name seeded init (`model.py`) → AdamW (after wrapping:
-parameters are DTensors; fused on CUDA) → `GradStats` hooks.
+(`parallelize.py`) → `to_empty` + shard-local tile-seeded init (`model.py`; none with
+`init=False`) → AdamW (after wrapping: parameters are DTensors; fused on CUDA) → `GradStats`
+hooks. `close()` frees the tensors by reference counting (`release.py`).
 
 Precision (`dtype`): "bf16" runs FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`: fp32 sharded master weights and optimizer state, bf16 all-gathers and
@@ -11,10 +12,20 @@ compute, fp32 gradient accumulation and reduce-scatters (torchtitan's default); 
 CUDA and fp32 elsewhere. The loss and every noise-scale sum are fp32 (`grad_stats`).
 
 One `train_step` = num_microbatches forward/backward passes per dp rank (plain gradient
-accumulation with FSDP2's reduce-scatter on the last micro-batch only, or a pipeline schedule
-at pp > 1), ONE all-reduce of a small fp32/fp64 vector [loss, Σ_j‖g_j‖², ‖ḡ‖², g_jᵀḡ...] over
-the world, clipping by the global norm, then AdamW. Statistics are taken before clipping; if the
-loss or any statistic is not finite the optimizer step is skipped and the gradients dropped.
+accumulation, or a pipeline schedule at pp > 1), ONE all-reduce of a small fp32/fp64 vector
+[loss, Σ_j‖g_j‖², ‖ḡ‖², g_jᵀḡ...] over the world, clipping by the global norm, then AdamW.
+Statistics are taken before clipping; if the loss or any statistic is not finite the optimizer
+step is skipped and the gradients dropped.
+
+Accumulation memory (pp = 1): with `gns.small = "microbatch"` (the default) FSDP2 reduce-scatters
+after every micro-batch and adds the result to the sharded fp32 gradient, so per rank the
+gradient costs 4·P/(tp·dp) bytes plus one FSDP unit's unsharded gradient in flight, whatever
+num_microbatches is (the per-micro-batch statistic is read by a tensor hook before the reduce,
+unchanged). `gns.small = "rank"` needs this rank's gradient summed over its micro-batches before
+the dp reduction, which by definition is dp-unsharded: it reduce-scatters on the last
+micro-batch only and holds 4·P/tp bytes of unsharded fp32 gradient when num_microbatches ≥ 2
+(`core/cost/memory.py` counts it in that mode only). Under pp > 1 torch's pipeline schedule
+disables gradient sync until the last backward in both modes (`pipeline.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from copus.runtime.engine.model import build_model, materialize
 from copus.runtime.engine.optim import build_adamw
 from copus.runtime.engine.parallelize import DTYPES, ac_mode, check_compile_available, parallelize
 from copus.runtime.engine.pipeline import SCHEDULES, Pipeline, split_stage
+from copus.runtime.engine.release import drop_tensors
 
 DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -129,10 +141,11 @@ class Engine:
 
     def __init__(self, shape: ModelShape, plan: ParallelPlan, settings: EngineSettings,
                  device: torch.device | str, mesh_cache: MeshCache, seed: int = 0,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, init: bool = True) -> None:
         """`allocate=False`: the model stays on the meta device (no memory, no optimizer); the
         caller fills it (reconfigure's direct path: `runtime/state/redistribute.py`) and then calls
-        `finish_build()`."""
+        `finish_build()`. `init=False`: memory but no initial values drawn (the caller loads a
+        checkpoint or Hugging Face weights into every parameter next)."""
         plan.validate(dist.get_world_size(), shape)
         self.shape, self.plan, self.settings = shape, plan, settings
         self.device = torch.device(device)
@@ -149,7 +162,7 @@ class Engine:
                     activation_checkpointing=settings.activation_checkpointing,
                     reshard_after_forward=settings.reshard_after_forward, dtype=self.dtype,
                     compile=settings.compile, loss_parallel=self.loss_parallel)
-        self.model = materialize(model, self.device, seed) if allocate else model
+        self.model = materialize(model, self.device, seed, init=init) if allocate else model
         self.optimizer = self.pipeline = self.stats = None
         if allocate:
             self.finish_build()
@@ -199,7 +212,11 @@ class Engine:
             self.stats.begin(k, grad_scale=float(k) if self.gns_small == "microbatch" else 1.0)
             total = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
-                self.model.set_requires_gradient_sync(i == k - 1)
+                # "microbatch": reduce-scatter every micro-batch into the sharded fp32
+                # gradient (torchtitan's way; no unsharded gradient outlives its FSDP unit's
+                # backward). "rank" needs this rank's unsharded sum over its micro-batches,
+                # so it reduce-scatters on the last micro-batch only (module docstring).
+                self.model.set_requires_gradient_sync(self.gns_small != "rank" or i == k - 1)
                 if not self.settings.reshard_after_forward:
                     # keep parameters gathered across the accumulation, as a pipeline stage
                     # does: one all-gather per step instead of one per micro-batch
@@ -295,10 +312,13 @@ class Engine:
                        optim_state_dict=optim_sd, options=DCP_OPTIONS)
 
     def close(self) -> None:
-        """Drop hooks, model and optimizer (the cached mesh and its groups stay alive)."""
+        """Drop hooks, model and optimizer (the cached mesh and its groups stay alive). The
+        tensors are freed now, by reference counting (`release.drop_tensors`: FSDP2's reference
+        cycles would otherwise keep them until the next `gc.collect()`)."""
         if self.stats is not None:
             self.stats.close()
-        self.pipeline = None
+        self.stats = self.pipeline = None
+        drop_tensors(self.model, self.optimizer)
         self.optimizer = None
         self.model = None
 

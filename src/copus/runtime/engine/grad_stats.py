@@ -18,8 +18,15 @@ Small gradients, chosen by `mode`:
   (Schedule1F1B / ScheduleGPipe run one full backward per micro-batch), so the method is the same.
 - "rank": one per dp rank, J = dp, small_batch = micro_batch_size·num_microbatches. Method: a
   post-accumulate-grad hook on the unsharded parameter reads the accumulated local gradient at
-  its num_microbatches-th call, i.e. FSDP2's reduce-scatter input (cpu-notes b1/b2/b5), through
-  public hooks only. Needs dp ≥ 2 (the engine falls back to "microbatch" at dp = 1).
+  its num_microbatches-th call, i.e. FSDP2's reduce-scatter input (cpu-notes b1/b2/b5). Under a
+  mixed-precision policy whose reduce dtype differs from the parameter dtype (bf16 compute,
+  fp32 reduce), FSDP2 moves the earlier micro-batches' gradients into its own fp32 accumulator
+  (`FSDPParam.unsharded_accumulated_grad`) after each no-sync backward and sets `p.grad = None`,
+  so at the K-th call `p.grad` holds the last micro-batch only; the hook then adds that
+  accumulator (fp32, one parameter at a time) before taking the norm. The accumulator is a
+  private attribute of torch 2.13's FSDP2 (`_fsdp_accumulator`); when it is absent the hook reads
+  `p.grad` alone, which is exact whenever FSDP2 accumulates in `p.grad` (fp32). Needs dp ≥ 2
+  (the engine falls back to "microbatch" at dp = 1).
 
 Sharding (design §3): each rank sums squared norms of its *local* shards; one all-reduce over the
 world then sums over tp and pp shards and dp ranks. A tensor's local data is counted with weight
@@ -127,6 +134,10 @@ class GradStats:
         self._partial: list[torch.Tensor] = []
         self._partial_group = None
         self._k, self._scale = 1, 1.0
+        # "rank" mode under mixed precision: FSDP2's parameter records, to find the fp32
+        # accumulator that holds the earlier micro-batches' gradients (module docstring)
+        self._fsdp_params = _fsdp_params(model) if mode == "rank" else []
+        self._fsdp_of: dict[int, object] = {}
         # one pre-hook per transformer block (all its parameters; it runs outside a compiled
         # block forward, after FSDP2's unshard, so torch.compile sees no hook registration)
         # and one per other module that owns parameters (embeddings, final norm, head)
@@ -184,8 +195,22 @@ class GradStats:
         def hook(p: torch.Tensor) -> None:
             self._calls[pid] = self._calls.get(pid, 0) + 1
             if self._calls[pid] == self._k:
-                self._record(pid, p.grad)
+                self._record(pid, self._accumulated(p))
         return hook
+
+    def _accumulated(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's gradient of `p` summed over the step's micro-batches so far: `p.grad`
+        plus FSDP2's reduce-dtype accumulator when it holds the earlier ones (module docstring)."""
+        acc = _fsdp_accumulator(self._fsdp_record(p))
+        return p.grad if acc is None else acc + p.grad.to(acc.dtype)
+
+    def _fsdp_record(self, p: torch.Tensor):
+        """FSDP2's record of the unsharded parameter `p` (None outside FSDP2)."""
+        key = id(p)
+        if key not in self._fsdp_of:
+            self._fsdp_of[key] = next((fp for fp in self._fsdp_params
+                                       if getattr(fp, "_unsharded_param", None) is p), None)
+        return self._fsdp_of[key]
 
     def begin(self, num_microbatches: int, grad_scale: float) -> None:
         self._k, self._scale = num_microbatches, grad_scale
@@ -241,10 +266,36 @@ class GradStats:
         return out
 
     def close(self) -> None:
+        """Remove every hook and drop every reference to the model's tensors and FSDP2's
+        records (no cycle through this object keeps them alive after the engine closes)."""
         for h in self._handles + self._param_handles:
             h.remove()
         self._handles, self._param_handles = [], []
         self.kept.clear()
+        self._fsdp_params, self._fsdp_of = [], {}
+        self._fqn.clear()
+        self._calls.clear()
+        self._norms.clear()
+        self._partial.clear()
+        self._small = self._partial_group = None
+
+
+def _fsdp_params(model: nn.Module) -> list:
+    """FSDP2's per-parameter records (`FSDPParam`) of every `fully_shard` unit in `model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            out.extend(group.fsdp_params if group is not None else [])
+    return out
+
+
+def _fsdp_accumulator(record) -> torch.Tensor | None:
+    """FSDP2's fp32 accumulator of earlier no-sync micro-batches (torch 2.13's private
+    `FSDPParam.unsharded_accumulated_grad`), None when there is none."""
+    return getattr(record, "unsharded_accumulated_grad", None) if record is not None else None
 
 
 def _gather_dp(g: torch.Tensor):

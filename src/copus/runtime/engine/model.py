@@ -10,13 +10,19 @@ returns hidden states.
 Lifecycle: build on the meta device (`build_model(shape, "meta")`), split / parallelize / shard,
 then `materialize(model, device, seed)` = `to_empty` + `init_weights` + `reset_rope`.
 
-Initialisation is layout-independent by construction: every parameter's FULL tensor is drawn
-from its own `torch.Generator` seeded by `(seed, parameter name)` on CPU, and each rank copies
-only its shard (`distribute_tensor(..., src_data_rank=None)`, no communication). Any split, TP
-or FSDP layout therefore holds the same logical weights for the same seed. Peak extra memory is
-one full parameter at a time. Distributions (GPT-2 / torchtitan): linear and embedding weights
-N(0, 0.02²) (output head included), the residual projections `wo`, `w2` N(0, (0.02/√(2L))²),
-norm weights 1, attention biases (when the shape has them) 0.
+Initialisation is layout-independent by construction and costs each rank its own shard only
+(`init_weights`): a weight's full tensor is defined as a grid of fixed tiles of `TILE_ROWS` ×
+`TILE_COLS` elements (fixed by the full shape, never by the layout), tile (i, j) drawn from its
+own CPU `torch.Generator` seeded by (seed, parameter name, i, j) (`tile_seed`: a counter-based
+definition; any rank can draw any tile). A rank finds the global row and column indices of its
+local data (FSDP2 / TP placements, `_StridedShard` included: `local_indices`), draws only the
+tiles they touch and copies the covered part into its shard. Values drawn per rank = its shard
++ the partial tiles at its shard's edges; peak extra memory = one local parameter. Any split, TP
+or FSDP layout holds the same logical weights for the same seed. `materialize(..., init=False)`
+draws nothing (the caller loads a checkpoint or Hugging Face weights right after).
+Distributions (GPT-2 / torchtitan): linear and embedding weights N(0, 0.02²) (output head
+included), the residual projections `wo`, `w2` N(0, (0.02/√(2L))²), norm weights 1, attention
+biases (when the shape has them) 0.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from copus.core.specs.models import ModelShape, RopeScaling
 
 __all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
            "rope_cache", "llama3_inv_freq", "apply_rope", "build_model", "init_weights", "reset_rope", "materialize",
-           "param_seed"]
+           "param_seed", "tile_seed", "init_local", "local_indices", "DrawCounter"]
 
 
 class RMSNorm(nn.Module):
@@ -192,38 +198,126 @@ def build_model(shape: ModelShape, device: torch.device | str = "meta") -> Trans
         return Transformer(shape)
 
 
+TILE_ROWS = 16     # rows per initialisation tile (part of the weights' definition: fixed)
+TILE_COLS = 256    # columns per initialisation tile
+
+
+class DrawCounter:
+    """Values drawn by `init_weights` in this process (for tests and bench/init_scale.py)."""
+
+    values = 0
+
+
 def param_seed(seed: int, name: str) -> int:
     """Seed of one parameter's generator: crc32 of the name mixed with the run seed (63-bit)."""
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _init_full(name: str, full_shape: torch.Size, shape: ModelShape, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter `name`, identical on every rank/layout."""
-    if name.endswith("norm.weight"):
-        return torch.ones(full_shape)
-    if name.endswith(".bias"):       # attention biases (Qwen2, Llama attention_bias): zero
-        return torch.zeros(full_shape)
+def tile_seed(seed: int, name: str, row_tile: int, col_tile: int) -> int:
+    """Seed of tile (row_tile, col_tile) of parameter `name`: a 63-bit mix (splitmix64-style
+    multiply-xorshift) of the parameter's seed and the tile coordinates."""
+    x = param_seed(seed, name) ^ (row_tile * 0x9E3779B97F4A7C15) ^ (col_tile * 0xC2B2AE3D27D4EB4F)
+    x &= 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) % (2**63 - 1)
+
+
+def init_std(name: str, shape: ModelShape) -> float | None:
+    """N(0, std²) of a drawn weight; None for norm weights (1) and biases (0)."""
+    if name.endswith("norm.weight") or name.endswith(".bias"):
+        return None
     leaf = name.split(".")[-2]
-    if leaf in ("wo", "w2"):
-        std = 0.02 / math.sqrt(2 * shape.n_layers)
-    else:
-        std = 0.02
-    gen = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.randn(full_shape, generator=gen) * std
+    return 0.02 / math.sqrt(2 * shape.n_layers) if leaf in ("wo", "w2") else 0.02
+
+
+def local_indices(p: torch.Tensor) -> list[torch.Tensor]:
+    """Per dimension of `p`, the global indices of this rank's local data along it, in local
+    order (all indices for a plain tensor). Each is computed by sharding `arange(size)` with the
+    placements that act on that dimension (O(size) memory, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if not isinstance(p, DTensor):
+        return [torch.arange(n) for n in p.shape]
+    out = []
+    for d, n in enumerate(p.shape):
+        placements = []
+        for pl in p.placements:
+            if isinstance(pl, _StridedShard) and pl.dim == d:
+                placements.append(_StridedShard(0, split_factor=pl.split_factor))
+            elif isinstance(pl, Shard) and not isinstance(pl, _StridedShard) and pl.dim == d:
+                placements.append(Shard(0))
+            else:
+                placements.append(Replicate())
+        idx = distribute_tensor(torch.arange(n), p.device_mesh, placements, src_data_rank=None)
+        out.append(idx.to_local())
+    return out
+
+
+def _runs(idx: torch.Tensor, tile: int) -> list[tuple[int, slice, slice]]:
+    """Split local indices `idx` into runs inside one tile each: (tile number, slice of local
+    positions, slice inside the tile). Local data under Shard / _StridedShard is made of
+    contiguous ascending runs of global indices."""
+    if idx.numel() == 0:
+        return []
+    tiles = idx // tile
+    breaks = (idx[1:] != idx[:-1] + 1) | (tiles[1:] != tiles[:-1])
+    starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
+    ends = [*starts[1:], idx.numel()]
+    first = idx[starts].tolist()
+    out = []
+    for a, b, g in zip(starts, ends, first):
+        t = g // tile
+        out.append((t, slice(a, b), slice(g - t * tile, g - t * tile + b - a)))
+    return out
+
+
+def _tile(seed: int, name: str, full: tuple[int, int], i: int, j: int, std: float) -> torch.Tensor:
+    """Tile (i, j) of parameter `name` (full 2-D shape `full`), N(0, std²), fp32 on CPU."""
+    rows = min(TILE_ROWS, full[0] - i * TILE_ROWS)
+    cols = min(TILE_COLS, full[1] - j * TILE_COLS)
+    gen = torch.Generator().manual_seed(tile_seed(seed, name, i, j))
+    DrawCounter.values += rows * cols
+    return torch.randn(rows, cols, generator=gen).mul_(std)
+
+
+def init_local(name: str, p: torch.Tensor, shape: ModelShape, seed: int) -> torch.Tensor:
+    """This rank's local data of parameter `name` (CPU fp32), drawn tile by tile (module
+    docstring); identical, position by position, to the same slice of every other layout's."""
+    std = init_std(name, shape)
+    local_shape = tuple((p.to_local() if hasattr(p, "to_local") else p).shape)
+    if std is None:
+        return torch.ones(local_shape) if name.endswith("norm.weight") else torch.zeros(local_shape)
+    if p.ndim != 2:
+        raise ValueError(f"init of {name}: {p.ndim}-D weight; allowed: 2-D (matrices)")
+    out = torch.empty(local_shape)
+    rows, cols = local_indices(p)
+    row_tiles, col_tiles = _by_tile(rows, TILE_ROWS), _by_tile(cols, TILE_COLS)
+    full = (p.shape[0], p.shape[1])
+    for i, row_runs in row_tiles.items():
+        for j, col_runs in col_tiles.items():
+            tile = _tile(seed, name, full, i, j, std)      # each tile drawn once per rank
+            for local_r, tile_r in row_runs:
+                for local_c, tile_c in col_runs:
+                    out[local_r, local_c] = tile[tile_r, tile_c]
+    return out
+
+
+def _by_tile(idx: torch.Tensor, tile: int) -> dict[int, list[tuple[slice, slice]]]:
+    """`_runs` grouped by tile number: {tile: [(local slice, slice inside the tile), ...]}."""
+    out: dict[int, list[tuple[slice, slice]]] = {}
+    for t, local, inside in _runs(idx, tile):
+        out.setdefault(t, []).append((local, inside))
+    return out
 
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    """Fill every parameter (plain tensor or DTensor shard) from its per-name generator."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+    """Fill every parameter's local data (plain tensor or DTensor shard) tile by tile."""
     for name, p in model.named_parameters():
-        full = _init_full(name, p.shape, model.shape, seed)
-        if isinstance(p, DTensor):
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(local.to_local())
-        else:
-            p.copy_(full)
+        target = p.to_local() if hasattr(p, "to_local") else p
+        target.copy_(init_local(name, p, model.shape, seed))
 
 
 @torch.no_grad()
@@ -235,11 +329,14 @@ def reset_rope(model: Transformer) -> None:
     model.share_rope()
 
 
-def materialize(model: Transformer, device: torch.device | str, seed: int) -> Transformer:
-    """`to_empty(device)` then deterministic weights (`init_weights`) and the RoPE buffer."""
+def materialize(model: Transformer, device: torch.device | str, seed: int,
+                init: bool = True) -> Transformer:
+    """`to_empty(device)` then deterministic weights (`init_weights`; `init=False`: none, the
+    caller loads every parameter next) and the RoPE buffer."""
     model.to_empty(device=device)
     if model.shape.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # to_empty makes one tensor per module
-    init_weights(model, seed)
+    if init:
+        init_weights(model, seed)
     reset_rope(model)
     return model

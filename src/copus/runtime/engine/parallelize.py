@@ -244,10 +244,23 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
                dtype: str = "fp32") -> None:
-    """`fully_shard` each block, then the root (embeddings, final norm, head) over `dp_mesh`."""
+    """`fully_shard` over `dp_mesh`: the token embedding, each block and the output head as their
+    own units (torchtitan's wrapping), then the root (final norm). Each unit is gathered only
+    around its own forward and backward: with `reshard_after_forward` the embedding's V·h/tp
+    parameters are freed before the first block runs and the head's after the loss, instead of
+    both staying gathered from the first forward to the end of the backward as part of the
+    root (FSDP2 keeps the root unit unsharded after forward). Tied embeddings share one weight,
+    which can live in one unit only: they stay in the root."""
     mp = mixed_precision(dtype)
+    tied = model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None
+    if model.tok_embeddings is not None and not tied:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp)
+    if model.output is not None and not tied:
+        fully_shard(model.output, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 

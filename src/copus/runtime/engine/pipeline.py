@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import copy
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -116,7 +117,9 @@ class Pipeline:
         """One pass over the local batch (chunked into `num_microbatches`); returns the per-
         micro-batch losses on the last stage, [] elsewhere."""
         sched = self.schedule(num_microbatches, inputs.shape[0] // num_microbatches, train)
-        run = sched.step if train else sched.eval
+        # training: the last stage keeps no micro-batch's output (logits) for a merged return
+        # (torch keeps every one by default: m·s·b·V bytes; only the losses are used here)
+        run = functools.partial(sched.step, return_outputs=False) if train else sched.eval
         losses: list[torch.Tensor] = []
         if self.is_first and self.is_last:
             run(inputs, target=targets, losses=losses)

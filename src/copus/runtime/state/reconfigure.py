@@ -417,7 +417,7 @@ def _switch_through_dcp(engine, plan: ParallelPlan, build: Callable[..., Any], m
     _teardown(engine, device)
     del engine
     meter.lap("teardown_s")
-    new = build(plan)
+    new = build(plan, init=False)      # the staged state fills every parameter
     meter.lap("build_s")
     model_sd, optim_sd = new.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}

@@ -2,8 +2,9 @@
 
 Every rank calls the same functions on a `Trainer` (runtime/train/trainer.py) in the same processes:
 
-1. `stage(trainer)` copies the state a branch may change — model and AdamW tensors (cloned in
-   memory: the same layout, so no resharding and no DCP round trip), progress (the global
+1. `stage(trainer)` copies the state a branch may change — model and AdamW tensors (copied off
+   the device, `host_stage.py`: pinned host memory on CUDA, a file on CPU; the same layout, so
+   no resharding and no DCP round trip; restored in place), progress (the global
    sample offset), GNS EMAs, LR-rule state, plan and RNG states.
 2. `run_branch(trainer, staged, spec)` restores that state, sets the plan of batch `k·B`
    (same (dp, tp, pp); `branch_plan`), applies the run's LR rule to the new batch
@@ -26,7 +27,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from copus.core.stats.critical_batch import smoothed_final
 from copus.core.plan.plan import ParallelPlan, plan_problems
 from copus.core.plan.records import StepRecord
 from copus.runtime.state import checkpoint as ckpt
+from copus.runtime.train.host_stage import TensorStage
 
 SampleHook = Callable[[np.ndarray], None]
 
@@ -81,38 +82,29 @@ def mark_samples(num_samples: int, batches: Sequence[int], num_marks: int) -> li
 
 # ------------------------------------------------------------------------------------ state
 
-def _clone(tree: Any) -> Any:
-    """Deep copy of a state-dict tree; tensors (and DTensors) cloned, detached."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_clone(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_clone(v) for v in tree)
-    return copy.deepcopy(tree)
-
-
 @dataclass(slots=True, kw_only=True)
 class StagedState:
-    """What a branch can change, copied from the trainer (this rank's shards)."""
+    """What a branch can change, copied from the trainer (this rank's shards): the tensors off
+    the device (`host_stage.TensorStage`), the rest as Python data."""
 
-    model: dict
-    optim: dict
+    tensors: TensorStage
     progress: dict
     gns: dict
     lr: dict
     plan: ParallelPlan
     rng: dict
 
+    def close(self) -> None:
+        """Free the staged tensors now."""
+        self.tensors.close()
+
 
 def stage(trainer) -> StagedState:
-    """Copy the trainer's branchable state (see module docstring)."""
+    """Copy the trainer's branchable state (see module docstring). StageError (one line, before
+    anything changes) when the copy does not fit where it is staged."""
     from dataclasses import asdict
 
-    model_sd, optim_sd = trainer.engine.state_dicts()
-    return StagedState(model=_clone(model_sd), optim=_clone(optim_sd),
+    return StagedState(tensors=TensorStage(trainer.engine, trainer.run_dir, trainer.plan.describe()),
                        progress=asdict(trainer.progress), gns=copy.deepcopy(trainer.gns.state_dict()),
                        lr=copy.deepcopy(trainer.lr.state_dict()), plan=trainer.plan,
                        rng=ckpt.rng_state())
@@ -124,7 +116,8 @@ def restore(trainer, staged: StagedState) -> None:
 
     trainer.engine.set_plan(staged.plan)
     trainer.plan = staged.plan
-    trainer.engine.load_state(_clone(staged.model), _clone(staged.optim))
+    reshard(trainer.engine)
+    staged.tensors.restore(trainer.engine)
     trainer.progress = Progress(**staged.progress)
     trainer.gns.load_state_dict(copy.deepcopy(staged.gns))
     trainer.lr.load_state_dict(copy.deepcopy(staged.lr))
@@ -299,6 +292,7 @@ def calibrate_state(trainer, *, multipliers: Sequence[float], tokens: int, repea
             results.append(run_branch(trainer, staged, spec, marks=marks, eval_rows=rows,
                                       on_samples=on_samples))
     restore(trainer, staged)
+    staged.close()
     losses: dict[float, list[float]] = {}
     for res in results:
         losses.setdefault(float(res.spec.global_batch_size), []).append(res.smoothed_loss)

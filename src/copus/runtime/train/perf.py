@@ -132,15 +132,28 @@ def runtime_memory_model(cfg, shape: ModelShape, device_type: str):
     """The memory model (`core/cost/memory.py`) of copus's runtime under `cfg`: bf16 parameters
     through FSDP2's MixedPrecisionPolicy (fp32 master weights and reductions; no autocast) when
     train.dtype is "bf16", or "auto" on CUDA (runtime/engine/parallelize.py), else fp32; the configured
-    activation checkpointing, resharding and pipeline schedule."""
-    from copus.core.cost.memory import MemoryModel
+    activation checkpointing, resharding and pipeline schedule; loss parallel as configured
+    (it applies at tp > 1), the measured 12 bytes per logit, unsharded gradient accumulation in
+    gns.small = "rank" only (`engine.py`), and on CUDA the fitted allocator overhead and NCCL's
+    communicator buffers (0 on CPU: glibc frees large blocks, gloo keeps no standing buffers)."""
+    from copus.core.cost.memory import (
+        ALLOCATOR_OVERHEAD,
+        NCCL_COMM_BYTES,
+        RUNTIME_LOGIT_BYTES,
+        MemoryModel,
+    )
 
     dtype = cfg.train.dtype
     mixed = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
+    cuda = device_type == "cuda"
     return MemoryModel(shape, mixed_precision=mixed, autocast=False,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        reshard_after_forward=cfg.parallel.reshard_after_forward,
-                       pp_schedule=cfg.parallel.pp_schedule)
+                       pp_schedule=cfg.parallel.pp_schedule,
+                       loss_parallel=cfg.parallel.loss_parallel, logit_bytes=RUNTIME_LOGIT_BYTES,
+                       unsharded_accumulation=cfg.gns.small == "rank",
+                       allocator_overhead=ALLOCATOR_OVERHEAD if cuda else 0.0,
+                       comm_bytes_per_group=NCCL_COMM_BYTES if cuda else 0.0)
 
 
 def predicted_memory_bytes(model, plan) -> float:

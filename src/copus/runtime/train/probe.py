@@ -102,8 +102,12 @@ class Prober:
             res = br.run_branch(trainer, staged, spec, marks=marks, eval_rows=rows)
             results.append(res)
             if best is None or res.smoothed_loss < best.smoothed_loss:
+                if best_state is not None:
+                    best_state.close()
                 best, best_state = res, br.stage(trainer)
         br.restore(trainer, best_state)
+        best_state.close()
+        staged.close()
         fit = fit_b_noise({float(r.spec.global_batch_size): start_loss - r.smoothed_loss
                            for r in results})
         c = measured_calibration(fit.b_noise, b_noise)

@@ -133,7 +133,7 @@ class Trainer:
         if not ((resume or auto_resume) and self.resume(required=resume)):
             if policy_factory is None:
                 self._start_on_planned()
-            self.engine = self._make_engine(self.plan)
+            self.engine = self._make_engine(self.plan, init=not self.cfg.model.init_from)
             self._init_from_hf()
         self.memory.check(self.plan)
         self.memory.start_watch()
@@ -177,12 +177,13 @@ class Trainer:
             for path in rc.remove_stale_stages(root):
                 self.log(f"removed staging folder {path} left by a killed worker")
 
-    def _make_engine(self, plan: ParallelPlan, allocate: bool = True):
+    def _make_engine(self, plan: ParallelPlan, allocate: bool = True, init: bool = True):
+        """An engine for `plan`; `init=False` draws no initial weights (a load follows)."""
         from copus.runtime.engine.engine import Engine, settings_from_config
 
         settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
         return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
-                      seed=self.cfg.train.seed, allocate=allocate)
+                      seed=self.cfg.train.seed, allocate=allocate, init=init)
 
     def _init_from_hf(self) -> None:
         """model.init_from: this rank's shards of a Hugging Face folder's weights (a fresh start
@@ -502,7 +503,7 @@ class Trainer:
         """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
         path = self.save_checkpoint()
         self.engine.close()
-        self.engine = self._make_engine(plan)
+        self.engine = self._make_engine(plan, init=False)     # the checkpoint fills it
         state = self.dcp_state()
         ckpt.load(path, state, check=False)
         self.engine.load_state(state["model"], state["optim"])
@@ -643,14 +644,15 @@ class Trainer:
 
     def engine_for(self, plan: ParallelPlan) -> None:
         """An engine for `plan` (its fallback if it ran out of memory earlier in this run):
-        the current one if its layout matches, else a new one."""
+        the current one if its layout matches, else a new one without initial weights (only
+        `resume` calls this, and a checkpoint load follows)."""
         plan = self.memory.feasible(plan)
         if self.engine is not None and self.engine.plan.layout == plan.layout:
             self.engine.set_plan(plan)
         else:
             if self.engine is not None:
                 self.engine.close()
-            self.engine = self._make_engine(plan)
+            self.engine = self._make_engine(plan, init=False)
             self.mesh_cache.release_except(dp=plan.dp, tp=plan.tp, pp=plan.pp)
         self.plan = plan
 

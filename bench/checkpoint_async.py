@@ -14,7 +14,7 @@ the time the training loop is blocked by the save call (staging for async; the w
 sync), and the write's duration. Bytes re-read for hashing are counted (`checkpoint._sha256`).
 
 Writes bench/results/checkpoint_async_<kind>.json and .md.
-Run: python bench/checkpoint_async.py [--model small] [--repeats 5] [--steps 8] [--nice 10]
+Run: python bench/checkpoint_async.py [--model small] [--repeats 5] [--steps 8] [--nice 0]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from copus.runtime.state import checkpoint as ckpt
 
 OUT = Path(__file__).resolve().parent / "results" / "checkpoint_async"
 COUNTING = [True]      # off while the bench itself verifies a finished checkpoint
-NICE = [10]
+NICE = [0]
 KIND = ["thread"]
 SAVERS: dict = {}       # one per kind: a process-based one keeps its daemon between saves
 
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--nice", type=int, default=10, help="the writing thread's nice offset")
+    ap.add_argument("--nice", type=int, default=0, help="the writing thread's nice offset")
     ap.add_argument("--kind", default="thread", choices=("thread", "process"))
     args = ap.parse_args()
     NICE[0], KIND[0] = args.nice, args.kind

@@ -20,14 +20,23 @@ SETTINGS = PolicySettings(initial=8, min=8, max=64, interval_steps=5, warmup_ste
 
 
 def _record(step, plan, step_s, b_noise=400.0):
-    return StepRecord(step=step, samples=0, tokens=0, plan=plan, step_s=step_s, loss=1.0,
-                      b_noise=b_noise, b_noise_rel_err=0.1)
+    return StepRecord(
+        step=step, samples=0, tokens=0, plan=plan, step_s=step_s, loss=1.0, b_noise=b_noise, b_noise_rel_err=0.1
+    )
 
 
 def _controller(audit_steps=3):
     # batch changes only (one layout, one micro-batch size): the audit is what is tested
-    return make_controller(SETTINGS, B8, 4, SHAPE, micro_batch_sizes=[2], audit_steps=audit_steps,
-                           allow_reconfigure=False, step_time_model=prior_model(SHAPE, None, 4))
+    return make_controller(
+        SETTINGS,
+        B8,
+        4,
+        SHAPE,
+        micro_batch_sizes=[2],
+        audit_steps=audit_steps,
+        allow_reconfigure=False,
+        step_time_model=prior_model(SHAPE, None, 4),
+    )
 
 
 def _drive(ctrl, true_s, steps):
@@ -53,13 +62,13 @@ def test_a_growth_that_delivers_less_than_it_predicted_is_undone():
     audits = [e for e in events if e["event"] == "audit"]
     assert audits[0]["decision_step"] == grow.step and audits[0]["verdict"] == "undo"
     assert audits[0]["realised_step_s"] == pytest.approx(0.4)
-    assert audits[0]["step_error"] > 0.5                    # realised ≫ predicted
+    assert audits[0]["step_error"] > 0.5  # realised ≫ predicted
     assert audits[0]["realised_goodput"] < audits[0]["before_goodput"] * (1 - 0.10)
     undo = decisions[1]
     assert undo.purpose == "undo" and undo.plan == B8 and undo.step == audits[0]["step"]
-    assert undo.step == grow.step + 1 + 3                   # one warm-up + audit_steps steps
-    assert plans[undo.step] == B8                           # the batch shrank back
-    assert all(p == B8 for p in plans[undo.step:])          # measured now: no re-growth
+    assert undo.step == grow.step + 1 + 3  # one warm-up + audit_steps steps
+    assert plans[undo.step] == B8  # the batch shrank back
+    assert all(p == B8 for p in plans[undo.step :])  # measured now: no re-growth
     json.dumps(events)
 
 
@@ -77,19 +86,31 @@ def test_audits_off_and_not_applied():
     _, decisions, events = _drive(ctrl, lambda p: 0.1 * (p.global_batch_size / 8) ** 2, 20)
     assert decisions and not events
     a = Auditor(3, margin=0.1)
-    d = Decision(kind="batch", plan=B8.with_batch(16), reason="x", step=5,
-                 candidates=(Candidate(plan=B8.with_batch(16), step_s=0.1, goodput=1.0),))
+    d = Decision(
+        kind="batch",
+        plan=B8.with_batch(16),
+        reason="x",
+        step=5,
+        candidates=(Candidate(plan=B8.with_batch(16), step_s=0.1, goodput=1.0),),
+    )
     a.start(d, B8, 0.1, True)
-    row, undo = a.follow(6, B8, 0.1, lambda s, b: b / s, 100.0)     # the trainer refused it
+    row, undo = a.follow(6, B8, 0.1, lambda s, b: b / s, 100.0)  # the trainer refused it
     assert row["verdict"] == "not applied" and undo is None and not a.busy
     with pytest.raises(ValueError, match="audit_steps=-1"):
         Auditor(-1)
 
 
 def test_audit_row_compares_realised_goodput_with_the_plan_left():
-    p = PendingAudit(step=3, kind="batch", before=B8, after=B8.with_batch(16),
-                     predicted_step_s=0.2, before_step_s=0.1, before_measured=True,
-                     times=[0.25, 0.3, 0.35])
+    p = PendingAudit(
+        step=3,
+        kind="batch",
+        before=B8,
+        after=B8.with_batch(16),
+        predicted_step_s=0.2,
+        before_step_s=0.1,
+        before_measured=True,
+        times=[0.25, 0.3, 0.35],
+    )
     row = audit_row(p, lambda s, b: b / s, margin=0.1, step=7, b_noise=100.0)
     assert row["realised_step_s"] == 0.3 and row["step_error"] == pytest.approx(0.5)
     assert row["realised_goodput"] == pytest.approx(16 / 0.3)

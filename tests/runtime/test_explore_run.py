@@ -12,9 +12,18 @@ import pytest
 
 from copus.config import load_config
 
-BASE = ["data.max_chars=300000", "eval.interval_steps=0", "log.progress=false",
-        "log.tensorboard=false", "checkpoint.interval_steps=0", "train.lr_schedule=constant",
-        "batch.initial=8", "batch.min=8", "batch.max=8", "batch.ramp_to=8"]
+BASE = [
+    "data.max_chars=300000",
+    "eval.interval_steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "checkpoint.interval_steps=0",
+    "train.lr_schedule=constant",
+    "batch.initial=8",
+    "batch.min=8",
+    "batch.max=8",
+    "batch.ramp_to=8",
+]
 
 
 def _rows(run_dir: Path, name: str) -> list[dict]:
@@ -30,7 +39,7 @@ def _launch(cfg, run_dir, entry=None):
 
 
 def _every_sample_once(steps: list[dict]) -> None:
-    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))   # one lineage
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))  # one lineage
     samples = 0
     for r in steps:
         samples += r["global_batch_size"]
@@ -41,13 +50,22 @@ def _every_sample_once(steps: list[dict]) -> None:
 def test_four_rank_run_probes_a_layout_in_process(tmp_path):
     """Forced exploration: one probe of the model's best other layout after one measured step
     of dp4; one warm-up + one measured step under it, then keep or go back, on measurements."""
-    cfg = load_config(None, [*BASE, "parallel.nproc=4", "train.max_steps=6",
-                             "controller.start='initial'",
-                             "batch.warmup_steps=0", "controller.explore_max_probes=1",
-                             "controller.explore_steps=1", "controller.explore_interval_steps=0",
-                             "controller.explore_top_k=1",
-                             # a switch prior too dear to amortise: only the probe moves the layout
-                             "controller.reconfig_cost_s=1000"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "parallel.nproc=4",
+            "train.max_steps=6",
+            "controller.start='initial'",
+            "batch.warmup_steps=0",
+            "controller.explore_max_probes=1",
+            "controller.explore_steps=1",
+            "controller.explore_interval_steps=0",
+            "controller.explore_top_k=1",
+            # a switch prior too dear to amortise: only the probe moves the layout
+            "controller.reconfig_cost_s=1000",
+        ],
+    )
     run = tmp_path / "run"
     _launch(cfg, run)
     steps, rows = _rows(run, "metrics.jsonl"), _rows(run, "decisions.jsonl")
@@ -55,7 +73,7 @@ def test_four_rank_run_probes_a_layout_in_process(tmp_path):
     layouts = [(r["dp"], r["tp"], r["pp"]) for r in steps]
     probes = [d for d in rows if d.get("purpose") == "probe"]
     results = [d for d in rows if d.get("event") == "probe_result"]
-    assert len(probes) == 1 and len(results) == 1                # bounded: one probe
+    assert len(probes) == 1 and len(results) == 1  # bounded: one probe
     probe = probes[0]
     assert probe["applied"] and probe["switch"]["method"] == "direct"
     assert probe["reason"].startswith("probe 1/1: ") and probe["step"] == 2
@@ -83,10 +101,19 @@ def wrong_prior_factory(cfg, plan, world, shape):
 
     base = prior_model(shape, None, world)
     wrong = base.with_params(replace(base.params, step_overhead_s=100.0))
-    return make_policy("goodput", PolicySettings.from_config(cfg), plan, world, shape,
-                       step_time_model=wrong, audit_steps=cfg.controller.audit_steps,
-                       margin=cfg.controller.margin, lr_aware=False, micro_batch_sizes=[2],
-                       allow_reconfigure=False)
+    return make_policy(
+        "goodput",
+        PolicySettings.from_config(cfg),
+        plan,
+        world,
+        shape,
+        step_time_model=wrong,
+        audit_steps=cfg.controller.audit_steps,
+        margin=cfg.controller.margin,
+        lr_aware=False,
+        micro_batch_sizes=[2],
+        allow_reconfigure=False,
+    )
 
 
 def wrong_prior_worker(cfg, run_dir, resume):
@@ -98,11 +125,24 @@ def wrong_prior_worker(cfg, run_dir, resume):
 @pytest.mark.slow
 def test_two_rank_run_undoes_a_decision_that_missed_its_prediction(tmp_path):
     # B=4 runs 3 measured steps before the decision (step 4); B=32 one warm-up + 3 measured
-    cfg = load_config(None, [*BASE, "parallel.nproc=2", "train.max_steps=9",
-                             "batch.initial=4", "batch.min=4", "batch.max=32", "batch.ramp_to=32",
-                             "batch.max_growth=8", "parallel.micro_batch_size=2",
-                             "batch.warmup_steps=4", "batch.interval_steps=4",
-                             "gns.max_rel_err=1e9", "controller.audit_steps=3"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "parallel.nproc=2",
+            "train.max_steps=9",
+            "batch.initial=4",
+            "batch.min=4",
+            "batch.max=32",
+            "batch.ramp_to=32",
+            "batch.max_growth=8",
+            "parallel.micro_batch_size=2",
+            "batch.warmup_steps=4",
+            "batch.interval_steps=4",
+            "gns.max_rel_err=1e9",
+            "controller.audit_steps=3",
+        ],
+    )
     run = tmp_path / "run"
     _launch(cfg, run, entry=wrong_prior_worker)
     steps, rows = _rows(run, "metrics.jsonl"), _rows(run, "decisions.jsonl")
@@ -111,11 +151,11 @@ def test_two_rank_run_undoes_a_decision_that_missed_its_prediction(tmp_path):
     assert grow["kind"] == "batch" and grow["global_batch_size"] == 32 and grow["applied"]
     audit = next(d for d in rows if d.get("event") == "audit")
     assert audit["decision_step"] == grow["step"] == 4 and audit["verdict"] == "undo"
-    assert audit["realised_step_s"] > 2 * audit["predicted_step_s"]      # the miss
+    assert audit["realised_step_s"] > 2 * audit["predicted_step_s"]  # the miss
     assert audit["realised_goodput"] < (1 - 0.10) * audit["before_goodput"]
     undo = next(d for d in rows if d.get("purpose") == "undo")
-    assert undo["applied"] and undo["global_batch_size"] == 4                # shrinks back
-    assert undo["step"] == audit["step"] == 4 + 1 + 3                        # warm-up + audit_steps
+    assert undo["applied"] and undo["global_batch_size"] == 4  # shrinks back
+    assert undo["step"] == audit["step"] == 4 + 1 + 3  # warm-up + audit_steps
     batch = {r["step"]: r["global_batch_size"] for r in steps}
     assert [batch[s] for s in range(1, 10)] == [4] * 4 + [32] * 4 + [4]
 

@@ -24,12 +24,19 @@ import numpy as np
 from copus.core.plan.goodput import CandidateSet, goodput
 from copus.core.plan.plan import ParallelPlan
 
-MIN_WEIGHT = 1e-4     # posterior points lighter than this are left out of the sum
+MIN_WEIGHT = 1e-4  # posterior points lighter than this are left out of the sum
 
 
-def expected_goodput(step_s: np.ndarray, batches: np.ndarray, b_noise: float,
-                     c_values: np.ndarray, weights: np.ndarray, *, lr_aware: np.ndarray,
-                     lr_ref_batch: float) -> np.ndarray:
+def expected_goodput(
+    step_s: np.ndarray,
+    batches: np.ndarray,
+    b_noise: float,
+    c_values: np.ndarray,
+    weights: np.ndarray,
+    *,
+    lr_aware: np.ndarray,
+    lr_ref_batch: float,
+) -> np.ndarray:
     """Ḡ = Σ_k w_k · goodput(step_s, B, c_k·φ, lr_aware_k) over the posterior's points
     (c_k, lr_aware_k) (weights renormalised over those ≥ MIN_WEIGHT)."""
     w = np.asarray(weights, dtype=float).reshape(-1)
@@ -41,17 +48,29 @@ def expected_goodput(step_s: np.ndarray, batches: np.ndarray, b_noise: float,
     for ck, wk, lk in zip(c, w, lr):
         # goodput is per-sample efficiency × samples/s; the LR factor is relative to
         # lr_ref_batch so that the two forms compare on one scale
-        out += wk * goodput(step_s, batches, float(ck) * b_noise, lr_aware=bool(lk),
-                            lr_ref_batch=lr_ref_batch)
+        out += wk * goodput(step_s, batches, float(ck) * b_noise, lr_aware=bool(lk), lr_ref_batch=lr_ref_batch)
     return out
 
 
-def best_batch_move(candidates: CandidateSet, step_s: np.ndarray, current: ParallelPlan,
-                    b_noise: float, c_values: np.ndarray, weights: np.ndarray, *,
-                    batch_margin: float, max_growth: float, min_batch: int, max_batch: int,
-                    allow_shrink: bool, lr_aware: np.ndarray | bool, lr_ref_batch: float,
-                    uncertainty: np.ndarray | None = None, current_uncertainty: float = 0.0,
-                    step_confidence: float = 0.0) -> tuple[int, float, float] | None:
+def best_batch_move(
+    candidates: CandidateSet,
+    step_s: np.ndarray,
+    current: ParallelPlan,
+    b_noise: float,
+    c_values: np.ndarray,
+    weights: np.ndarray,
+    *,
+    batch_margin: float,
+    max_growth: float,
+    min_batch: int,
+    max_batch: int,
+    allow_shrink: bool,
+    lr_aware: np.ndarray | bool,
+    lr_ref_batch: float,
+    uncertainty: np.ndarray | None = None,
+    current_uncertainty: float = 0.0,
+    step_confidence: float = 0.0,
+) -> tuple[int, float, float] | None:
     """(candidate index, expected gain, required gain) of the best same-layout plan whose
     expected goodput beats the current plan's by more than batch_margin + step_confidence ·
     sqrt(u_current² + u_best²) (the step times' relative uncertainty, `core.step_uncertainty`,
@@ -62,18 +81,27 @@ def best_batch_move(candidates: CandidateSet, step_s: np.ndarray, current: Paral
         return None
     b = candidates.global_batch_size.astype(float)
     cur_b = float(current.global_batch_size)
-    mask = ((candidates.dp == current.dp) & (candidates.tp == current.tp)
-            & (candidates.pp == current.pp) & (b >= min_batch) & (b <= max_batch)
-            & (b <= max_growth * cur_b + 1e-9) & np.isfinite(step_s) & (step_s > 0))
+    mask = (
+        (candidates.dp == current.dp)
+        & (candidates.tp == current.tp)
+        & (candidates.pp == current.pp)
+        & (b >= min_batch)
+        & (b <= max_batch)
+        & (b <= max_growth * cur_b + 1e-9)
+        & np.isfinite(step_s)
+        & (step_s > 0)
+    )
     if not allow_shrink:
         mask &= b >= cur_b
     idx = np.flatnonzero(mask)
     if len(idx) == 0:
         return None
-    g = expected_goodput(step_s[idx], b[idx], b_noise, c_values, weights, lr_aware=lr_aware,
-                         lr_ref_batch=lr_ref_batch)
-    g_cur = float(expected_goodput(step_s[[cur_i]], b[[cur_i]], b_noise, c_values, weights,
-                                   lr_aware=lr_aware, lr_ref_batch=lr_ref_batch)[0])
+    g = expected_goodput(step_s[idx], b[idx], b_noise, c_values, weights, lr_aware=lr_aware, lr_ref_batch=lr_ref_batch)
+    g_cur = float(
+        expected_goodput(
+            step_s[[cur_i]], b[[cur_i]], b_noise, c_values, weights, lr_aware=lr_aware, lr_ref_batch=lr_ref_batch
+        )[0]
+    )
     j = int(np.argmax(g))
     gain = float(g[j]) / g_cur - 1.0 if g_cur > 0 else math.inf
     u_best = float(uncertainty[idx[j]]) if uncertainty is not None else 0.0

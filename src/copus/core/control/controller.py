@@ -64,42 +64,70 @@ STATE_VERSION = 1
 class Controller:
     """observe(record) -> Decision | None; see the module docstring."""
 
-    def __init__(self, *, candidates: CandidateSet, initial_plan: ParallelPlan,
-                 fitter: OnlineFitter | None = None, model: StepTimePredictor | None = None,
-                 min_batch: int, max_batch: int, max_growth: float = 2.0,
-                 interval_steps: int = 10, warmup_steps: int = 10, max_rel_err: float = 0.5,
-                 calibration: float = 2.0, margin: float = 0.10, lr_aware: bool = True,
-                 lr_ref_batch: float | None = None, reconfig_cost_s: float = 2.0,
-                 allow_reconfigure: bool = True, allow_shrink: bool = False,
-                 refit_interval_steps: int = 20, refit_tolerance: float = 0.05,
-                 explore: ExploreSettings | None = None, audit_steps: int = 0,
-                 memory_capacity_bytes: float | None = None,
-                 confidence: float = 0.0, recovery_steps: int = 0,
-                 step_confidence: float = 0.0,
-                 posterior: CalibrationPosterior | None = None,
-                 batch_margin: float | None = None, lr_warmup_tokens: float = 0.0,
-                 shrink_batch: bool | None = None, max_excursions: int = 0,
-                 excursion_factor: float = 2.0, excursion_min_interval: float = 8.0,
-                 horizon_tokens: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        candidates: CandidateSet,
+        initial_plan: ParallelPlan,
+        fitter: OnlineFitter | None = None,
+        model: StepTimePredictor | None = None,
+        min_batch: int,
+        max_batch: int,
+        max_growth: float = 2.0,
+        interval_steps: int = 10,
+        warmup_steps: int = 10,
+        max_rel_err: float = 0.5,
+        calibration: float = 2.0,
+        margin: float = 0.10,
+        lr_aware: bool = True,
+        lr_ref_batch: float | None = None,
+        reconfig_cost_s: float = 2.0,
+        allow_reconfigure: bool = True,
+        allow_shrink: bool = False,
+        refit_interval_steps: int = 20,
+        refit_tolerance: float = 0.05,
+        explore: ExploreSettings | None = None,
+        audit_steps: int = 0,
+        memory_capacity_bytes: float | None = None,
+        confidence: float = 0.0,
+        recovery_steps: int = 0,
+        step_confidence: float = 0.0,
+        posterior: CalibrationPosterior | None = None,
+        batch_margin: float | None = None,
+        lr_warmup_tokens: float = 0.0,
+        shrink_batch: bool | None = None,
+        max_excursions: int = 0,
+        excursion_factor: float = 2.0,
+        excursion_min_interval: float = 8.0,
+        horizon_tokens: float = 0.0,
+    ) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or calibration <= 0 or max_rel_err <= 0:
-            raise ValueError(f"interval_steps={interval_steps}, warmup_steps={warmup_steps}, "
-                             f"calibration={calibration}, max_rel_err={max_rel_err} are invalid; "
-                             "allowed: interval >= 1, warmup >= 0, calibration > 0, max_rel_err > 0")
+            raise ValueError(
+                f"interval_steps={interval_steps}, warmup_steps={warmup_steps}, "
+                f"calibration={calibration}, max_rel_err={max_rel_err} are invalid; "
+                "allowed: interval >= 1, warmup >= 0, calibration > 0, max_rel_err > 0"
+            )
         self.candidates = candidates
         self.fitter = fitter
         self._fixed_model = model
-        self.search_options = dict(margin=margin, max_growth=max_growth, min_batch=min_batch,
-                                   max_batch=max_batch, allow_shrink=allow_shrink,
-                                   allow_reconfigure=allow_reconfigure, lr_aware=lr_aware,
-                                   lr_ref_batch=lr_ref_batch or float(initial_plan.global_batch_size))
+        self.search_options = dict(
+            margin=margin,
+            max_growth=max_growth,
+            min_batch=min_batch,
+            max_batch=max_batch,
+            allow_shrink=allow_shrink,
+            allow_reconfigure=allow_reconfigure,
+            lr_aware=lr_aware,
+            lr_ref_batch=lr_ref_batch or float(initial_plan.global_batch_size),
+        )
         self.interval_steps = interval_steps
         self.warmup_steps = warmup_steps
         self.max_rel_err = max_rel_err
         self.calibration = calibration
         self.posterior = posterior
-        self.lr_warmup_tokens = float(lr_warmup_tokens)   # no calibration evidence before
+        self.lr_warmup_tokens = float(lr_warmup_tokens)  # no calibration evidence before
         # a batch move on the current layout may shrink the batch (None: under "auto", where
         # the posterior can find an early growth was wrong; the batch margin is the hysteresis)
         self.shrink_batch = (posterior is not None) if shrink_batch is None else bool(shrink_batch)
@@ -120,7 +148,7 @@ class Controller:
             self._follow_posterior()
         self.confidence, self.recovery_steps = float(confidence), int(recovery_steps)
         self.step_confidence = float(step_confidence)
-        self.step_misses: list[float] = []   # realised/predicted − 1 of checked predictions
+        self.step_misses: list[float] = []  # realised/predicted − 1 of checked predictions
         self._batch_change_step: int | None = None
         self.prior_reconfig_cost_s = reconfig_cost_s
         self.refit_interval_steps = refit_interval_steps
@@ -136,7 +164,7 @@ class Controller:
         explore = explore or ExploreSettings(max_probes=0)
         self.explorer = Explorer(explore, margin=margin, memory_capacity_bytes=memory_capacity_bytes)
         self.auditor = Auditor(audit_steps, margin=margin)
-        self.events: list[dict] = []            # decisions.jsonl rows (probe results, audits)
+        self.events: list[dict] = []  # decisions.jsonl rows (probe results, audits)
         self.measure_first = fitter is not None and (explore.max_probes > 0 or audit_steps > 0)
 
     # ---- what the decision uses ----------------------------------------------------------------
@@ -221,8 +249,12 @@ class Controller:
         (horizon − tokens so far) / tokens per second; None when the horizon is unknown (0),
         spent, or the step time is not a positive number (COPUS's elapsed-time rule then)."""
         left = self.horizon_tokens - record.tokens
-        if self.horizon_tokens <= 0 or left <= 0 or record.samples <= 0 or \
-                not (math.isfinite(record.step_s) and record.step_s > 0):
+        if (
+            self.horizon_tokens <= 0
+            or left <= 0
+            or record.samples <= 0
+            or not (math.isfinite(record.step_s) and record.step_s > 0)
+        ):
             return None
         tokens_per_step = record.tokens / record.samples * record.plan.global_batch_size
         return left / tokens_per_step * record.step_s
@@ -260,9 +292,11 @@ class Controller:
             return follow
         if self._excursion_end is not None:
             if record.step < self._excursion_end:
-                self.last_explanation = {"step": record.step, "action": "wait",
-                                         "why": f"calibration excursion until step "
-                                                f"{self._excursion_end}"}
+                self.last_explanation = {
+                    "step": record.step,
+                    "action": "wait",
+                    "why": f"calibration excursion until step {self._excursion_end}",
+                }
                 return None
             self._excursion_end = None
         why = self._gate(record)
@@ -270,20 +304,31 @@ class Controller:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
             return self._maybe_probe(record)
         self._maybe_refit()
-        b_used = self.calibration * lower_bound(record.b_noise, record.b_noise_rel_err,
-                                                self.confidence)
+        b_used = self.calibration * lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
         u, u_cur = self.step_uncertainty(record.plan)
-        result = evaluate(self.candidates, self.decision_model(), b_used, record.plan,
-                          reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
-                          useful_s=self.useful_s, horizon_s=self.remaining_s(record),
-                          step=record.step,
-                          step_s=self.predicted_step_s(), uncertainty=u,
-                          current_uncertainty=u_cur, step_confidence=self.step_confidence,
-                          **self.search_options)
+        result = evaluate(
+            self.candidates,
+            self.decision_model(),
+            b_used,
+            record.plan,
+            reconfig_cost_s=self.reconfig_cost_s,
+            elapsed_s=self.elapsed_s,
+            useful_s=self.useful_s,
+            horizon_s=self.remaining_s(record),
+            step=record.step,
+            step_s=self.predicted_step_s(),
+            uncertainty=u,
+            current_uncertainty=u_cur,
+            step_confidence=self.step_confidence,
+            **self.search_options,
+        )
         self.last_decision_step = record.step
-        self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
-                                 "b_noise_rel_err": record.b_noise_rel_err,
-                                 "calibration": self.calibration}
+        self.last_explanation = {
+            **result.explanation,
+            "b_noise_raw": record.b_noise,
+            "b_noise_rel_err": record.b_noise_rel_err,
+            "calibration": self.calibration,
+        }
         if self.posterior is not None:
             self.last_explanation["calibration_posterior"] = self.posterior.summary()
         decision = result.decision
@@ -298,47 +343,64 @@ class Controller:
         self.history.append(decision.to_dict())
         before_s = self.measured_step_s(record.plan, last=max(self.auditor.steps, 1))
         measured = math.isfinite(before_s)
-        self.auditor.start(decision, record.plan,
-                           before_s if measured else result.explanation["current"]["step_s"],
-                           measured)
+        self.auditor.start(
+            decision, record.plan, before_s if measured else result.explanation["current"]["step_s"], measured
+        )
         return decision
 
-    def _batch_move(self, record: StepRecord, u: np.ndarray | None,
-                    u_cur: float) -> Decision | None:
+    def _batch_move(self, record: StepRecord, u: np.ndarray | None, u_cur: float) -> Decision | None:
         """A batch change on the current layout that beats it by `batch_margin` in goodput
         expected under the posterior over c (`core.control.batch_move`)."""
         phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
         o = self.search_options
         if self.posterior is not None:
             post = self.posterior
-            joint = post.joint()                                  # (γ, c)
-            c_values = np.broadcast_to(2.0 ** post.log2_grid, joint.shape)
-            flags = ([g > 0 for g in post.lr_exponents] if len(post.lr_exponents) > 1
-                     else [o["lr_aware"]])            # one exponent: the configured factor
+            joint = post.joint()  # (γ, c)
+            c_values = np.broadcast_to(2.0**post.log2_grid, joint.shape)
+            flags = (
+                [g > 0 for g in post.lr_exponents] if len(post.lr_exponents) > 1 else [o["lr_aware"]]
+            )  # one exponent: the configured factor
             lr_flags = np.broadcast_to(np.array(flags)[:, None], joint.shape)
             weights = joint
         else:
-            c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]),
-                                           np.array([o["lr_aware"]]))
+            c_values, weights, lr_flags = (np.array([self.calibration]), np.array([1.0]), np.array([o["lr_aware"]]))
         step_s = self.predicted_step_s()
-        found = best_batch_move(self.candidates, step_s, record.plan, phi, c_values, weights,
-                                batch_margin=self.batch_margin, max_growth=o["max_growth"],
-                                min_batch=o["min_batch"], max_batch=o["max_batch"],
-                                allow_shrink=o["allow_shrink"] or self.shrink_batch,
-                                lr_aware=lr_flags,
-                                lr_ref_batch=o["lr_ref_batch"], uncertainty=u,
-                                current_uncertainty=u_cur, step_confidence=self.step_confidence)
+        found = best_batch_move(
+            self.candidates,
+            step_s,
+            record.plan,
+            phi,
+            c_values,
+            weights,
+            batch_margin=self.batch_margin,
+            max_growth=o["max_growth"],
+            min_batch=o["min_batch"],
+            max_batch=o["max_batch"],
+            allow_shrink=o["allow_shrink"] or self.shrink_batch,
+            lr_aware=lr_flags,
+            lr_ref_batch=o["lr_ref_batch"],
+            uncertainty=u,
+            current_uncertainty=u_cur,
+            step_confidence=self.step_confidence,
+        )
         if found is None:
             return None
         i, gain, required = found
         plan = self.candidates.plan(i)
-        reason = (f"batch {record.plan.global_batch_size} -> {plan.global_batch_size} on "
-                  f"{record.plan.describe()}: expected goodput under the posterior over c "
-                  f"+{100 * gain:.1f}% > {100 * required:.1f}% (batch margin)")
+        reason = (
+            f"batch {record.plan.global_batch_size} -> {plan.global_batch_size} on "
+            f"{record.plan.describe()}: expected goodput under the posterior over c "
+            f"+{100 * gain:.1f}% > {100 * required:.1f}% (batch margin)"
+        )
         self.last_explanation = {**self.last_explanation, "action": "batch", "why": reason}
-        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
-                        b_noise=self.calibration * phi,
-                        calibration=self.posterior.summary() if self.posterior else None)
+        return Decision(
+            kind="batch",
+            plan=plan,
+            reason=reason,
+            step=record.step,
+            b_noise=self.calibration * phi,
+            calibration=self.posterior.summary() if self.posterior else None,
+        )
 
     def _maybe_excursion(self, record: StepRecord) -> Decision | None:
         """A deliberate step to excursion_factor·B on this layout for one experiment's length,
@@ -346,32 +408,54 @@ class Controller:
         decisions resume (under "auto" a batch move may come back down)."""
         post = self.posterior
         since = record.step - (self._batch_change_step or 0)
-        if post is None or self.num_excursions >= self.max_excursions or post.window_open or \
-                record.tokens < self.lr_warmup_tokens or since < post.window_steps or \
-                post.interval_ratio() <= self.excursion_min_interval:
+        if (
+            post is None
+            or self.num_excursions >= self.max_excursions
+            or post.window_open
+            or record.tokens < self.lr_warmup_tokens
+            or since < post.window_steps
+            or post.interval_ratio() <= self.excursion_min_interval
+        ):
             return None
         o = self.search_options
         steps = post.skip_steps + post.window_steps
         phi = lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence)
-        found = excursion_value(self.candidates, self.predicted_step_s(), record.plan, phi,
-                                2.0 ** post.log2_grid, post.probabilities(),
-                                factor=self.excursion_factor, steps=steps,
-                                horizon_steps=float(record.step), max_batch=o["max_batch"],
-                                lr_aware=o["lr_aware"], lr_ref_batch=o["lr_ref_batch"])
+        found = excursion_value(
+            self.candidates,
+            self.predicted_step_s(),
+            record.plan,
+            phi,
+            2.0**post.log2_grid,
+            post.probabilities(),
+            factor=self.excursion_factor,
+            steps=steps,
+            horizon_steps=float(record.step),
+            max_batch=o["max_batch"],
+            lr_aware=o["lr_aware"],
+            lr_ref_batch=o["lr_ref_batch"],
+        )
         if found is None or not found[1] > found[2]:
             return None
         i, value, cost = found
         plan = self.candidates.plan(i)
         self.num_excursions += 1
         self._excursion_end = record.step + 1 + steps
-        reason = (f"calibration excursion {self.num_excursions}/{self.max_excursions}: B "
-                  f"{record.plan.global_batch_size} -> {plan.global_batch_size} for {steps} steps "
-                  f"(c 5-95 % {post.quantile_c(0.05):.2g}-{post.quantile_c(0.95):.2g}; value "
-                  f"{value:.1f} > cost {cost:.1f} steps of goodput)")
+        reason = (
+            f"calibration excursion {self.num_excursions}/{self.max_excursions}: B "
+            f"{record.plan.global_batch_size} -> {plan.global_batch_size} for {steps} steps "
+            f"(c 5-95 % {post.quantile_c(0.05):.2g}-{post.quantile_c(0.95):.2g}; value "
+            f"{value:.1f} > cost {cost:.1f} steps of goodput)"
+        )
         self.last_explanation = {**self.last_explanation, "action": "excursion", "why": reason}
-        return Decision(kind="batch", plan=plan, reason=reason, step=record.step,
-                        b_noise=self.calibration * phi, purpose="probe",
-                        calibration=post.summary())
+        return Decision(
+            kind="batch",
+            plan=plan,
+            reason=reason,
+            step=record.step,
+            b_noise=self.calibration * phi,
+            purpose="probe",
+            calibration=post.summary(),
+        )
 
     def _follow_posterior(self) -> None:
         """c = the posterior median given the most probable LR exponent; when the posterior
@@ -386,8 +470,9 @@ class Controller:
         A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
         if self.posterior is None or record.skipped:
             return
-        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise,
-                                     usable=record.tokens >= self.lr_warmup_tokens)
+        row = self.posterior.observe(
+            record.loss, record.plan.global_batch_size, record.b_noise, usable=record.tokens >= self.lr_warmup_tokens
+        )
         if row is not None:
             self._follow_posterior()
             self.events.append({"event": "calibration", "step": record.step, **row})
@@ -400,21 +485,33 @@ class Controller:
         opts = self.search_options
 
         def of(step_s: float, batch: int) -> float:
-            return float(goodput(np.array([step_s]), np.array([batch]), b,
-                                 lr_aware=opts["lr_aware"], lr_ref_batch=opts["lr_ref_batch"])[0])
+            return float(
+                goodput(
+                    np.array([step_s]),
+                    np.array([batch]),
+                    b,
+                    lr_aware=opts["lr_aware"],
+                    lr_ref_batch=opts["lr_ref_batch"],
+                )[0]
+            )
+
         return of
 
     def _follow_up(self, record: StepRecord) -> Decision | None:
         """Advance the active probe or audit (never both: each waits for the other)."""
         if self.explorer.busy:
             last = self.explorer.settings.probe_steps
-            return self._settle(*self.explorer.follow(
-                record.step, record.plan, record.step_s,
-                lambda plan: self.measured_step_s(plan, last=last)))
+            return self._settle(
+                *self.explorer.follow(
+                    record.step, record.plan, record.step_s, lambda plan: self.measured_step_s(plan, last=last)
+                )
+            )
         if self.auditor.busy:
-            return self._settle(*self.auditor.follow(record.step, record.plan, record.step_s,
-                                                     self._goodput_of(record.b_noise),
-                                                     record.b_noise))
+            return self._settle(
+                *self.auditor.follow(
+                    record.step, record.plan, record.step_s, self._goodput_of(record.b_noise), record.b_noise
+                )
+            )
         return None
 
     def _settle(self, row: dict | None, decision: Decision | None) -> Decision | None:
@@ -436,17 +533,19 @@ class Controller:
     def _maybe_probe(self, record: StepRecord) -> Decision | None:
         """A probe of an unmeasured layout at the current batch, within the explore bounds."""
         allow = self.search_options["allow_reconfigure"]
-        if not allow or self.fitter is None or record.skipped or \
-                record.step < self.warmup_steps or \
-                len(self.fitter.times.get(record.plan, ())) < self.explorer.settings.probe_steps:
+        if (
+            not allow
+            or self.fitter is None
+            or record.skipped
+            or record.step < self.warmup_steps
+            or len(self.fitter.times.get(record.plan, ())) < self.explorer.settings.probe_steps
+        ):
             return None
         measured = {(p.layout, p.global_batch_size) for p in self.fitter.times}
-        decision = self.explorer.propose(record.step, record.plan, self.candidates,
-                                         self.decision_model(), measured)
+        decision = self.explorer.propose(record.step, record.plan, self.candidates, self.decision_model(), measured)
         if decision is not None:
             self.history.append(decision.to_dict())
-            self.last_explanation = {"step": record.step, "action": "probe",
-                                     "why": decision.reason}
+            self.last_explanation = {"step": record.step, "action": "probe", "why": decision.reason}
         return decision
 
     def _measure(self, record: StepRecord) -> None:
@@ -468,7 +567,7 @@ class Controller:
     def _maybe_refit(self) -> bool:
         f = self.fitter
         if f is not None and self.measure_first and f.num_fits == 0 and f.times:
-            f.refit()       # measured medians and the model are compared: same scale first
+            f.refit()  # measured medians and the model are compared: same scale first
             return True
         if f is None or f.since_fit < self.refit_interval_steps:
             return False
@@ -481,34 +580,43 @@ class Controller:
         """Why no decision is taken at this step (None: decide)."""
         if record.step < self.warmup_steps:
             return f"warmup: step {record.step} < warmup_steps {self.warmup_steps}"
-        if self.last_decision_step is not None and \
-                record.step - self.last_decision_step < self.interval_steps:
-            return (f"next decision at step {self.last_decision_step + self.interval_steps} "
-                    f"(interval_steps {self.interval_steps})")
+        if self.last_decision_step is not None and record.step - self.last_decision_step < self.interval_steps:
+            return (
+                f"next decision at step {self.last_decision_step + self.interval_steps} "
+                f"(interval_steps {self.interval_steps})"
+            )
         if record.skipped:
             return "step skipped (non-finite statistics)"
         if not (math.isfinite(record.b_noise) and record.b_noise > 0):
             return f"gns not ready: b_noise={record.b_noise}"
-        if self._batch_change_step is not None and \
-                record.step - self._batch_change_step < self.recovery_steps:
-            return (f"recovery: batch changed at step {self._batch_change_step}, hold "
-                    f"{self.recovery_steps} steps")
+        if self._batch_change_step is not None and record.step - self._batch_change_step < self.recovery_steps:
+            return f"recovery: batch changed at step {self._batch_change_step}, hold {self.recovery_steps} steps"
         if self.confidence > 0:
             if not lower_bound(record.b_noise, record.b_noise_rel_err, self.confidence) > 0:
                 return f"gns lower bound is 0 (rel. error {record.b_noise_rel_err})"
         elif not record.b_noise_rel_err <= self.max_rel_err:
-            return (f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > "
-                    f"max_rel_err {self.max_rel_err}")
+            return f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > max_rel_err {self.max_rel_err}"
         return None
 
     def forbid(self, rule: Callable[[ParallelPlan], bool]) -> int:
         """Drop every candidate plan for which `rule(plan)` holds (e.g. one that ran out of
         device memory in this run): it is never chosen again. Returns how many were dropped."""
         c = self.candidates
-        keep = np.array([not rule(ParallelPlan(dp=int(c.dp[i]), tp=int(c.tp[i]), pp=int(c.pp[i]),
-                                               micro_batch_size=int(c.micro_batch_size[i]),
-                                               num_microbatches=int(c.num_microbatches[i])))
-                         for i in range(len(c))], dtype=bool)
+        keep = np.array(
+            [
+                not rule(
+                    ParallelPlan(
+                        dp=int(c.dp[i]),
+                        tp=int(c.tp[i]),
+                        pp=int(c.pp[i]),
+                        micro_batch_size=int(c.micro_batch_size[i]),
+                        num_microbatches=int(c.num_microbatches[i]),
+                    )
+                )
+                for i in range(len(c))
+            ],
+            dtype=bool,
+        )
         if keep.all():
             return 0
         self.candidates, self._predicted = c.subset(keep), None
@@ -518,19 +626,24 @@ class Controller:
 
     def state_dict(self) -> dict:
         """JSON-able state: fitter (measurements + fitted coefficients), switch costs, history."""
-        return {"version": STATE_VERSION, "plan": _plan_list(self.plan),
-                "seen_plan": _plan_list(self.seen_plan), "elapsed_s": self.elapsed_s,
-                "switch_costs": list(self.switch_costs), "history": list(self.history),
-                "last_decision_step": self.last_decision_step,
-                "fitter": self.fitter.state_dict() if self.fitter is not None else None,
-                "explorer": self.explorer.state_dict(), "auditor": self.auditor.state_dict(),
-                "step_misses": list(self.step_misses),
-                "posterior": self.posterior.state_dict() if self.posterior is not None else None}
+        return {
+            "version": STATE_VERSION,
+            "plan": _plan_list(self.plan),
+            "seen_plan": _plan_list(self.seen_plan),
+            "elapsed_s": self.elapsed_s,
+            "switch_costs": list(self.switch_costs),
+            "history": list(self.history),
+            "last_decision_step": self.last_decision_step,
+            "fitter": self.fitter.state_dict() if self.fitter is not None else None,
+            "explorer": self.explorer.state_dict(),
+            "auditor": self.auditor.state_dict(),
+            "step_misses": list(self.step_misses),
+            "posterior": self.posterior.state_dict() if self.posterior is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"controller state version={state.get('version')!r} is invalid; "
-                             f"allowed: {STATE_VERSION}")
+            raise ValueError(f"controller state version={state.get('version')!r} is invalid; allowed: {STATE_VERSION}")
         self.plan = _plan_of(state["plan"])
         self.seen_plan = _plan_of(state["seen_plan"])
         self.elapsed_s = float(state["elapsed_s"])
@@ -568,23 +681,38 @@ def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> lis
     return sorted(sizes | {initial_plan.micro_batch_size})
 
 
-def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
-                    shape: ModelShape, *, step_time_model: StepTimePredictor | None = None,
-                    memory_capacity_bytes: float | None = None,
-                    hardware: HardwareProfile | str | None = None,
-                    micro_batch_sizes: Iterable[int] | None = None, margin: float = 0.10,
-                    lr_aware: bool = True, reconfig_cost_s: float = 2.0,
-                    allow_reconfigure: bool = True,
-                    profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
-                    refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
-                    batch_grid: str = "multiples", online_fit: bool = True,
-                    allow_shrink: bool = False, explore: ExploreSettings | None = None,
-                    audit_steps: int = 0, cores: int | None = None,
-                    step_confidence: float = 0.0, plan_options: dict | None = None,
-                    batch_margin: float | None = None,
-                    lr_warmup_tokens: float = 0.0, shrink_batch: bool | None = None,
-                    max_excursions: int = 0, horizon_tokens: float = 0.0,
-                    posterior_options: dict | None = None) -> Controller:
+def make_controller(
+    settings: Any,
+    initial_plan: ParallelPlan,
+    world_size: int,
+    shape: ModelShape,
+    *,
+    step_time_model: StepTimePredictor | None = None,
+    memory_capacity_bytes: float | None = None,
+    hardware: HardwareProfile | str | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+    margin: float = 0.10,
+    lr_aware: bool = True,
+    reconfig_cost_s: float = 2.0,
+    allow_reconfigure: bool = True,
+    profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
+    refit_interval_steps: int = 20,
+    memory_model: MemoryModel | None = None,
+    batch_grid: str = "multiples",
+    online_fit: bool = True,
+    allow_shrink: bool = False,
+    explore: ExploreSettings | None = None,
+    audit_steps: int = 0,
+    cores: int | None = None,
+    step_confidence: float = 0.0,
+    plan_options: dict | None = None,
+    batch_margin: float | None = None,
+    lr_warmup_tokens: float = 0.0,
+    shrink_batch: bool | None = None,
+    max_excursions: int = 0,
+    horizon_tokens: float = 0.0,
+    posterior_options: dict | None = None,
+) -> Controller:
     """The goodput policy for `make_policy("goodput", ...)`.
 
     `settings` has the `PolicySettings` fields initial, min, max, max_growth, interval_steps,
@@ -606,18 +734,26 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     min_b, max_b = int(settings.min), int(settings.max)
-    mbs = list(micro_batch_sizes) if micro_batch_sizes is not None else \
-        default_micro_batch_sizes(initial_plan, max_b)
+    mbs = list(micro_batch_sizes) if micro_batch_sizes is not None else default_micro_batch_sizes(initial_plan, max_b)
     if memory_capacity_bytes is not None and memory_model is None:
         memory_model = MemoryModel(shape=shape, mixed_precision=(hw is None or hw.dtype_bytes == 2))
     if plan_options and memory_model is not None:
         memory_model = memory_model.with_plan_options(**plan_options)
-    cands = build_candidates(world_size, shape, min_batch=min_b, max_batch=max_b,
-                             micro_batch_sizes=mbs, batch_grid=batch_grid,
-                             memory_model=memory_model, memory_capacity_bytes=memory_capacity_bytes)
+    cands = build_candidates(
+        world_size,
+        shape,
+        min_batch=min_b,
+        max_batch=max_b,
+        micro_batch_sizes=mbs,
+        batch_grid=batch_grid,
+        memory_model=memory_model,
+        memory_capacity_bytes=memory_capacity_bytes,
+    )
     if not len(cands):
-        raise ValueError(f"no plan fits: world_size={world_size}, batch [{min_b}, {max_b}], "
-                         f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}")
+        raise ValueError(
+            f"no plan fits: world_size={world_size}, batch [{min_b}, {max_b}], "
+            f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}"
+        )
     fitter, fixed = None, None
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
@@ -631,26 +767,43 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
             fitter.prior = fitter.model = prior
         else:
             fixed = prior
-    return Controller(candidates=cands, initial_plan=initial_plan, fitter=fitter, model=fixed,
-                      min_batch=min_b, max_batch=max_b,
-                      max_growth=float(settings.max_growth),
-                      interval_steps=int(settings.interval_steps),
-                      warmup_steps=int(settings.warmup_steps),
-                      max_rel_err=float(settings.max_rel_err),
-                      calibration=float(settings.calibration), margin=margin, lr_aware=lr_aware,
-                      lr_ref_batch=float(settings.initial), reconfig_cost_s=reconfig_cost_s,
-                      allow_reconfigure=allow_reconfigure,
-                      refit_interval_steps=refit_interval_steps, allow_shrink=allow_shrink,
-                      explore=explore, audit_steps=audit_steps,
-                      memory_capacity_bytes=memory_capacity_bytes,
-                      confidence=float(getattr(settings, "confidence", 0.0)),
-                      recovery_steps=int(getattr(settings, "recovery_steps", 0)),
-                      step_confidence=step_confidence, batch_margin=batch_margin,
-                      lr_warmup_tokens=lr_warmup_tokens, shrink_batch=shrink_batch,
-                      max_excursions=max_excursions, horizon_tokens=horizon_tokens,
-                      posterior=(CalibrationPosterior(
-                          prior_c=float(settings.calibration),
-                          quantile=float(getattr(settings, "calibration_quantile", 0.5)),
-                          **(posterior_options or {}))
-                                 if getattr(settings, "calibration_mode", "fixed") == "auto"
-                                 else None))
+    return Controller(
+        candidates=cands,
+        initial_plan=initial_plan,
+        fitter=fitter,
+        model=fixed,
+        min_batch=min_b,
+        max_batch=max_b,
+        max_growth=float(settings.max_growth),
+        interval_steps=int(settings.interval_steps),
+        warmup_steps=int(settings.warmup_steps),
+        max_rel_err=float(settings.max_rel_err),
+        calibration=float(settings.calibration),
+        margin=margin,
+        lr_aware=lr_aware,
+        lr_ref_batch=float(settings.initial),
+        reconfig_cost_s=reconfig_cost_s,
+        allow_reconfigure=allow_reconfigure,
+        refit_interval_steps=refit_interval_steps,
+        allow_shrink=allow_shrink,
+        explore=explore,
+        audit_steps=audit_steps,
+        memory_capacity_bytes=memory_capacity_bytes,
+        confidence=float(getattr(settings, "confidence", 0.0)),
+        recovery_steps=int(getattr(settings, "recovery_steps", 0)),
+        step_confidence=step_confidence,
+        batch_margin=batch_margin,
+        lr_warmup_tokens=lr_warmup_tokens,
+        shrink_batch=shrink_batch,
+        max_excursions=max_excursions,
+        horizon_tokens=horizon_tokens,
+        posterior=(
+            CalibrationPosterior(
+                prior_c=float(settings.calibration),
+                quantile=float(getattr(settings, "calibration_quantile", 0.5)),
+                **(posterior_options or {}),
+            )
+            if getattr(settings, "calibration_mode", "fixed") == "auto"
+            else None
+        ),
+    )

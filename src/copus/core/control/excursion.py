@@ -32,10 +32,21 @@ from copus.core.plan.plan import ParallelPlan
 RESOLVE = 0.5
 
 
-def excursion_value(candidates: CandidateSet, step_s: np.ndarray, current: ParallelPlan,
-                    b_noise: float, c_values: np.ndarray, weights: np.ndarray, *,
-                    factor: float, steps: int, horizon_steps: float, max_batch: int,
-                    lr_aware: bool, lr_ref_batch: float) -> tuple[int, float, float] | None:
+def excursion_value(
+    candidates: CandidateSet,
+    step_s: np.ndarray,
+    current: ParallelPlan,
+    b_noise: float,
+    c_values: np.ndarray,
+    weights: np.ndarray,
+    *,
+    factor: float,
+    steps: int,
+    horizon_steps: float,
+    max_batch: int,
+    lr_aware: bool,
+    lr_ref_batch: float,
+) -> tuple[int, float, float] | None:
     """(candidate index of B', value, cost) of an excursion from `current`, or None when no
     same-layout plan at ≈ factor·B exists or φ is unknown."""
     cur_i = candidates.index_of(current)
@@ -43,9 +54,14 @@ def excursion_value(candidates: CandidateSet, step_s: np.ndarray, current: Paral
         return None
     b = candidates.global_batch_size.astype(float)
     cur_b = float(current.global_batch_size)
-    same = ((candidates.dp == current.dp) & (candidates.tp == current.tp)
-            & (candidates.pp == current.pp) & np.isfinite(step_s) & (step_s > 0)
-            & (b <= max_batch))
+    same = (
+        (candidates.dp == current.dp)
+        & (candidates.tp == current.tp)
+        & (candidates.pp == current.pp)
+        & np.isfinite(step_s)
+        & (step_s > 0)
+        & (b <= max_batch)
+    )
     up = np.flatnonzero(same & (b > cur_b) & (b <= factor * cur_b + 1e-9))
     idx = np.flatnonzero(same & (b >= cur_b))
     if len(up) == 0 or len(idx) < 2:
@@ -55,14 +71,22 @@ def excursion_value(candidates: CandidateSet, step_s: np.ndarray, current: Paral
     c = np.asarray(c_values, dtype=float).reshape(-1)
     keep = w >= 1e-4
     w, c = w[keep] / w[keep].sum(), c[keep]
-    g = np.stack([goodput(step_s[idx], b[idx], float(ck) * b_noise, lr_aware=lr_aware,
-                          lr_ref_batch=lr_ref_batch) for ck in c])          # (k, plans)
+    g = np.stack(
+        [goodput(step_s[idx], b[idx], float(ck) * b_noise, lr_aware=lr_aware, lr_ref_batch=lr_ref_batch) for ck in c]
+    )  # (k, plans)
     mean = w @ g
     pick = int(np.argmax(mean))
     best = g.max(axis=1)
     regret = float(w @ ((best - g[:, pick]) / np.where(best > 0, best, 1.0)))
-    g_cur, g_up = expected_goodput(step_s[[cur_i, target]], b[[cur_i, target]], b_noise, c, w,
-                                   lr_aware=np.array([lr_aware]), lr_ref_batch=lr_ref_batch)
+    g_cur, g_up = expected_goodput(
+        step_s[[cur_i, target]],
+        b[[cur_i, target]],
+        b_noise,
+        c,
+        w,
+        lr_aware=np.array([lr_aware]),
+        lr_ref_batch=lr_ref_batch,
+    )
     cost = steps * max(0.0, 1.0 - float(g_up) / float(g_cur)) if g_cur > 0 else math.inf
     value = horizon_steps * regret * RESOLVE
     return target, value, cost

@@ -140,6 +140,9 @@ def test_two_rank_run_undoes_a_decision_that_missed_its_prediction(tmp_path):
             "batch.warmup_steps=4",
             "batch.interval_steps=4",
             "gns.max_rel_err=1e9",
+            # a fixed, large c: the growth must look worth it from this model's small measured
+            # b_noise (~0.14 at init: c·b_noise ≈ 5.6), so that the audit has a decision to undo
+            "gns.calibration=40",
             "controller.audit_steps=3",
         ],
     )

@@ -17,46 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.runtime._ramp import ramp_args
 
 ROOT = Path(__file__).resolve().parents[2]
-RAMP = [
-    "--nproc",
-    "2",
-    "--max-steps",
-    "6",
-    "--policy",
-    "ramp",
-    "--seed",
-    "1",
-    "--set",
-    "batch.initial=4",
-    "--set",
-    "batch.min=4",
-    "--set",
-    "batch.ramp_to=12",
-    "--set",
-    "batch.ramp_kind='stepwise'",
-    "--set",
-    "batch.ramp_samples=8",
-    "--set",
-    "batch.ramp_steps=2",
-    "--set",
-    "batch.warmup_steps=1",
-    "--set",
-    "batch.interval_steps=1",
-    "--set",
-    "data.max_chars=60000",
-    "--set",
-    "eval.interval_steps=2",
-    "--set",
-    "eval.num_samples=4",
-    "--set",
-    "checkpoint.interval_steps=4",
-    "--set",
-    "log.tensorboard=false",
-    "--set",
-    "log.progress_interval_s=0",
-]
+RAMP = ramp_args(nproc=2, checkpoint_interval=4)
 
 
 def copus_script() -> Path:

@@ -24,6 +24,7 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import StepRecord
 from copus.reporting.runs import latest_rows, load_run
 from copus.runtime.state.metrics import RunWriter, supersede_jsonl
+from tests.runtime._ramp import ramp_args
 
 PLAN = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
 
@@ -118,44 +119,7 @@ def test_the_report_skips_rows_a_resume_superseded(tmp_path):
 
 # ---------------------------------------------------------------------- real runs, pty and pipe
 
-RAMP = [
-    "--nproc",
-    "1",
-    "--max-steps",
-    "6",
-    "--policy",
-    "ramp",
-    "--seed",
-    "1",
-    "--set",
-    "batch.initial=4",
-    "--set",
-    "batch.min=4",
-    "--set",
-    "batch.ramp_to=12",
-    "--set",
-    "batch.ramp_kind='stepwise'",
-    "--set",
-    "batch.ramp_samples=8",
-    "--set",
-    "batch.ramp_steps=2",
-    "--set",
-    "batch.warmup_steps=1",
-    "--set",
-    "batch.interval_steps=1",
-    "--set",
-    "data.max_chars=60000",
-    "--set",
-    "eval.interval_steps=2",
-    "--set",
-    "eval.num_samples=4",
-    "--set",
-    "checkpoint.interval_steps=0",
-    "--set",
-    "log.tensorboard=false",
-    "--set",
-    "log.progress_interval_s=0",
-]
+RAMP = ramp_args(nproc=1, checkpoint_interval=0)
 
 
 def _env() -> dict:

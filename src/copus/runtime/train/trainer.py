@@ -684,10 +684,12 @@ class Trainer:
         an engine built for it (DCP); progress (the global sample offset), GNS, policy and LR
         state come back as saved, the RNG state only at the same world size.
         """
-        path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
+        problems: list[str] = []
+        path = ckpt.agree_on_latest(self.ckpt_dir, self.log, problems)
         if path is None:
             if required:
-                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
+                newest = f" (newest: {problems[0]}; {len(problems)} rejected, none deleted)" if problems else ""
+                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}{newest}")
             return False
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         if not required and not self.same_run(state):

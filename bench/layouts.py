@@ -5,10 +5,7 @@
 
 Runs `copus profile` over every valid layout for the world size at one global batch and several
 micro-batch sizes (3 timed steps after 1 warm-up, median), then writes
-bench/results/<name>.json (default layouts) and prints a layout × micro-batch table of ms/step and
-peak MB. With `--memory-table`, also <name>.md: per plan the runtime's memory model
-(`perf.runtime_memory_model`) against the measured peak above the resident memory before the
-layout's engine was built (max over ranks; `profile.resident_bytes`), and the ratio.
+bench/results/layouts.json and prints a layout × micro-batch table of ms/step and peak MB.
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ def main() -> None:
     ap.add_argument("--micro-batch-sizes", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--name", default="layouts", help="results file stem under bench/results/")
-    ap.add_argument("--memory-table", action="store_true", help="also write <name>.md: model vs measured")
     args = ap.parse_args()
     out = RESULTS.parent.parent / "runs" / "bench" / "layouts_profile"  # raw: git-ignored; rows go to layouts.json
     cmd = [
@@ -70,7 +65,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "layouts.json").write_text(json.dumps(result, indent=1))
     best = min(rows, key=lambda r: r["step_s"])
     print(f"\n{args.model}, {args.nproc} ranks, B={args.global_batch}: ms/step (peak MB per rank)")
     print("| pp,dp,tp | " + " | ".join(f"mb={m}" for m in mbss) + " |")
@@ -86,33 +81,6 @@ def main() -> None:
         print(f"| {lay[0]},{lay[1]},{lay[2]} | " + " | ".join(cells) + " |")
     worst = max(rows, key=lambda r: r["step_s"])
     print(f"\nspread worst/best: {worst['step_s'] / best['step_s']:.1f}x")
-    if args.memory_table:
-        text = memory_table(result)
-        (RESULTS / f"{args.name}.md").write_text(text)
-        print("\n" + text)
-
-
-def memory_table(result: dict) -> str:
-    """Markdown: model / measured per plan (measured = peak above the pre-build resident memory)."""
-    mb = 2**20
-    rows = sorted(result["rows"], key=lambda r: (r["pp"], r["dp"], r["tp"], r["micro_batch_size"]))
-    ratios = [r["model_bytes"] / r["peak_above_base_bytes"] for r in rows]
-    lines = [
-        f"# Memory model vs measured peak: {result['model']}, {result['nproc']} CPU ranks, "
-        f"B = {result['global_batch_size']}",
-        "",
-        f"`python bench/{Path(__file__).name} " + " ".join(sys.argv[1:]) + "` (shared 2-core machine)",
-        "",
-        "| plan (pp·dp·tp, mb×k) | measured above pre-build RSS (MB) | model (MB) | model / measured |",
-        "|---|---|---|---|",
-    ]
-    for r, q in zip(rows, ratios):
-        lines.append(
-            f"| pp{r['pp']}·dp{r['dp']}·tp{r['tp']} mb{r['micro_batch_size']}×{r['num_microbatches']} "
-            f"| {r['peak_above_base_bytes'] / mb:.1f} | {r['model_bytes'] / mb:.1f} | {q:.3f} |"
-        )
-    lines += ["", f"model / measured: {min(ratios):.3f} – {max(ratios):.3f} over {len(rows)} plans", ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

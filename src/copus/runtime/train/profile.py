@@ -23,7 +23,6 @@ from copus.config import Config
 from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan
 from copus.runtime.engine.dist import max_over_ranks
-from copus.runtime.train.perf import predicted_memory_bytes, runtime_memory_model
 
 REQUEST = "profile_request.json"
 
@@ -64,34 +63,8 @@ def _peak_bytes(device: torch.device) -> float:
     return float("nan")
 
 
-def resident_bytes(device: torch.device) -> float:
-    """What is in use before an engine is built: CUDA allocated bytes, else the resident set
-    (VmRSS) after glibc has returned its free heap pages (`malloc_trim`), so that a previous
-    layout's freed memory is not counted as this one's baseline."""
-    if device.type == "cuda":
-        return float(torch.cuda.memory_allocated(device))
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024.0
-    except OSError:
-        pass
-    return float("nan")
-
-
-def time_plan(
-    engine, plan: ParallelPlan, steps: int, warmup: int, device: torch.device, base: float = float("nan"), model=None
-) -> dict:
-    """Median barrier-to-barrier step time and peak memory of `plan` on `engine`'s layout.
-    `base`: this rank's `resident_bytes` before the engine was built; the row then holds
-    `peak_above_base_bytes` (max over ranks of peak − base: what the memory model predicts) and,
-    given the runtime's memory `model`, its prediction `model_bytes`."""
+def time_plan(engine, plan: ParallelPlan, steps: int, warmup: int, device: torch.device) -> dict:
+    """Median barrier-to-barrier step time and peak memory of `plan` on `engine`'s layout."""
     engine.set_plan(plan)
     seq = engine.shape.seq_len
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
@@ -119,8 +92,6 @@ def time_plan(
         "samples_per_s": plan.global_batch_size / step_s,
         "tokens_per_s": plan.global_batch_size * seq / step_s,
         "peak_memory_bytes": max_over_ranks(_peak_bytes(device), device),
-        "peak_above_base_bytes": max_over_ranks(_peak_bytes(device) - base, device),
-        "model_bytes": float("nan") if model is None else predicted_memory_bytes(model, plan),
     }
 
 
@@ -134,17 +105,14 @@ def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
     shape = get_model_shape(cfg.model.name, cfg.model.seq_len)
     settings = settings_from_config(cfg)
     meshes = MeshCache(device.type)
-    model = runtime_memory_model(cfg, shape, device.type)
     plans = [ParallelPlan(**p) for p in request["plans"]]
     rows = []
     try:
         for _layout, group in groupby(plans, key=lambda p: p.layout):
             group = list(group)
-            dist.barrier()
-            base = resident_bytes(device)
             engine = Engine(shape, group[0], settings, device, meshes, seed=cfg.train.seed)
             for plan in group:
-                rows.append(time_plan(engine, plan, request["steps"], request["warmup"], device, base, model))
+                rows.append(time_plan(engine, plan, request["steps"], request["warmup"], device))
                 if dist.get_rank() == 0:
                     r = rows[-1]
                     print(

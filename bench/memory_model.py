@@ -52,7 +52,9 @@ def _trim() -> None:
 
 
 def _allocations(prof) -> list[tuple[int, int]]:
-    """(time ns, c10's running total of allocated CPU bytes) of every allocation event."""
+    """(time ns, c10's running total of allocated CPU bytes) of every allocation or free event,
+    the total made relative to the window's start (the reporter's counter carries over from
+    earlier profiler windows)."""
     from torch._C._profiler import _EventType
 
     out: list[tuple[int, int]] = []
@@ -60,9 +62,14 @@ def _allocations(prof) -> list[tuple[int, int]]:
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            out.append((node.start_time_ns, int(node.extra_fields.total_allocated)))
+            f = node.extra_fields
+            out.append((node.start_time_ns, int(f.total_allocated), int(f.alloc_size)))
         stack.extend(node.children)
-    return sorted(out)
+    out.sort()
+    if not out:
+        return []
+    start = out[0][1] - out[0][2]
+    return [(t, total - start) for t, total, _ in out]
 
 
 def _live_tensor_bytes() -> int:

@@ -6,17 +6,22 @@ CPU the process's resident set also holds things no device would: library code p
 first use, Python objects (DTensor's sharding caches, FSDP2 and pipeline records), glibc arenas.
 So two measurements per plan, side by side:
 
-- tensor bytes: the peak of c10's running total of allocated CPU bytes, read from the
-  profiler's allocation events (`profile_memory=True`; each event carries `total_allocated`),
-  counted from just before the layout's engine is built — the CPU analogue of the CUDA figure;
+- tensor bytes: the live CPU tensor storages at the start of the measured step (every tensor
+  reachable from Python, distinct storages) plus the peak of c10's running total of allocated
+  bytes during it, read from the profiler's allocation events (`profile_memory=True`; each
+  event carries `total_allocated`) — the CPU analogue of the CUDA figure;
 - RSS: the peak resident set (VmHWM, reset per plan) above the resident set before the build,
   over `--steps` further steps run without the profiler (its event buffers trimmed first).
 
 Run: the plans `copus profile` (and so `bench/layouts.py`) enumerates for `--nproc` ranks, one
 global batch and the micro-batch sizes; one engine per layout re-used for its micro-batchings
-(as `copus profile`), `--warmup` + `--steps` optimizer steps each on random tokens, lr 0; the
-maximum over ranks. Model: `runtime_memory_model(cfg, shape, "cpu")` (fp32, allocator overhead 0,
-no communicator term on CPU).
+(as `copus profile`); per plan `--warmup` optimizer steps unmeasured (the first step's lazy
+initialisation and AdamW state creation are not the steady state the model describes), then
+`--steps` inside the profiler window of which the last is measured, random tokens, lr 0; the
+maximum over ranks. `accounting_drift_bytes` (live tensor bytes after the measured step minus
+before plus the events' net) checks the accounting: ≈ 0 when no block allocated before the
+window was freed inside it. Model:
+`runtime_memory_model(cfg, shape, "cpu")` (fp32, allocator overhead 0, no communicator term on CPU).
 
     python bench/memory_model.py [--nproc 4 --model tiny --global-batch 32 --micro-batch-sizes 1,2,4,8]
       → bench/results/memory_model.json, .md
@@ -127,16 +132,23 @@ def _worker(rank: int, world: int, port: int, request: dict, queue) -> None:
             gen = torch.Generator().manual_seed(1234 + rank)
             rows_local = plan.micro_batch_size * plan.num_microbatches
             tokens = torch.randint(0, shape.vocab_size, (rows_local, shape.seq_len + 1), generator=gen)
+            for _ in range(request["warmup"]):  # first-step work (lazy init, AdamW state) outside
+                engine.train_step(tokens, lr=0.0)
             dist.barrier()
-            live = _live_tensor_bytes()
-            # the profiler reports frees only of blocks allocated while it runs, so the window
-            # starts with the plan: live tensors counted above, every later change from events
+            # the profiler reports frees only of blocks allocated while it runs: the measured
+            # step is the window's last, after `steps - 1` steps inside it (whatever they free
+            # or allocate is then reported), counted from the live tensors at its start
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                for _ in range(request["warmup"] + request["steps"]):
+                for _ in range(request["steps"] - 1):
                     engine.train_step(tokens, lr=0.0)
-            totals = [total for _, total in _allocations(prof)]
-            peak = live + max(totals, default=0)
-            drift = _live_tensor_bytes() - (live + (totals[-1] if totals else 0))
+                live, mark = _live_tensor_bytes(), time.time_ns()
+                engine.train_step(tokens, lr=0.0)
+            events = _allocations(prof)
+            before = [total for t, total in events if t < mark]
+            after = [total for t, total in events if t >= mark]
+            start = before[-1] if before else 0
+            peak = live + max(after, default=start) - start
+            drift = _live_tensor_bytes() - (live + (after[-1] if after else start) - start)
             del prof
             _trim()  # the profiler's own memory out of the resident set, then steps without it
             dist.barrier()
@@ -234,7 +246,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batch-sizes", default="1,2,4,8")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="steps in the profiler window (>= 2): the last is measured")
     ap.add_argument("--name", default="memory_model")
     args = ap.parse_args()
     from copus.core.plan.plan import enumerate_plans

@@ -52,15 +52,18 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)  # 2,509,056
     per_block = 128 * 1 * 192 * (10 + 24 / 2)  # 540,672 (16-bit)
     first_acts = 2 * 2 * per_block  # min(pp, m)=2 in flight, 2 blocks
-    last = (2 * layer + 256 * 192 + 192) / 2 * (14 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4)
-    expected = first + buffers + first_acts
-    assert expected == 10_526_208 and last == 9_643_392
+    # torch's PipelineStage: receive buffers for all 8 micro-batches (gradients on the first
+    # stage, activations on the last) + the first stage's output of each of 2 in flight (bf16)
+    hidden = 128 * 1 * 192 * 2
+    last = (2 * layer + 256 * 192 + 192) / 2 * (14 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4) + 8 * hidden
+    expected = first + buffers + first_acts + 8 * hidden + 2 * hidden
+    assert expected == 11_017_728 and last == 10_036_608
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
     # one micro-batch: 2 gathered units + 1 gradient unit, as before issue 25
     # (the last stage is then the fuller: its head's logits)
     last_one = (2 * layer + 256 * 192 + 192) / 2 * 16 + 3 * (layer / 2) * 2 + 2 * per_block + 128 * 256 * 6
     assert last_one == 9_151_104
-    assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one, abs=1)
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one + hidden, abs=1)
 
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():
@@ -123,9 +126,12 @@ def test_activation_checkpointing_reduces_activations():
 def test_pipeline_schedules_micro_batches_in_flight():
     one_f, gpipe = MemoryModel(shape=SEVEN_B), MemoryModel(shape=SEVEN_B, pp_schedule="gpipe")
     m = np.array([4, 8, 16, 32])
-    a1 = one_f.breakdown(1, 1, 4, 1, m)["activations"]
-    ag = gpipe.breakdown(1, 1, 4, 1, m)["activations"]
+    a1 = one_f.breakdown(1, 1, 4, 1, m)["blocks"]
+    ag = gpipe.breakdown(1, 1, 4, 1, m)["blocks"]
     assert np.all(a1 == a1[0])  # 1F1B: the first stage holds pp micro-batches
+    # torch's PipelineStage keeps a receive buffer for every micro-batch: grows with m
+    hidden = SEVEN_B.seq_len * SEVEN_B.dim * 2
+    assert np.all(one_f.breakdown(1, 1, 4, 1, m)["pipeline"] == m * hidden + 4 * hidden)
     assert np.all(np.diff(ag) > 0)  # GPipe: every micro-batch until the backward starts
     assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
     # no pipeline: gradient accumulation frees each micro-batch's activations, so m ≥ 2 does not

@@ -90,6 +90,103 @@ def test_checksums_come_from_the_writes_and_resume_verifies_a_share(tmp_path):
     assert victim.name in line and "sha256" in line and "using step-1" in line
 
 
+def _save_sharded(root: str) -> None:
+    """Each rank saves its own 64 Ki floats (its own `__<rank>_0.distcp`), steps 1 and 2."""
+    import torch.distributed as dist
+
+    from copus.runtime.state import checkpoint as ck
+
+    rank = dist.get_rank()
+    for step in (1, 2):
+        torch.manual_seed(10 * step + rank)
+        ck.save(root, step, {"model": {f"w{rank}": torch.randn(1 << 16)}}, {"step": step})
+
+
+def _agree_bytes(root: str) -> dict:
+    """`agree_on_latest` with the bytes this rank hashed per checkpoint and the problems."""
+
+    from copus.runtime.state import checkpoint as ck
+
+    hashed: dict[str, int] = {}
+    original = ck._sha256
+
+    def counting(path):
+        key = Path(path).parent.name
+        hashed[key] = hashed.get(key, 0) + Path(path).stat().st_size
+        return original(path)
+
+    ck._sha256 = counting
+    logged: list[str] = []
+    problems: list[str] = []
+    try:
+        found = ck.agree_on_latest(root, logged.append, problems)
+    finally:
+        ck._sha256 = original
+    return {"found": str(found), "hashed": hashed, "logged": logged, "problems": problems}
+
+
+def _flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _total(folder: Path) -> tuple[int, int]:
+    sizes = [e["bytes"] for e in json.loads((folder / ckpt.MANIFEST).read_text())["files"].values()]
+    return sum(sizes), max(sizes)
+
+
+def test_resume_hashes_about_a_world_th_of_the_bytes_per_rank_and_still_falls_back(tmp_path):
+    """Saved by 4 ranks, verified on resume by 4 and then by 2: each rank hashes ≈ total/world
+    bytes (at most total/world + the largest file, every byte once in all); a corrupt newest
+    checkpoint falls back to the previous one; when every checkpoint is corrupt none is found,
+    each problem is reported and nothing is deleted."""
+    run_ranks(_save_sharded, 4, str(tmp_path), timeout=240)
+    step1, step2 = tmp_path / "step-1", tmp_path / "step-2"
+    total, largest = _total(step2)
+    agreed = run_ranks(_agree_bytes, 4, str(tmp_path), timeout=240)
+    assert {a["found"] for a in agreed} == {str(step2)}
+    per_rank = [a["hashed"].get("step-2", 0) for a in agreed]
+    assert sum(per_rank) == total  # every byte once
+    assert max(per_rank) <= min(1.1 * total / 4, total / 4 + largest)
+    assert min(per_rank) >= 0.9 * total / 4
+    # the newest corrupt: resume at world 2 falls back to step-1, each rank hashing ≈ half of each
+    _flip(step2 / "__2_0.distcp")
+    agreed = run_ranks(_agree_bytes, 2, str(tmp_path), timeout=240)
+    assert {a["found"] for a in agreed} == {str(step1)}
+    (line,) = agreed[0]["logged"]
+    assert "__2_0.distcp fails its sha256" in line and "using step-1" in line
+    for step in ("step-1", "step-2"):
+        total, largest = _total(tmp_path / step)
+        per_rank = [a["hashed"].get(step, 0) for a in agreed]
+        assert sum(per_rank) == total and max(per_rank) <= min(1.1 * total / 2, total / 2 + largest)
+    # every checkpoint corrupt: none, both problems named on every rank, nothing deleted
+    _flip(step1 / "__0_0.distcp")
+    agreed = run_ranks(_agree_bytes, 2, str(tmp_path), timeout=240)
+    assert {a["found"] for a in agreed} == {"None"}
+    for a in agreed:
+        assert len(a["problems"]) == 2 and "__2_0.distcp" in a["problems"][0] and "__0_0.distcp" in a["problems"][1]
+    assert step1.is_dir() and step2.is_dir() and len(list(step2.iterdir())) == 7
+
+
+def test_the_launcher_checks_the_structure_and_hashes_nothing(tmp_path, monkeypatch):
+    """`--resume auto` (the launcher, one process) reads no checkpoint byte: a checkpoint with
+    its manifest and every file at its size is resumed (its workers verify the checksums); a
+    truncated or unfinished one is not."""
+    from copus.commands.train import has_complete_checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    ckpt.save(root, 1, _state(1), {"step": 1})
+    calls: list[Path] = []
+    original = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda p: calls.append(p) or original(p))
+    _flip(root / "step-1" / "__0_0.distcp")  # corrupt but complete: the workers will find it
+    assert has_complete_checkpoint(tmp_path / "run") and calls == []
+    with open(root / "step-1" / "__0_0.distcp", "ab") as f:
+        f.write(b"x")  # a size the manifest does not list
+    assert not has_complete_checkpoint(tmp_path / "run") and calls == []
+
+
 def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path, monkeypatch):
     import os
 

@@ -117,3 +117,35 @@ def test_rng_state_roundtrip_is_json():
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expect[0], got[0]) and np.array_equal(expect[1], got[1])
     assert expect[2] == got[2]
+
+
+def test_background_saves_reuse_the_staged_host_tensors_until_the_structure_changes(tmp_path):
+    """The second background save copies into the first one's staged tensors (one allocation)
+    and still holds its own values; another structure (a layout switch) is staged afresh."""
+    saver = ckpt.AsyncCheckpointer()
+    model, opt = _model_and_opt(0)
+    try:
+        saver.save(tmp_path, 1, _state(model, opt), {"step": 1})
+        saver.wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # new values, same structure
+        saver.save(tmp_path, 2, _state(model, opt), {"step": 2})
+        saver.wait()
+        assert saver.staging.allocations == 1
+        other, other_opt = _model_and_opt(1)
+        other[0] = torch.nn.Linear(8, 16, bias=False)  # another structure
+        saver.save(tmp_path, 3, {"model": other.state_dict()}, {"step": 3})
+        saver.wait()
+        assert saver.staging.allocations == 2
+    finally:
+        saver.close()
+    for step in (1, 2, 3):
+        assert ckpt.verify(tmp_path / f"step-{step}") is None
+    loaded, _ = _model_and_opt(5)
+    fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    loaded(torch.randn(3, 8)).sum().backward()
+    fresh.step()
+    ckpt.load(tmp_path / "step-2", state := _state(loaded, fresh))
+    for name, value in model.state_dict().items():
+        assert torch.equal(state["model"][name], value), name

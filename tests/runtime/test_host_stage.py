@@ -67,8 +67,21 @@ def _work(folder: str):
     finally:
         host_stage.shutil.disk_usage = real
     untouched = all(torch.equal(a, b) for a, b in zip(before, _snapshot(eng)))
+    # only rank 1 short of room (ranks measure at different moments): every rank refuses alike
+    if dist.get_rank() == 1:
+        host_stage.shutil.disk_usage = lambda p: real(p)._replace(free=100)
+    try:
+        host_stage.TensorStage(eng, folder, eng.plan.describe())
+        one_short = None
+    except host_stage.StageError as exc:
+        one_short = str(exc)
+    finally:
+        host_stage.shutil.disk_usage = real
+    dist.barrier()
     eng.close()
     return {
+        "one_short": one_short,
+        "after_one_short": len(os.listdir(folder)),
         "files": files,
         "changed": changed,
         "restored": restored,
@@ -82,8 +95,20 @@ def _work(folder: str):
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    return run_ranks(_work, 2, str(tmp_path_factory.mktemp("stage")))[0]
+def results(tmp_path_factory):
+    return run_ranks(_work, 2, str(tmp_path_factory.mktemp("stage")))
+
+
+@pytest.fixture(scope="module")
+def result(results):
+    return results[0]
+
+
+def test_a_refusal_on_one_rank_is_every_ranks(results):
+    """Rank 1 alone lacks room: both ranks raise the same line (none goes on into collectives)."""
+    lines = [r["one_short"] for r in results]
+    assert lines[0] is not None and lines[0] == lines[1] and "missing" in lines[0]
+    assert results[0]["after_one_short"] == 0
 
 
 def test_restore_is_bit_identical_in_place(result):

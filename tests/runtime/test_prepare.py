@@ -117,7 +117,7 @@ def test_jsonl_missing_field_names_file_and_line(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_corrupted_shard_is_detected_with_the_file_named(tmp_path, damage):
     out = tmp_path / "p"
     prepare(_inputs(tmp_path), out, progress=False)
@@ -126,13 +126,45 @@ def test_corrupted_shard_is_detected_with_the_file_named(tmp_path, damage):
     if damage == "flip":
         data[100] ^= 0xFF
         match = "shard train-00000.bin fails its sha256"
-    else:
+    elif damage == "truncate":
         data = data[:-10]
         match = "shard train-00000.bin has .* bytes, the index says"
-    shard.write_bytes(bytes(data))
+    else:
+        match = "shard train-00000.bin is missing"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(bytes(data))
     cfg = load_config(None, [f"data.source='{out}'"])
     with pytest.raises(ValueError, match=match):
         build_datasets(cfg.data, 32, 256)
+
+
+def test_copus_train_on_a_folder_that_does_not_match_its_index_is_one_line_and_exit_2(tmp_path):
+    """The workers' check surfaces as the launcher's one line naming the shard; the prepared
+    folder is left as it was (nothing rewritten, no stamp)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "p"
+    prepare(_inputs(tmp_path), out, progress=False)
+    shard = out / "train-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    argv = ["train", "--nproc", "1", "--max-steps", "1", "--run-dir", str(tmp_path / "run")]
+    argv += ["--set", f"data.source='{out}'", "--set", "log.progress=false", "--set", "log.tensorboard=false"]
+    run = subprocess.run(
+        [sys.executable, "-m", "copus", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [x for x in run.stderr.splitlines() if "error" in x.lower()]
+    assert errors == [
+        f"copus train: error: data.source='{out}': shard train-00000.bin fails its sha256 checksum "
+        "(corrupted); prepare the folder again"
+    ], run.stderr[-3000:]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
 
 def test_interrupted_prepare_never_looks_complete_and_reruns_clean(tmp_path, monkeypatch):

@@ -265,6 +265,20 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # resumed at step 2, not restarted
+    # every checkpoint corrupt (complete, checksums wrong): the launcher hashes nothing, the
+    # workers find it; one line, exit 1, nothing deleted or set aside
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    for folder in ckpts:
+        victim = folder / "__0_0.distcp"
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        victim.write_bytes(bytes(raw))
+    out = _copus_train(*common, "--max-steps", "4", cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("copus train: error:")]
+    assert "no valid checkpoint" in line and "__0_0.distcp fails its sha256" in line and "none deleted" in line
+    assert sorted((run_dir / "checkpoints").glob("step-*")) == ckpts
+    assert not (run_dir / "previous-attempts" / "2").exists()
 
 
 def test_init_from_sets_model_and_tokenizer_unless_named(tmp_path):

@@ -223,11 +223,14 @@ ATTEMPTS = "previous-attempts"
 
 
 def has_complete_checkpoint(run_dir: Path) -> bool:
-    """`--resume auto` resumes when `run_dir/checkpoints` holds a verified checkpoint."""
+    """`--resume auto` resumes when `run_dir/checkpoints` holds a complete checkpoint (manifest,
+    every file with its size). No byte is hashed here: the workers verify the checksums, each
+    rank its share (`checkpoint.agree_on_latest`), fall back to an older checkpoint when the
+    newest is corrupt, and stop with one line (exit 1, nothing deleted) when none verifies."""
     from copus.runtime.state.checkpoint import find_latest
 
     root = run_dir / "checkpoints"
-    return root.is_dir() and find_latest(root, log=lambda _: None) is not None
+    return root.is_dir() and find_latest(root, log=lambda _: None, checksums=False) is not None
 
 
 def holds_failed_attempt(run_dir: Path) -> bool:

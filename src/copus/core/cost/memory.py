@@ -68,6 +68,9 @@ micro-batches in flight (in units of one micro-batch through a whole stage): 1 w
     interleaved 1F1B with v chunks per rank: first stage min(pp + (pp−1)/v, m) — L·(1 + (pp−1)/(pp·v))
     layer-micro-batches (Korthikanti §4.2.3; torch's ScheduleInterleaved1F1B warm-up of rank 0 is
     2(pp−1) + (v−1)·pp chunks) — last stage min(((v−1)·pp + 1)/v, m).
+pipeline (pp > 1): the receive buffers torch's PipelineStage keeps for all m micro-batches,
+    m·s·b·h·e/t_sp per direction (gradients on the first stage, activations on the last), and on
+    a non-last stage each in-flight micro-batch's output, flight·s·b·h·e/t_sp (`pipeline_bytes`).
 logits (head stage): s·b·V/t_lp·c bytes, t_lp = t with loss parallel. c = e + 4 by default,
     the logits in the compute dtype and their fp32 log-softmax. copus's runtime measured 12.0
     bytes per logit at the forward+backward peak in both fp32 and bf16 (bench/engine_memory.py,
@@ -348,6 +351,23 @@ class MemoryModel:
         c = self.compute_bytes + 4.0 if self.logit_bytes is None else float(self.logit_bytes)
         return s.seq_len * _f(micro_batch_size) * s.vocab_size / t_lp * c
 
+    def pipeline_bytes(self, tp, micro_batch_size, num_microbatches, pp, flight, last: bool, sequence_parallel=None):
+        """torch.distributed.pipelining's own tensors on a stage at pp > 1 (compute dtype e, the
+        hidden state s·b·h/t_sp of one micro-batch, t_sp = t with sequence parallel, else 1):
+        the receive buffers `PipelineStage` allocates for every one of the m micro-batches and
+        keeps (`_setup_forward_recv_info`: activations, on a non-first stage;
+        `_create_grad_recv_info`: their gradients, on a non-last stage), m · s·b·h·e/t_sp per
+        direction, and on a non-last stage the output of every micro-batch in flight, kept for
+        its backward (the blocks' count stops at the last block's saved inputs), flight ·
+        s·b·h·e/t_sp. Evaluated for the first (grad buffers + outputs) and last (activation
+        buffers) stages; a middle stage of pp ≥ 3 holds both directions."""
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        pp, m = _f(pp), _f(num_microbatches)
+        t_sp = np.where(np.asarray(sp), _f(tp), 1.0)
+        hidden = self.shape.seq_len * _f(micro_batch_size) * self.shape.dim * float(self.compute_bytes) / t_sp
+        held = m * hidden + (0.0 if last else flight * hidden)
+        return np.where(pp > 1, held, 0.0)
+
     # ---- totals ---------------------------------------------------------------------------------
 
     def breakdown(
@@ -367,7 +387,7 @@ class MemoryModel:
         """Every component of the fuller of the first and last stage (bytes); "total" = bytes_per_rank.
 
         "states", "buffers" (= params_gathered + grads_unsharded + weight_copies + communicators) and
-        "activations" (= blocks + recompute + sp_gather + logits) are the sums the memory guard reads;
+        "activations" (= blocks + recompute + sp_gather + logits + pipeline) are the sums the memory guard reads;
         "allocator" = allocator_overhead · their sum.
         """
         dp, tp, pp, m = _f(dp), _f(tp), _f(pp), _f(num_microbatches)
@@ -404,10 +424,13 @@ class MemoryModel:
             parts["sp_gather"] = self.sp_gather_bytes(tp, b, sp) + zero
             head = self.logits_bytes(tp, b)
             parts["logits"] = (head if last else np.where(pp > 1, 0.0, head)) + zero
+            parts["pipeline"] = self.pipeline_bytes(tp, b, m, pp, flight, last, sp) + zero
             parts["buffers"] = (
                 parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"] + parts["communicators"]
             )
-            parts["activations"] = parts["blocks"] + parts["recompute"] + parts["sp_gather"] + parts["logits"]
+            parts["activations"] = (
+                parts["blocks"] + parts["recompute"] + parts["sp_gather"] + parts["logits"] + parts["pipeline"]
+            )
             raw = parts["states"] + parts["buffers"] + parts["activations"]
             parts["allocator"] = raw * self.allocator_overhead
             parts["total"] = raw + parts["allocator"]

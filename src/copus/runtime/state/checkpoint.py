@@ -9,9 +9,11 @@ Layout of one checkpoint, `<root>/step-N/`:
 Integrity without reading back: each rank's DCP files are hashed as they are written
 (`hashing_writer.HashingWriter`: sha256 fed by the write stream), `.metadata` likewise on
 rank 0 and the trainer state from its bytes in memory; rank 0 gathers the checksums (one small
-all_gather_object) into the manifest. On load every rank verifies an interleaved share of the
-files (`agree_on_latest`); a single process (launcher, export, calibrate) hashes the files on
-a few threads (`verify(threads=)`). Before, rank 0 read the whole checkpoint while every other
+all_gather_object) into the manifest. On load every rank verifies its share of the files
+(≈ total/world bytes, `agree_on_problem`): on resume (`agree_on_latest`, the launcher's
+`--resume auto` checks only the structure and leaves the checksums to its workers) and in
+`copus calibrate`'s workers; only `copus export`, a single process, hashes every file, on a few
+threads (`verify(threads=)`). Before, rank 0 read the whole checkpoint while every other
 rank waited in a collective (at 30B+ parameters, long enough for NCCL's watchdog).
 
 Atomicity (design §6): everything is written to `<root>/tmp-step-N`, every file is fsync'ed,
@@ -48,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from copus.atomic import atomic_write_json, fsync_path
+from copus.runtime.data.shards import hash_shares
 from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter, read_sidecars
 
 MANIFEST = "manifest.json"
@@ -186,14 +189,19 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int | None = None) -> str | None:
+def verify(
+    path: str | Path, share: tuple[int, int] = (0, 1), threads: int | None = None, *, checksums: bool = True
+) -> str | None:
     """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
 
-    `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
-    file's size and presence, and the metadata on r = 0, always), so n ranks verify a
-    checkpoint in parallel (`agree_on_latest`). `threads`: the share is hashed on that many
-    threads (hashlib releases the GIL); default `verify_threads()` for a whole checkpoint in
-    one process (launcher, export, calibrate), 1 for a rank's share."""
+    `share=(r, n)`: hash only the files `hash_shares` deals rank r of n (largest first to the
+    least-loaded rank: at most total/n + the largest file), so n ranks verify a checkpoint in
+    parallel (`agree_on_problem`); every file's presence and size are checked by every rank,
+    the DCP metadata is unpickled by the rank that hashes it. `threads`: the share is hashed on
+    that many threads (hashlib releases the GIL); default `verify_threads()` for a whole
+    checkpoint in one process (export), 1 for a rank's share. `checksums=False`: the
+    structure only (manifest, every file present with its size), no byte hashed: what a
+    launcher checks before handing the checksums to its workers."""
     path = Path(path)
     r, n = share
     if threads is None:
@@ -205,19 +213,21 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int | Non
         return f"{manifest} is missing (incomplete checkpoint)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({exc.__class__.__name__})"
-    mine = []
-    for i, (name, meta) in enumerate(sorted(entries.items())):
+    listed = sorted(entries.items())
+    for name, meta in listed:
         f = path / name
         if not f.is_file():
             return f"{f} is missing"
         size = f.stat().st_size
         if size != meta["bytes"]:
             return f"{f} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
-        if i % n == r:
-            mine.append((f, meta["sha256"]))
     for name in (TRAINER_STATE, ".metadata"):
         if name not in entries:
             return f"{path} has no {name} in its manifest"
+    if not checksums:
+        return None
+    owner = hash_shares([int(meta["bytes"]) for _, meta in listed], n)
+    mine = [(path / name, meta["sha256"]) for (name, meta), o in zip(listed, owner, strict=True) if o == r]
     if threads > 1 and len(mine) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -228,7 +238,7 @@ def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int | Non
     for (f, want), got in zip(mine, digests, strict=True):
         if got != want:
             return f"{f} fails its sha256 checksum (corrupt)"
-    if r == 0:
+    if any(f.name == ".metadata" for f, _ in mine):
         try:
             read_metadata(path)
         except CheckpointError as exc:
@@ -245,12 +255,21 @@ def verify_threads() -> int:
     return max(1, min(8, cores))
 
 
-def find_latest(root: str | Path, log: Callable[[str], None] = print, threads: int | None = None) -> Path | None:
+def find_latest(
+    root: str | Path,
+    log: Callable[[str], None] = print,
+    threads: int | None = None,
+    *,
+    checksums: bool = True,
+    problems: list[str] | None = None,
+) -> Path | None:
     """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped.
-    One process: the checksums are hashed on `threads` threads (default `verify_threads`)."""
+    One process: the checksums are hashed on `threads` threads (default `verify_threads`);
+    `checksums=False` checks the structure only (`verify`). Each rejected checkpoint's problem
+    is appended to `problems` when given."""
     bad: list[str] = []
     for _, path in step_dirs(root):
-        problem = verify(path, threads=threads)
+        problem = verify(path, threads=threads, checksums=checksums)
         if problem is None:
             for msg in bad:
                 log(f"checkpoint: {msg}; using {path.name}")
@@ -258,25 +277,40 @@ def find_latest(root: str | Path, log: Callable[[str], None] = print, threads: i
         bad.append(problem)
     for msg in bad:
         log(f"checkpoint: {msg}; no older good checkpoint")
+    if problems is not None:
+        problems.extend(bad)
     return None
 
 
-def agree_on_latest(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
-    """`find_latest`, verified by every rank in parallel (each hashes 1/world of the files,
-    `verify(share=)`; the first problem any rank finds rejects the checkpoint), so every rank
-    loads the same step and none waits while one rank reads the whole checkpoint. Rank 0's
-    listing of `root` is the one used; rank 0 logs."""
+def agree_on_problem(path: str | Path) -> str | None:
+    """`verify(path)` split across the ranks (collective): each rank hashes its share
+    (≈ total/world bytes, `verify(share=)`) and one all_gather_object of the one-line results
+    gives every rank the same answer (the first problem any rank found, or None). Without a
+    process group: the whole checkpoint in this process."""
     if not _distributed():
-        return find_latest(root, log)
-    rank, world = _rank(), dist.get_world_size()
-    say = log if rank == 0 else _quiet
-    names = [[str(p) for _, p in step_dirs(root)] if rank == 0 else None]
+        return verify(path)
+    world = dist.get_world_size()
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, verify(path, share=(_rank(), world)))
+    return next((p for p in found if p), None)
+
+
+def agree_on_latest(
+    root: str | Path, log: Callable[[str], None] = print, problems: list[str] | None = None
+) -> Path | None:
+    """`find_latest`, verified by every rank in parallel (`agree_on_problem`: each hashes
+    ≈ 1/world of the bytes; the first problem any rank finds rejects the checkpoint), so every
+    rank loads the same step and none waits while one rank reads the whole checkpoint. Rank 0's
+    listing of `root` is the one used; rank 0 logs. When none is valid, each checkpoint's
+    problem is appended to `problems` (on every rank) when given."""
+    if not _distributed():
+        return find_latest(root, log, problems=problems)
+    say = log if _rank() == 0 else _quiet
+    names = [[str(p) for _, p in step_dirs(root)] if _rank() == 0 else None]
     dist.broadcast_object_list(names, src=0)
     bad: list[str] = []
     for name in names[0]:
-        problems: list[str | None] = [None] * world
-        dist.all_gather_object(problems, verify(name, share=(rank, world)))
-        problem = next((p for p in problems if p), None)
+        problem = agree_on_problem(name)
         if problem is None:
             for msg in bad:
                 say(f"checkpoint: {msg}; using {Path(name).name}")
@@ -284,6 +318,8 @@ def agree_on_latest(root: str | Path, log: Callable[[str], None] = print) -> Pat
         bad.append(problem)
     for msg in bad:
         say(f"checkpoint: {msg}; no older good checkpoint")
+    if problems is not None:
+        problems.extend(bad)
     return None
 
 
@@ -359,6 +395,64 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
     return final
 
 
+class ReusedStaging:
+    """DCP's staging (`BlockingAsyncStager`) into host tensors kept from one save to the next:
+    allocated and page-faulted once (pinned on CUDA, so the device-to-host copy runs at full
+    PCIe speed), then only copied into — torchtitan's `cache_staged_state_dict`. They are
+    reallocated when the state's structure changes (a layout switch changes local shapes and
+    meshes). Costs 12·N/W bytes of host memory between saves."""
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        class _Stager(BlockingAsyncStager):
+            def stage(inner, state_dict: dict) -> dict:  # noqa: N805 - the stager instance
+                return self._stage(state_dict)
+
+        self.stager = _Stager(cache_staged_state_dict=True)
+        self._key: tuple | None = None
+        self._cache: dict | None = None
+        self.allocations = 0
+
+    def _stage(self, state_dict: dict) -> dict:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        key = _structure(state_dict)
+        if key != self._key or self._cache is None:
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._key = key
+            self.allocations += 1
+        return _copy_state_dict(state_dict, self._cache, type_check=False)
+
+    def close(self) -> None:
+        self._cache, self._key = None, None
+
+
+def _structure(obj: Any) -> tuple:
+    """What must match for staged host tensors to be reused: every tensor's place in the
+    state, global and local shape, dtype and (for a DTensor) placements and mesh."""
+    from torch.distributed.tensor import DTensor
+
+    out: list = []
+
+    def walk(path: str, x: Any) -> None:
+        if isinstance(x, DTensor):
+            local = x._local_tensor
+            out.append((path, tuple(x.shape), tuple(local.shape), x.dtype, x.placements, id(x.device_mesh)))
+        elif isinstance(x, torch.Tensor):
+            out.append((path, tuple(x.shape), tuple(x.stride()), x.dtype))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{path}/{k}", v)
+        elif isinstance(x, (list, tuple)):
+            out.append((path, len(x)))
+            for i, v in enumerate(x):
+                walk(f"{path}/{i}", v)
+
+    walk("", obj)
+    return tuple(out)
+
+
 class AsyncCheckpointer:
     """Checkpoints written in the background, as torchtitan's async mode: `save` stages the
     tensors to host memory (DCP `async_save`: a copy, so training may change them at once) and
@@ -373,16 +467,18 @@ class AsyncCheckpointer:
     its outcome (CheckpointError on every rank if any failed); the next `save` and `close` call
     it first, so at most one save is in flight and none is left unfinished."""
 
-    def __init__(self, nice: int = 0, kind: str = "thread") -> None:
+    def __init__(self, nice: int = 0, kind: str = "thread", reuse_staging: bool = True) -> None:
         """`nice`: the writing thread's scheduling priority offset (Linux; > 0 makes the write
         yield to the step on a host whose cores also train — measured on CPU: the steps were
         not faster, the write 3× longer, so 0 by default). `kind`: "thread" (DCP's
         default: the write shares the interpreter, and its lock, with training) or "process"
         (DCP's checkpoint daemon process per rank: no shared interpreter lock; the staged state
-        travels to it through shared memory)."""
+        travels to it through shared memory). `reuse_staging`: stage into the host tensors of
+        the previous save (`ReusedStaging`) instead of new ones each time."""
         if kind not in ("thread", "process"):
             raise ValueError(f"kind={kind!r}: allowed: 'thread', 'process'")
         self.nice, self.kind = nice, kind
+        self.staging = ReusedStaging() if reuse_staging else None
         self._group: Any = None
         self._pending: tuple[Any, Path, list[str]] | None = None
 
@@ -417,6 +513,7 @@ class AsyncCheckpointer:
             storage_writer=writer,
             process_group=self._process_group(),
             async_checkpointer_type=kind,
+            async_stager=None if self.staging is None else self.staging.stager,
             no_dist=not _distributed(),
         )
         problem: list[str] = []
@@ -461,6 +558,8 @@ class AsyncCheckpointer:
         try:
             self.wait()
         finally:
+            if self.staging is not None:
+                self.staging.close()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
@@ -516,15 +615,15 @@ def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True, met
     """Load tensors into `dcp_state` in place (resharding to its layout); return trainer state.
 
     `dcp_state` must be the target structure (the current engine's state dicts). With
-    `check`, the manifest and checksums are verified first (CheckpointError names the file).
+    `check`, the manifest and checksums are verified first, each rank hashing its share
+    (`agree_on_problem`; CheckpointError names the file, on every rank).
     `metadata`: the checkpoint's `read_metadata`, when the caller already holds it (it is then
     not read again).
     """
     path = Path(path)
-    if check and _rank() == 0:
-        problem = verify(path)
-        if problem is not None:
-            raise CheckpointError(problem)
+    problem = agree_on_problem(path) if check else None  # every rank its share, the same answer
+    if problem is not None:
+        raise CheckpointError(problem)
     try:
         dcp.load(
             dcp_state,

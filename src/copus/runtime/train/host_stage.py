@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["StageError", "TensorStage", "host_available_bytes", "stage_bytes"]
 
@@ -71,14 +72,24 @@ def host_available_bytes() -> int:
 
 
 def check_room(need: int, available: int, plan_text: str, where: str) -> None:
-    """StageError naming the plan and the bytes missing when `need` > `available`."""
+    """StageError naming the plan and the bytes missing when `need` > `available` — on every
+    rank when any rank lacks room (one all_gather_object under a process group): the ranks
+    measure free memory or disk at different moments (each stages its own share meanwhile), and
+    a refusal on some ranks only would leave the others waiting in the branch's collectives."""
+    problem = ""
     if need > available:
-        raise StageError(
+        problem = (
             f"branch staging for plan {plan_text}: needs {need:,} bytes of {where} "
             f"per rank, {available:,} available ({need - available:,} missing); "
             "allowed: a plan or world with a smaller shard per rank, or more "
             f"{where}"
         )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), "")
+    if problem:
+        raise StageError(problem)
 
 
 def _bytes_view(t: torch.Tensor):

@@ -209,6 +209,7 @@ def calibrate_worker(cfg, run_dir: str, resume: bool) -> dict:
     from pathlib import Path
 
     from copus.runtime.engine.dist import init_distributed, shutdown
+    from copus.runtime.state.checkpoint import agree_on_problem
     from copus.runtime.train.branching import REQUEST, calibrate_state, load_checkpoint_state
     from copus.runtime.train.trainer import Trainer
 
@@ -217,6 +218,10 @@ def calibrate_worker(cfg, run_dir: str, resume: bool) -> dict:
     trainer = None
     out: dict = {"checkpoints": []}
     try:
+        for path in request["checkpoints"]:  # the checksums, each rank its share, before any work
+            problem = agree_on_problem(path)
+            if problem is not None:
+                raise ValueError(f"{problem}; allowed: --steps naming checkpoints that verify")
         trainer = Trainer(cfg, run_dir, device)
         for path in request["checkpoints"]:
             load_checkpoint_state(trainer, path)

@@ -45,6 +45,7 @@ from copus.runtime.train.setup import (
 )
 from copus.runtime.engine.optim import LearningRate, build_learning_rate
 from copus.runtime.train.probe import Prober
+from copus.runtime.train.watchdog import stall_dump
 from copus.runtime.train.progress import Progress, plan_from_dict, plan_to_dict  # noqa: F401 (re-exported)
 
 
@@ -291,7 +292,8 @@ class Trainer:
                 return stop.graceful_stop(self, signum)
             if checkpoint_due and self.boundary.saved_step != self.progress.step:
                 self.periodic_checkpoint()
-            record = self.memory.guarded(self.train_step, self._where)
+            with stall_dump():  # a rank left waiting in a collective shows where (watchdog.py)
+                record = self.memory.guarded(self.train_step, self._where)
             step = record.step
             if cfg.eval.interval_steps and step % cfg.eval.interval_steps == 0:
                 self.memory.guarded(self.evaluate, self._where)
@@ -300,7 +302,8 @@ class Trainer:
                 self.prober.run(self, decision)  # continues from the best branch
                 decision = None
             if decision is not None:  # before the checkpoint: it holds the new plan
-                self.apply_decision(decision)
+                with stall_dump():
+                    self.apply_decision(decision)
             if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
                 self.periodic_checkpoint()
         if cfg.eval.interval_steps and self.progress.step % cfg.eval.interval_steps:
@@ -684,10 +687,12 @@ class Trainer:
         an engine built for it (DCP); progress (the global sample offset), GNS, policy and LR
         state come back as saved, the RNG state only at the same world size.
         """
-        path = ckpt.agree_on_latest(self.ckpt_dir, self.log)
+        problems: list[str] = []
+        path = ckpt.agree_on_latest(self.ckpt_dir, self.log, problems)
         if path is None:
             if required:
-                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}")
+                newest = f" (newest: {problems[0]}; {len(problems)} rejected, none deleted)" if problems else ""
+                raise TrainingError(f"--resume: no valid checkpoint in {self.ckpt_dir}{newest}")
             return False
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         if not required and not self.same_run(state):

@@ -43,34 +43,33 @@ def test_hand_computed_fp32_data_parallel():
 
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 params with fp32 master.
-    copus's pipeline stages reduce-scatter every micro-batch and reshard after each backward
-    (`ReducingStage`): 2 gathered units + 1 gradient unit whatever m is. torch's own
-    `PipelineStage` (`pipeline_no_sync`, torchtitan) keeps the stage's parameters unsharded
-    (bf16) and its gradients unsharded in fp32 until the last micro-batch."""
+    Under a pipeline with ≥ 2 micro-batches FSDP2 keeps the stage's parameters unsharded (bf16).
+    copus's stages reduce-scatter every micro-batch (`ReducingStage`): one gradient unit and the
+    sharded gradient; torch's own `PipelineStage` (`pipeline_no_sync`, torchtitan) keeps the
+    stage's gradients unsharded in fp32 until the last micro-batch instead (issue 25)."""
     mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
+    stage = (2 * layer + 256 * 192) / 2  # 418,176 parameters per rank
     per_block = 128 * 1 * 192 * (10 + 24 / 2)  # 540,672 (16-bit)
     first_acts = 2 * 2 * per_block  # min(pp, m)=2 in flight, 2 blocks
-    units = 3 * (layer / 2) * 2  # 2 gathered + 1 gradient unit (bf16), 1,180,800
-    first = (2 * layer + 256 * 192) / 2 * 16 + units + first_acts
-    last = (2 * layer + 256 * 192 + 192) / 2 * 16 + units + 1 * 2 * per_block + 128 * 256 * 6
-    assert first == 10_034_304 and last == 9_151_104
+    first = stage * 16 + stage * 2 + (layer / 2) * 2 + first_acts  # states, gathered stage, grad unit
+    assert first == 10_083_456
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(first, abs=1)
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == float(mm.bytes_per_rank(1, 2, 2, 1, 2))
-    # torch's PipelineStage: no sharded grad before the last reduce, whole stage gathered + fp32 grads
+    # torch's PipelineStage: the fp32 stage gradient, no sharded grad before the last reduce
     torch_stage = replace(mm, pipeline_no_sync=True)
-    first_nosync = (2 * layer + 256 * 192) / 2 * (2 + 4 + 8)  # 5,854,464
-    buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)  # 2,509,056
-    expected = first_nosync + buffers + first_acts
+    expected = stage * (2 + 4 + 8) + stage * (2 + 4) + first_acts
     assert expected == 10_526_208
     assert float(torch_stage.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
     # one micro-batch: 2 gathered units + 1 gradient unit in both (the last stage is then the
     # fuller: its head's logits)
-    assert float(torch_stage.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last, abs=1)
-    assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last, abs=1)
+    last_one = (2 * layer + 256 * 192 + 192) / 2 * 16 + 3 * (layer / 2) * 2 + 2 * per_block + 128 * 256 * 6
+    assert last_one == 9_151_104
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one, abs=1)
+    assert float(torch_stage.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one, abs=1)
     # gns.small = "rank" at dp ≥ 2 keeps torch's stage under pp: the unsharded fp32 gradient
     rank = replace(mm, unsharded_accumulation=True).breakdown(2, 2, 2, 1, 8)
-    assert float(rank["grads_unsharded"]) == 4 * (2 * layer + 256 * 192) / 2
+    assert float(rank["grads_unsharded"]) == 4 * stage
 
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():

@@ -18,10 +18,10 @@ states (ZeRO-3 / FSDP2 sharding; Rajbhandari et al. SC'20 §3.1, mixed-precision
     P_stage / (t·d) · (param + grad + master + optimizer bytes) = 16 B/param for AdamW
 buffers (FSDP2; one unit = one block or the embedding/head, FSDP2's `fully_shard` granularity):
     gathered parameters  2 units (current + prefetched) with reshard-after-forward, else the
-                         whole stage; the whole stage also under a pipeline with m ≥ 2 when
-                         the stage runs without gradient sync (torch.distributed.pipelining's
-                         `PipelineStage` keeps FSDP modules unsharded between micro-batches:
-                         `set_reshard_after_backward(False)`)
+                         whole stage; the whole stage also under a pipeline with m ≥ 2
+                         (torch.distributed.pipelining keeps FSDP modules unsharded between
+                         micro-batches, `set_reshard_after_backward(False)`, and copus's
+                         `ReducingStage` keeps that policy)
     gradients            1 unit unsharded while it is reduce-scattered. copus's runtime
                          reduce-scatters every micro-batch (torchtitan's way at pp = 1; under a
                          pipeline its stages do the same: `runtime/engine/pipeline.py`
@@ -149,8 +149,8 @@ class MemoryModel:
     accumulation_buffers: bool = True  # unsharded fp32 grads (+ params under pp) when m ≥ 2
     unsharded_accumulation: bool = False  # no gradient sync until the last micro-batch at
     #                                          dp ≥ 2, any pp (the runtime's gns.small = "rank")
-    pipeline_no_sync: bool = False  # pp > 1 without gradient sync and resharding until the last
-    #                                  micro-batch (torch's PipelineStage, torchtitan; not copus)
+    pipeline_no_sync: bool = False  # pp > 1 without gradient sync until the last micro-batch
+    #                                  (torch's PipelineStage, torchtitan; not copus's stages)
     comm_bytes_per_group: float = 0.0  # communicator buffers per process group (> 1 rank)
 
     def __post_init__(self) -> None:
@@ -315,11 +315,10 @@ class MemoryModel:
             return params / tp * self.megatron_bytes_per_param(dp)
         return params / (tp * dp) * self.state_bytes_per_param
 
-    def gathered_params_bytes(self, params, unit, tp, pp, m, reshard, dp=2) -> np.ndarray:
+    def gathered_params_bytes(self, params, unit, tp, pp, m, reshard) -> np.ndarray:
         """Unsharded parameters: 2 units (current + prefetched) · e_p when resharding after
-        forward; the whole stage, P/t · e_p, without it or under a pipeline stage that runs
-        without gradient sync (`_no_sync` at pp > 1: torch's stage keeps them gathered)."""
-        whole = (np.asarray(reshard) == 0) | ((_f(pp) > 1) & self._no_sync(m, pp, dp))
+        forward; the whole stage, P/t · e_p, without it or under a pipeline with m ≥ 2."""
+        whole = (np.asarray(reshard) == 0) | ((pp > 1) & (m >= 2) & self.accumulation_buffers)
         return np.where(whole, params / tp, 2.0 * unit) * self.param_bytes
 
     def unsharded_grad_bytes(self, params, unit, tp, m, pp=1, dp=2) -> np.ndarray:
@@ -396,7 +395,7 @@ class MemoryModel:
             if self.stack == "megatron":
                 parts.update(params_gathered=zero, grads_unsharded=zero)
             else:
-                parts["params_gathered"] = self.gathered_params_bytes(params, unit, tp, pp, m, reshard, dp)
+                parts["params_gathered"] = self.gathered_params_bytes(params, unit, tp, pp, m, reshard)
                 parts["grads_unsharded"] = self.unsharded_grad_bytes(params, unit, tp, m, pp, dp)
                 # without sync the sharded gradient is created by the last micro-batch's
                 # reduce-scatter, after the peak (the previous step's was freed by zero_grad)

@@ -22,8 +22,8 @@ after every micro-batch and adds the result to the sharded fp32 gradient, so per
 gradient costs 4·P/(tp·pp·dp) bytes plus one FSDP unit's unsharded gradient in flight, whatever
 num_microbatches is (the per-micro-batch statistic is read by a tensor hook before the reduce,
 unchanged). Under pp > 1 the pipeline's stages do the same (`pipeline.ReducingStage`, in place
-of torch's stage, which turns sync off until the last backward) and reshard parameters after
-each backward as at pp = 1 (kept gathered with `reshard_after_forward=False`).
+of torch's stage, which turns sync off until the last backward); parameters keep torch's stage
+policy (not resharded after a backward: the stage's parameters stay gathered, 2·P/(tp·pp) bf16).
 `gns.small = "rank"` needs this rank's gradient summed over its micro-batches before the dp
 reduction, which by definition is dp-unsharded: it reduce-scatters on the last micro-batch only
 (pp = 1) or keeps torch's stage (pp > 1) and holds 4·P/(tp·pp) bytes of unsharded fp32 gradient
@@ -205,7 +205,6 @@ class Engine:
                 token_loss,
                 # as at pp = 1: reduce-scatter every micro-batch except in "rank" mode
                 reduce_every_microbatch=self.gns_small == "microbatch",
-                reshard_after_backward=settings.reshard_after_forward,
             )
             if plan.pp > 1
             else None

@@ -19,12 +19,15 @@ once, in `perform_reduce_grad` after the last one, so each rank holds its stage'
 unsharded in the reduce dtype (fp32: 4·P/(tp·pp) bytes) from the first backward to the end of
 the step. torchtitan trains PP + FSDP through that class unchanged (a `PipelineStageExt` in its
 tree makes sync and reshard configurable the same way). With `reduce_every_microbatch=True` the
-stages keep FSDP2's own per-backward behaviour instead: each FSDP unit reduce-scatters its
-gradient into the sharded fp32 gradient as soon as its backward ends (one reduce-scatter per unit
-per micro-batch, as at pp = 1), and parameters are resharded after each backward when
-`reshard_after_backward` (the engine passes its `reshard_after_forward`). The schedule's
-`perform_reduce_grad` then finds nothing left to reduce, reshards and runs FSDP2's final
-callback; its division by the number of micro-batches applies to the sharded gradient.
+stages keep FSDP2's own per-backward gradient behaviour instead: each FSDP unit reduce-scatters
+its gradient into the sharded fp32 gradient as soon as its backward ends (one reduce-scatter per
+unit per micro-batch, as at pp = 1). Parameters keep torch's policy (gathered from a unit's
+backward until its next forward reshards it, and to the end of the step: one all-gather per unit
+per micro-batch) unless `reshard_after_backward=True` (resharded after every backward: one more
+all-gather per unit per micro-batch, 2 units gathered instead of the stage; the engine does not
+use it). The schedule's `perform_reduce_grad` then finds nothing left to reduce, reshards and
+runs FSDP2's final callback; its division by the number of micro-batches applies to the sharded
+gradient.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class ReducingStage(PipelineStage):
     overridden; the split input/weight backward of zero-bubble schedules and non-FSDP modules
     keep torch's behaviour."""
 
-    def __init__(self, *args, reshard_after_backward: bool = True, **kwargs) -> None:
+    def __init__(self, *args, reshard_after_backward: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reshard_after_backward = reshard_after_backward
 
@@ -115,9 +118,9 @@ class Pipeline:
     so `loss_fn` must be a mean).
 
     `reduce_every_microbatch`: FSDP2 stages reduce-scatter after each micro-batch's backward
-    (`ReducingStage`; no unsharded gradient held across micro-batches), parameters resharded
-    after each backward when `reshard_after_backward`; False: torch's `PipelineStage` (sync and
-    reshard off until the schedule's final reduction)."""
+    (`ReducingStage`; no unsharded gradient held across micro-batches), parameters also
+    resharded after each backward when `reshard_after_backward`; False: torch's `PipelineStage`
+    (sync and reshard off until the schedule's final reduction)."""
 
     def __init__(
         self,
@@ -127,7 +130,7 @@ class Pipeline:
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         reduce_every_microbatch: bool = False,
-        reshard_after_backward: bool = True,
+        reshard_after_backward: bool = False,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} is invalid; allowed: {', '.join(SCHEDULES)}")

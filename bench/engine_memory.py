@@ -16,6 +16,12 @@ resident memory follows live tensors. Sections (each a list of rows in the JSON)
 - logits: bytes per logit at the forward+backward peak of head + loss (plain model, one process).
 - model: `perf.runtime_memory_model` (fp32 on CPU) against the measured peak above the resident
   memory before the engine was built, per plan (dp2 / tp2 / pp2, micro-batch 1–2, 1–2 micro-batches).
+- pipeline (4 gloo ranks, dp 2 · pp 2, 4 micro-batches): the engine's stages
+  (`pipeline.ReducingStage`, reduce-scatter every micro-batch) against torch's `PipelineStage`
+  (the former path: sync and reshard off until the last micro-batch) and against
+  `ReducingStage(reshard_after_backward=True)`, measured peak above the pre-build resident
+  memory (max over ranks) and step time, against the memory model (`pipeline_no_sync` for the
+  former), in interleaved order over the repeats.
 
     python bench/engine_memory.py [--sections model,staging] → bench/results/engine_memory.json, .md
 """
@@ -34,6 +40,12 @@ from tests.runtime._workers import run_ranks  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHAPE_KW = dict(name="mem", n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, seq_len=256)
+# pipeline section: 8 blocks per stage and a small vocabulary, so that the stage's gradient and
+# gathered parameters dominate one FSDP unit (with SHAPE_KW the 4.2 M-parameter embedding/head
+# unit is 40 % of a stage and the transients of that one unit hide the difference)
+PIPE_SHAPE_KW = dict(
+    name="pipe", n_layers=16, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=2048, seq_len=256
+)
 
 
 def _status(key: str) -> float:
@@ -221,6 +233,77 @@ def _model(shape, cache) -> list[dict]:
     return rows
 
 
+def _pipeline(repeats: int) -> list[dict]:
+    """dp 2 · pp 2: `ReducingStage` (now) vs torch's `PipelineStage` (former), see module docstring."""
+    import time
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from copus.config import load_config
+    from copus.core.plan.plan import ParallelPlan
+    from copus.core.specs.models import ModelShape
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, settings_from_config, token_loss
+    from copus.runtime.engine.pipeline import Pipeline
+    from copus.runtime.train.perf import runtime_memory_model
+
+    shape, cache = ModelShape(**PIPE_SHAPE_KW), MeshCache("cpu")
+    cfg = load_config(None, [])
+    now = runtime_memory_model(cfg, shape, "cpu")
+    # warm-up build and step, not recorded: the first engine creates the process groups
+    warm = ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=1, num_microbatches=2)
+    eng = Engine(shape, warm, settings_from_config(cfg), "cpu", cache, seed=0)
+    eng.train_step(_tokens(shape, 2, 4), 0.0)
+    eng.close()
+    del eng
+    rows = []
+    for rep in range(repeats):
+        hows = ("ReducingStage (now)", "torch PipelineStage (former)", "ReducingStage + reshard after backward")
+        for how in hows if rep % 2 == 0 else hows[::-1]:
+            for mbs in (1, 2):
+                plan = ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=mbs, num_microbatches=4)
+                dist.barrier()
+                base = _status("VmRSS:")
+                _reset_peak()
+                eng = Engine(shape, plan, settings_from_config(cfg), "cpu", cache, seed=0)
+                if how != hows[0]:  # the engine builds hows[0]; the others replace its pipeline
+                    sched = eng.settings.pp_schedule
+                    eng.pipeline = Pipeline(
+                        eng.model,
+                        eng.mesh["pp"],
+                        eng.device,
+                        sched,
+                        token_loss,
+                        reduce_every_microbatch=how.startswith("Reducing"),
+                        reshard_after_backward=how.endswith("backward"),
+                    )
+                tokens = _tokens(shape, mbs * 4, 4)
+                eng.train_step(tokens, 0.0)
+                t0 = time.perf_counter()
+                for _ in range(2):
+                    eng.train_step(tokens, 0.0)
+                step_s = (time.perf_counter() - t0) / 2
+                measured = _status("VmHWM:") - base
+                # (no model row for the reshard variant: the engine does not run it)
+                mm = now if how.startswith("Reducing") else replace(now, pipeline_no_sync=True)
+                parts = mm.breakdown(2, 1, 2, mbs, 4)
+                rows.append(
+                    {
+                        "how": how,
+                        "repeat": rep,
+                        "plan": plan.describe(),
+                        "measured": measured,
+                        "step_s": step_s,
+                        "model": None if how.endswith("backward") else float(parts["total"]),
+                        "parts": {k: float(v) for k, v in parts.items()},
+                    }
+                )
+                eng.close()
+                del eng
+    return rows
+
+
 def _work(folder: str, repeats: int, sections: list[str]):
     from copus.core.specs.models import ModelShape
     from copus.runtime.engine.dist import MeshCache
@@ -233,7 +316,7 @@ def _work(folder: str, repeats: int, sections: list[str]):
         "staging": lambda: _staging(shape, cache, folder),
         "model": lambda: _model(shape, cache),
     }
-    return {name: runs[name]() for name in sections}
+    return {name: runs[name]() for name in sections if name in runs}
 
 
 def _logits() -> list[dict]:
@@ -340,6 +423,24 @@ def _md(out: dict) -> str:
         lines.append(
             f"| {r['plan']} | {r['measured'] / mb:.1f} | {r['model'] / mb:.1f} | {r['model'] / r['measured']:.3f} |"
         )
+    if out.get("pipeline"):
+        lines += [
+            "",
+            "## Pipeline stages: dp 2 · pp 2, 4 micro-batches (4 ranks; median over repeats, max over ranks)",
+            "",
+            f"model: {PIPE_SHAPE_KW}",
+            "",
+            "| stage | plan | measured (MB) | model (MB) | model / measured | step (s, rank 0; shared CPU) |",
+            "|---|---|---|---|---|---|",
+        ]
+        keys = sorted({(r["how"], r["plan"]) for r in out["pipeline"]}, key=lambda k: (k[1], k[0]))
+        for how, plan in keys:
+            rows = [r for r in out["pipeline"] if (r["how"], r["plan"]) == (how, plan)]
+            meas = statistics.median(r["measured"] for r in rows)
+            model = rows[0]["model"]
+            step = statistics.median(r["step_s"] for r in rows)
+            mod = "— | —" if model is None else f"{model / mb:.1f} | {model / meas:.3f}"
+            lines.append(f"| {how} | {plan} | {meas / mb:.1f} | {mod} | {step:.3f} |")
     lines += ["", "commands: " + "; ".join(f"{k}: `{v}`" for k, v in out.get("commands", {}).items())]
     return "\n".join(lines) + "\n"
 
@@ -352,7 +453,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
         "--sections",
-        default="accumulation,close,staging,model",
+        default="accumulation,close,staging,model,pipeline",
         help="a subset re-runs those sections and keeps the others from the last JSON",
     )
     args = ap.parse_args()
@@ -360,6 +461,13 @@ def main() -> None:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     with tempfile.TemporaryDirectory() as folder:
         ranks = run_ranks(_work, 2, folder, args.repeats, sections, timeout=3000)
+    if "pipeline" in sections:
+        four = run_ranks(_pipeline, 4, args.repeats, timeout=3000)
+        for r in ranks:
+            r["pipeline"] = [
+                dict(row, measured=max(x["measured"] for x in rows), ranks=[x["measured"] for x in rows])
+                for row, rows in zip(four[0], zip(*four))
+            ]
     path = RESULTS / "engine_memory.json"
     out = json.loads(path.read_text()) if path.is_file() else {}
     out.setdefault("commands", {})

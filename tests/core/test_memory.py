@@ -44,26 +44,51 @@ def test_hand_computed_fp32_data_parallel():
 def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     """pp=2 (1F1B), tp=2, dp=1, micro-batch 1, 8 micro-batches, bf16 params with fp32 master.
     Under a pipeline with ≥ 2 micro-batches FSDP2 keeps the stage's parameters unsharded (bf16)
-    and its gradients unsharded in fp32 (torch.distributed.pipelining; issue 25)."""
+    from a backward to the next forward, with one micro-batch fewer in flight than at a forward's
+    end. copus's stages reduce-scatter every micro-batch (`ReducingStage`): one gradient unit and
+    the sharded gradient; torch's own `PipelineStage` (`pipeline_no_sync`, torchtitan) keeps the
+    stage's gradients unsharded in fp32 until the last micro-batch instead (issue 25)."""
     mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
-    first = (2 * layer + 256 * 192) / 2 * (2 + 4 + 8)  # 5,854,464 (no sharded grad
-    #                                                                        before the last reduce)
-    buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)  # 2,509,056
+    stage = (2 * layer + 256 * 192) / 2  # 418,176 parameters per rank
     per_block = 128 * 1 * 192 * (10 + 24 / 2)  # 540,672 (16-bit)
     first_acts = 2 * 2 * per_block  # min(pp, m)=2 in flight, 2 blocks
+    units = 2 * (layer / 2) * 2  # 2 gathered units, bf16
+    # max(2 units + 2 micro-batches, whole stage + 1 micro-batch): here the forward's end
+    gathered = units + max(0.0, stage * 2 - units - 2 * per_block)
+    assert gathered == units
     # torch's PipelineStage: receive buffers for all 8 micro-batches (gradients on the first
     # stage, activations on the last) + the first stage's output of each of 2 in flight (bf16)
     hidden = 128 * 1 * 192 * 2
-    last = (2 * layer + 256 * 192 + 192) / 2 * (14 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4) + 8 * hidden
-    expected = first + buffers + first_acts + 8 * hidden + 2 * hidden
-    assert expected == 11_017_728 and last == 10_036_608
-    assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
-    # one micro-batch: 2 gathered units + 1 gradient unit, as before issue 25
-    # (the last stage is then the fuller: its head's logits)
+    pipe = 8 * hidden + 2 * hidden
+    first = stage * 16 + gathered + (layer / 2) * 2 + first_acts + pipe  # states, params, grad unit, acts
+    assert first == 10_034_304 + pipe
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(first, abs=1)
+    # only the receive buffers grow with the number of micro-batches once 2 are in flight
+    assert float(mm.bytes_per_rank(1, 2, 2, 1, 8)) - float(mm.bytes_per_rank(1, 2, 2, 1, 2)) == pytest.approx(
+        6 * hidden
+    )
+    # torch's PipelineStage: the fp32 stage gradient, no sharded grad before the last reduce
+    torch_stage = replace(mm, pipeline_no_sync=True)
+    expected = stage * (2 + 4 + 8) + gathered + stage * 4 + first_acts + pipe
+    assert expected == 10_477_056 + pipe
+    assert float(torch_stage.bytes_per_rank(1, 2, 2, 1, 8)) == pytest.approx(expected, abs=1)
+    # 7B, full checkpointing: the stage (16 blocks + head + norm, 6.5 GB bf16) dwarfs one
+    # micro-batch's stored block inputs (16 · s·h · 2 bytes), so the whole stage after a backward
+    # less that micro-batch is what the parameters add to the forward's peak
+    big = MemoryModel(SEVEN_B, autocast=False, activation_checkpointing="full")
+    stage_7b = (16 * SEVEN_B.layer_params() + SEVEN_B.vocab_size * SEVEN_B.dim + SEVEN_B.dim) * 2  # last stage
+    one_mb = 16 * SEVEN_B.seq_len * SEVEN_B.dim * 2
+    assert float(big.breakdown(1, 1, 2, 1, 8)["params_gathered"]) == pytest.approx(stage_7b - one_mb)
+    # one micro-batch: 2 gathered units + 1 gradient unit in both (the last stage is then the
+    # fuller: its head's logits)
     last_one = (2 * layer + 256 * 192 + 192) / 2 * 16 + 3 * (layer / 2) * 2 + 2 * per_block + 128 * 256 * 6
     assert last_one == 9_151_104
     assert float(mm.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one + hidden, abs=1)
+    assert float(torch_stage.bytes_per_rank(1, 2, 2, 1, 1)) == pytest.approx(last_one + hidden, abs=1)
+    # gns.small = "rank" at dp ≥ 2 keeps torch's stage under pp: the unsharded fp32 gradient
+    rank = replace(mm, unsharded_accumulation=True).breakdown(2, 2, 2, 1, 8)
+    assert float(rank["grads_unsharded"]) == 4 * stage
 
 
 def test_hand_computed_bf16_autocast_is_copus_runtime_default():

@@ -87,12 +87,8 @@ def _unsharded_grad_bytes(model) -> int:
     parameters plus FSDP2's reduce-dtype accumulator."""
     from torch.distributed.fsdp import FSDPModule
 
-    records = [
-        fp
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params
-    ]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    records = [fp for g in groups if g is not None for fp in g.fsdp_params]  # a stage root may own none
     total = 0
     for fp in records:
         for t in (
@@ -164,3 +160,91 @@ def test_microbatch_mode_holds_no_unsharded_gradient_between_micro_batches(dp2, 
     assert dp2[0][("microbatch", dtype)]["held"] == [0, 0, 0, 0]
     held = dp2[0][("rank", dtype)]["held"]
     assert held[0] == 0 and all(b > 0 for b in held[1:])
+
+
+# ------------------------------------------------- pipeline stages (pp = 2), 4 micro-batches
+def _pipeline_work(dp: int, cases: tuple[tuple[str, str, str], ...]):
+    """Per (mode, dtype, schedule): statistics and the dp-unsharded gradient bytes held at the
+    start of every stage forward and every micro-batch's stage backward (GPipe runs all forwards
+    before the first backward, so only the backward starts see an accumulation there)."""
+    from copus.core.plan.plan import ParallelPlan
+    from copus.runtime.engine.dist import MeshCache
+    from copus.runtime.engine.engine import Engine, EngineSettings
+
+    cache, out = MeshCache("cpu"), {}
+    plan = ParallelPlan(dp=dp, tp=1, pp=2, micro_batch_size=1, num_microbatches=4)
+    tokens = _tokens(4 * dp, seed=3)
+    for mode, dtype, schedule in cases:
+        settings = EngineSettings(gns_small=mode, dtype=dtype, pp_schedule=schedule)
+        eng = Engine(DP2_SHAPE, plan, settings, "cpu", cache, seed=0)
+        seen: list[int] = []
+        h = eng.model.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(_unsharded_grad_bytes(m)))
+        stage, backward = eng.pipeline.stage, eng.pipeline.stage.backward_one_chunk
+
+        def measured(*args, stage=stage, backward=backward, seen=seen, **kwargs):
+            seen.append(_unsharded_grad_bytes(stage.submod))
+            return backward(*args, **kwargs)
+
+        stage.backward_one_chunk = measured
+        o = eng.train_step(tokens[eng.dp_rank * 4 : (eng.dp_rank + 1) * 4], 0.0)
+        h.remove()
+        out[(mode, dtype, schedule)] = {"small": o.small_sqnorm, "big": o.big_sqnorm, "held": seen}
+        eng.close()
+    return out
+
+
+PP2_CASES = tuple((("microbatch", d, s) for d in ("fp32", "bf16") for s in ("1f1b", "gpipe")))
+DP2PP2_CASES = (("microbatch", "fp32", "1f1b"), ("microbatch", "bf16", "1f1b"), ("rank", "fp32", "1f1b"))
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    return run_ranks(_pipeline_work, 2, 1, PP2_CASES, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def dp2pp2():
+    return run_ranks(_pipeline_work, 4, 2, DP2PP2_CASES, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def pp_exact():
+    model = materialize(build_model(DP2_SHAPE, "cpu"), "cpu", 0)
+    four, eight = _tokens(4, seed=3), _tokens(8, seed=3)
+    return {
+        1: {"microbatch": exact_stats(model, four, small_batch=1)},
+        2: {"microbatch": exact_stats(model, eight, small_batch=1), "rank": exact_stats(model, eight, small_batch=4)},
+    }
+
+
+@pytest.mark.parametrize("case", PP2_CASES, ids="-".join)
+def test_pipeline_stages_reduce_scatter_every_micro_batch(pp2, pp_exact, case):
+    """pp = 2: each stage reduce-scatters after every micro-batch's backward (the stage's FSDP2
+    module runs FSDP2's own post-backward), so no stage forward after the first backward finds
+    a dp-unsharded gradient (torch's `PipelineStage` kept the stage's whole gradient unsharded
+    until the last micro-batch); the statistics equal the exact per-micro-batch sums."""
+    tol = 1e-4 if case[1] == "fp32" else 1e-2
+    for rank in pp2:
+        o = rank[case]
+        # 4 forwards + 4 backwards (+ the schedule's shape-inference forward on its first step)
+        assert len(o["held"]) >= 8 and set(o["held"]) == {0}
+        assert o["small"] == pytest.approx(pp_exact[1]["microbatch"]["small_sqnorm"], rel=tol)
+        assert o["big"] == pytest.approx(pp_exact[1]["microbatch"]["big_sqnorm"], rel=tol)
+
+
+@pytest.mark.parametrize("case", DP2PP2_CASES, ids="-".join)
+def test_dp2_pp2_reduce_scatters_every_micro_batch_except_rank_mode(dp2pp2, pp_exact, case):
+    """dp 2 · pp 2 (4 ranks): "microbatch" holds no dp-unsharded gradient at any stage forward;
+    "rank" keeps torch's stage (the statistic is this rank's own unsharded sum) and holds one
+    from the first backward on. Both statistics equal the exact ones."""
+    mode, dtype, _ = case
+    tol = 1e-4 if dtype == "fp32" else 1e-2
+    for rank in dp2pp2:
+        o = rank[case]
+        assert len(o["held"]) >= 8
+        if mode == "microbatch":
+            assert set(o["held"]) == {0}
+        else:
+            assert o["held"][0] == 0 and o["held"][-1] > 0
+        assert o["small"] == pytest.approx(pp_exact[2][mode]["small_sqnorm"], rel=tol)
+        assert o["big"] == pytest.approx(pp_exact[2][mode]["big_sqnorm"], rel=tol)

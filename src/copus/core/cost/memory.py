@@ -18,19 +18,24 @@ states (ZeRO-3 / FSDP2 sharding; Rajbhandari et al. SC'20 §3.1, mixed-precision
     P_stage / (t·d) · (param + grad + master + optimizer bytes) = 16 B/param for AdamW
 buffers (FSDP2; one unit = one block or the embedding/head, FSDP2's `fully_shard` granularity):
     gathered parameters  2 units (current + prefetched) with reshard-after-forward, else the
-                         whole stage; the whole stage also under a pipeline with m ≥ 2
-                         (torch.distributed.pipelining keeps FSDP modules unsharded between
-                         micro-batches: `set_reshard_after_backward(False)`)
+                         whole stage; under a pipeline with m ≥ 2 the whole stage after each
+                         backward (torch.distributed.pipelining keeps FSDP modules unsharded
+                         between micro-batches, `set_reshard_after_backward(False)`, and copus's
+                         `ReducingStage` keeps that policy) until the next forward reshards it:
+                         counted as 2 units + max(0, stage − 2 units − one micro-batch's
+                         activations of the stage) (`gathered_params_bytes`)
     gradients            1 unit unsharded while it is reduce-scattered. copus's runtime
-                         reduce-scatters every micro-batch at pp = 1 (torchtitan's way), so
-                         that stays 1 unit for any m. With m ≥ 2 the whole stage's gradients
-                         stay unsharded in fp32 (FSDP2 accumulates in the reduce dtype),
-                         4·P_stage/t, where gradient sync is off until the last micro-batch:
-                         under a pipeline (torch.distributed.pipelining does that) and, with
-                         `unsharded_accumulation` (the runtime's gns.small = "rank" at
-                         dp ≥ 2, which needs each rank's own accumulated gradient), at pp = 1;
-                         the sharded gradient (in "states") then only appears after the peak,
-                         at the last micro-batch's reduce-scatter, and is not counted
+                         reduce-scatters every micro-batch (torchtitan's way at pp = 1; under a
+                         pipeline its stages do the same: `runtime/engine/pipeline.py`
+                         `ReducingStage`), so that stays 1 unit for any m and pp. With m ≥ 2 the
+                         whole stage's gradients stay unsharded in fp32 (FSDP2 accumulates in
+                         the reduce dtype), 4·P_stage/t, where gradient sync is off until the
+                         last micro-batch: with `unsharded_accumulation` (the runtime's
+                         gns.small = "rank" at dp ≥ 2, which needs each rank's own accumulated
+                         gradient; any pp) and, with `pipeline_no_sync` (torch's own
+                         `PipelineStage`, as torchtitan runs it), under a pipeline; the sharded
+                         gradient (in "states") then only appears after the peak, at the last
+                         micro-batch's reduce-scatter, and is not counted
     communicators        `comm_bytes_per_group` per process group this rank belongs to with
                          more than one rank (dp, tp, pp and the world): NCCL's per-peer
                          channel buffers (CUDA; 0 on CPU / gloo, whose buffers are per call)
@@ -147,8 +152,10 @@ class MemoryModel:
     logit_bytes: float | None = None  # bytes per logit at the loss peak; None: e + 4 (torchtitan: 12)
     allocator_overhead: float = 0.0  # reserved/allocated − 1 (ALLOCATOR_OVERHEAD: fitted)
     accumulation_buffers: bool = True  # unsharded fp32 grads (+ params under pp) when m ≥ 2
-    unsharded_accumulation: bool = False  # pp = 1 also without gradient sync until the last
-    #                                          micro-batch (the runtime's gns.small = "rank")
+    unsharded_accumulation: bool = False  # no gradient sync until the last micro-batch at
+    #                                          dp ≥ 2, any pp (the runtime's gns.small = "rank")
+    pipeline_no_sync: bool = False  # pp > 1 without gradient sync until the last micro-batch
+    #                                  (torch's PipelineStage, torchtitan; not copus's stages)
     comm_bytes_per_group: float = 0.0  # communicator buffers per process group (> 1 rank)
 
     def __post_init__(self) -> None:
@@ -313,22 +320,34 @@ class MemoryModel:
             return params / tp * self.megatron_bytes_per_param(dp)
         return params / (tp * dp) * self.state_bytes_per_param
 
-    def gathered_params_bytes(self, params, unit, tp, pp, m, reshard) -> np.ndarray:
+    def gathered_params_bytes(self, params, unit, tp, pp, m, reshard, one_mb=None) -> np.ndarray:
         """Unsharded parameters: 2 units (current + prefetched) · e_p when resharding after
-        forward; the whole stage, P/t · e_p, without it or under a pipeline with m ≥ 2."""
-        whole = (np.asarray(reshard) == 0) | ((pp > 1) & (m >= 2) & self.accumulation_buffers)
-        return np.where(whole, params / tp, 2.0 * unit) * self.param_bytes
+        forward; the whole stage, P/t · e_p, without it or under a pipeline with m ≥ 2.
+
+        Under a pipeline with resharding after forward, the stage is whole only between a
+        backward and the next forward (torch's stage does not reshard after a non-last backward;
+        each forward reshards), when one micro-batch fewer is in flight than at the end of a
+        forward. Given `one_mb`, the activations of one micro-batch through the stage, the
+        peak's share is then max(2 units + F·a, stage + (F−1)·a) − F·a =
+        2 units + max(0, stage − 2 units − a) (a = `one_mb`, F = micro-batches in flight)."""
+        two = 2.0 * unit * self.param_bytes
+        stage = params / tp * self.param_bytes
+        keep = np.asarray(reshard) == 0
+        pipe = (pp > 1) & (m >= 2) & self.accumulation_buffers
+        if one_mb is None:
+            return np.where(keep | pipe, stage, two)
+        return np.where(keep, stage, np.where(pipe, two + np.maximum(0.0, stage - two - one_mb), two))
 
     def unsharded_grad_bytes(self, params, unit, tp, m, pp=1, dp=2) -> np.ndarray:
         """One unit · e_p while it is reduce-scattered; with m ≥ 2 and gradient sync off until
-        the last micro-batch (pp > 1, or `unsharded_accumulation` at dp ≥ 2) the stage's fp32
-        accumulated gradients, 4 · P/t."""
+        the last micro-batch (`unsharded_accumulation` at dp ≥ 2, or `pipeline_no_sync` at
+        pp > 1) the stage's fp32 accumulated gradients, 4 · P/t."""
         acc = self._no_sync(m, pp, dp)
         return np.where(acc, 4.0 * params / tp, unit * self.param_bytes)
 
     def _no_sync(self, m, pp, dp) -> np.ndarray:
         """Whether gradient sync is off until the last micro-batch (see `unsharded_grad_bytes`)."""
-        no_sync = (_f(pp) > 1) | (self.unsharded_accumulation & (_f(dp) > 1))
+        no_sync = (self.pipeline_no_sync & (_f(pp) > 1)) | (self.unsharded_accumulation & (_f(dp) > 1))
         return (_f(m) >= 2) & self.accumulation_buffers & no_sync
 
     def comm_bytes(self, dp, tp, pp) -> np.ndarray:
@@ -410,7 +429,9 @@ class MemoryModel:
             if self.stack == "megatron":
                 parts.update(params_gathered=zero, grads_unsharded=zero)
             else:
-                parts["params_gathered"] = self.gathered_params_bytes(params, unit, tp, pp, m, reshard)
+                parts["params_gathered"] = self.gathered_params_bytes(
+                    params, unit, tp, pp, m, reshard, one_mb=layers * stored
+                )
                 parts["grads_unsharded"] = self.unsharded_grad_bytes(params, unit, tp, m, pp, dp)
                 # without sync the sharded gradient is created by the last micro-batch's
                 # reduce-scatter, after the peak (the previous step's was freed by zero_grad)

@@ -17,15 +17,17 @@ accumulation, or a pipeline schedule at pp > 1), ONE all-reduce of a small fp32/
 Statistics are taken before clipping; if the loss or any statistic is not finite the optimizer
 step is skipped and the gradients dropped.
 
-Accumulation memory (pp = 1): with `gns.small = "microbatch"` (the default) FSDP2 reduce-scatters
+Accumulation memory: with `gns.small = "microbatch"` (the default) FSDP2 reduce-scatters
 after every micro-batch and adds the result to the sharded fp32 gradient, so per rank the
-gradient costs 4·P/(tp·dp) bytes plus one FSDP unit's unsharded gradient in flight, whatever
+gradient costs 4·P/(tp·pp·dp) bytes plus one FSDP unit's unsharded gradient in flight, whatever
 num_microbatches is (the per-micro-batch statistic is read by a tensor hook before the reduce,
-unchanged). `gns.small = "rank"` needs this rank's gradient summed over its micro-batches before
-the dp reduction, which by definition is dp-unsharded: it reduce-scatters on the last
-micro-batch only and holds 4·P/tp bytes of unsharded fp32 gradient when num_microbatches ≥ 2
-(`core/cost/memory.py` counts it in that mode only). Under pp > 1 torch's pipeline schedule
-disables gradient sync until the last backward in both modes (`pipeline.py`).
+unchanged). Under pp > 1 the pipeline's stages do the same (`pipeline.ReducingStage`, in place
+of torch's stage, which turns sync off until the last backward); parameters keep torch's stage
+policy (not resharded after a backward: the stage's parameters stay gathered, 2·P/(tp·pp) bf16).
+`gns.small = "rank"` needs this rank's gradient summed over its micro-batches before the dp
+reduction, which by definition is dp-unsharded: it reduce-scatters on the last micro-batch only
+(pp = 1) or keeps torch's stage (pp > 1) and holds 4·P/(tp·pp) bytes of unsharded fp32 gradient
+when num_microbatches ≥ 2 (`core/cost/memory.py` counts it in that mode only).
 """
 
 from __future__ import annotations
@@ -193,12 +195,20 @@ class Engine:
         """AdamW, pipeline stage and gradient statistics on the materialised model."""
         settings, plan = self.settings, self.plan
         self.optimizer = self._build_optimizer()
+        self.gns_small = settings.gns_small if plan.dp > 1 else "microbatch"
         self.pipeline = (
-            Pipeline(self.model, self.mesh["pp"], self.device, settings.pp_schedule, token_loss)
+            Pipeline(
+                self.model,
+                self.mesh["pp"],
+                self.device,
+                settings.pp_schedule,
+                token_loss,
+                # as at pp = 1: reduce-scatter every micro-batch except in "rank" mode
+                reduce_every_microbatch=self.gns_small == "microbatch",
+            )
             if plan.pp > 1
             else None
         )
-        self.gns_small = settings.gns_small if plan.dp > 1 else "microbatch"
         self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
 
     def _build_optimizer(self) -> torch.optim.AdamW:

@@ -11,11 +11,12 @@ Small gradients, chosen by `mode`:
   (FSDP2's *unsharded* parameter, registered lazily by a forward pre-hook on each module that
   owns parameters) sees that micro-batch's local gradient before it is accumulated and takes its
   squared norm (one fused reduction, kept on the device; weighted and summed once per step).
-  FSDP2 keeps its unsharded gradients unreduced until the last micro-batch
-  (`set_requires_gradient_sync`), so nothing is synchronised per micro-batch and no gradient
-  copy is kept; cost ≈ one fused norm per parameter per micro-batch. Under
+  The hook runs before FSDP2's post-backward reduce-scatter of that unit (the engine
+  reduce-scatters every micro-batch in this mode), so the statistic needs no collective of its
+  own and no gradient copy is kept; cost ≈ one fused norm per parameter per micro-batch. Under
   pipeline parallelism the same hooks fire inside each micro-batch's stage backward
-  (Schedule1F1B / ScheduleGPipe run one full backward per micro-batch), so the method is the same.
+  (Schedule1F1B / ScheduleGPipe run one full backward per micro-batch; `pipeline.ReducingStage`
+  reduce-scatters after it as at pp = 1), so the method is the same.
 - "rank": one per dp rank, J = dp, small_batch = micro_batch_size·num_microbatches. Method: a
   post-accumulate-grad hook on the unsharded parameter reads the accumulated local gradient at
   its num_microbatches-th call, i.e. FSDP2's reduce-scatter input (cpu-notes b1/b2/b5). Under a

@@ -11,6 +11,23 @@ chunks and rank r holds chunks r, r + pp, ..., r + (v−1)·pp (`chunk_stage_ids
 each a pruned copy of the model with the same global parameter names, driven by torch's
 `ScheduleInterleaved1F1B` (which needs n_microbatches to be a multiple of max(1, m // pp)).
 Not yet wired into `Engine` (it builds one stage per rank); `Pipeline` takes the chunk list.
+
+Gradient accumulation under FSDP2 (`ReducingStage`): torch's `PipelineStage` turns gradient sync
+and resharding off for every micro-batch's backward (`backward_maybe_with_nosync`:
+`set_requires_gradient_sync(False)`, `set_reshard_after_backward(False)`) and reduce-scatters
+once, in `perform_reduce_grad` after the last one, so each rank holds its stage's whole gradient
+unsharded in the reduce dtype (fp32: 4·P/(tp·pp) bytes) from the first backward to the end of
+the step. torchtitan trains PP + FSDP through that class unchanged (a `PipelineStageExt` in its
+tree makes sync and reshard configurable the same way). With `reduce_every_microbatch=True` the
+stages keep FSDP2's own per-backward gradient behaviour instead: each FSDP unit reduce-scatters
+its gradient into the sharded fp32 gradient as soon as its backward ends (one reduce-scatter per
+unit per micro-batch, as at pp = 1). Parameters keep torch's policy (gathered from a unit's
+backward until its next forward reshards it, and to the end of the step: one all-gather per unit
+per micro-batch) unless `reshard_after_backward=True` (resharded after every backward: one more
+all-gather per unit per micro-batch, 2 units gathered instead of the stage; the engine does not
+use it). The schedule's `perform_reduce_grad` then finds nothing left to reduce, reshards and
+runs FSDP2's final callback; its division by the number of micro-batches applies to the sharded
+gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +40,9 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._backward import stage_backward
 
 from copus.core.plan.stages import split_layers
 from copus.runtime.engine.model import Transformer
@@ -66,10 +85,42 @@ def split_chunks(model: Transformer, rank: int, pp: int, virtual_stages: int) ->
     return [split_stage(copy.deepcopy(model), sid, n) for sid in chunk_stage_ids(rank, pp, virtual_stages)]
 
 
+class ReducingStage(PipelineStage):
+    """A `PipelineStage` whose FSDP2 module reduce-scatters after every micro-batch's backward
+    (module docstring) instead of accumulating the unsharded gradient until the last one.
+
+    Only the full backward ("full": 1F1B, GPipe, interleaved 1F1B, the schedules copus runs) is
+    overridden; the split input/weight backward of zero-bubble schedules and non-FSDP modules
+    keep torch's behaviour."""
+
+    def __init__(self, *args, reshard_after_backward: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reshard_after_backward = reshard_after_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """torch 2.13's `PipelineStage.backward_maybe_with_nosync` with gradient sync left on.
+
+        `set_is_last_backward(last_backward)` lets FSDP2's final callback of the stage's last
+        backward wait for the outstanding reduce-scatters (schedules without a REDUCE_GRAD
+        action, such as the multi-stage path, call only `scale_grads` after it)."""
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(last_backward)
+        self.submod.set_reshard_after_backward(self.reshard_after_backward or last_backward)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 class Pipeline:
     """This rank's stage plus the current schedule; `run` does one training step's forward and
     backward over `num_microbatches` micro-batches (the schedule scales grads by 1/num_microbatches,
-    so `loss_fn` must be a mean)."""
+    so `loss_fn` must be a mean).
+
+    `reduce_every_microbatch`: FSDP2 stages reduce-scatter after each micro-batch's backward
+    (`ReducingStage`; no unsharded gradient held across micro-batches), parameters also
+    resharded after each backward when `reshard_after_backward`; False: torch's `PipelineStage`
+    (sync and reshard off until the schedule's final reduction)."""
 
     def __init__(
         self,
@@ -78,6 +129,8 @@ class Pipeline:
         device: torch.device,
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        reduce_every_microbatch: bool = False,
+        reshard_after_backward: bool = False,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} is invalid; allowed: {', '.join(SCHEDULES)}")
@@ -91,8 +144,13 @@ class Pipeline:
         self.stage_ids = chunk_stage_ids(rank, pp, len(chunks))
         self.stage_index = rank
         self.num_stages = pp * len(chunks)
+        make = (
+            functools.partial(ReducingStage, reshard_after_backward=reshard_after_backward)
+            if reduce_every_microbatch
+            else PipelineStage
+        )
         self.stages = [
-            PipelineStage(chunk, sid, self.num_stages, device, group=pp_mesh.get_group())
+            make(chunk, sid, self.num_stages, device, group=pp_mesh.get_group())
             for chunk, sid in zip(chunks, self.stage_ids, strict=True)
         ]
         self.stage = self.stages[0]

@@ -271,6 +271,8 @@ def _args(model: str, gpus: int, batch: int, seq: int, extra: list[str]):
             str(10**9),
             "--pipeline-schedule",
             "all",
+            "--pipeline-stage",
+            "torch",  # torchtitan trains through torch's own PipelineStage
             *extra,
         ]
     )

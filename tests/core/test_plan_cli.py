@@ -117,6 +117,7 @@ def test_table_output(capsys):
         (["--model", "nope"], "unknown model 'nope'"),
         (["--memory-gb", "0.5"], "no plan"),
         (["--max-batch", "4"], "--max-batch=4"),
+        (["--pipeline-stage", "megatron"], "--pipeline-stage"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(capsys, args, match):
@@ -333,3 +334,53 @@ def test_custom_hardware_from_its_figures(capsys):
     # a figure overrides a known profile: half the peak, slower steps
     assert main([*common, "--hardware", "h100-sxm", "--peak-tflops", "494.5"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["step_s"] > 1.3 * known[0]["step_s"]
+
+
+def test_pipeline_stage_torch_prices_the_unsharded_stage_gradient(capsys):
+    """torch's own PipelineStage (as torchtitan runs it) keeps each stage's fp32 gradient
+    unsharded until the last micro-batch; copus's stages reduce-scatter every micro-batch. Only
+    pipelined plans with ≥ 2 micro-batches differ, by at most the stage's 4·P/(t·p) bytes (+ the
+    allocator overhead). (The FSDP2 stack: the default COPUS cluster profile prices Megatron.)"""
+    rows = {}
+    for stage in ("copus", "torch"):
+        assert (
+            main(
+                [
+                    *BASE,
+                    "--hardware",
+                    "h100-sxm",
+                    "--global-batch",
+                    "64",
+                    "--top",
+                    "1000",
+                    "--json",
+                    "--pipeline-stage",
+                    stage,
+                ]
+            )
+            == 0
+        )
+        rows[stage] = {
+            (
+                r["dp"],
+                r["tp"],
+                r["pp"],
+                r["micro_batch_size"],
+                r["num_microbatches"],
+                r["activation_checkpointing"],
+                r["pipeline_schedule"],
+                r["virtual_stages"],
+                r["sequence_parallel"],
+                r["reshard_after_forward"],
+            ): r
+            for r in json.loads(capsys.readouterr().out)
+        }
+    params = get_model_shape("llama-3.2-3b").num_params()
+    both = rows["copus"].keys() & rows["torch"].keys()
+    assert both
+    for key in both:
+        extra = rows["torch"][key]["memory_bytes"] - rows["copus"][key]["memory_bytes"]
+        if key[2] > 1 and key[4] >= 2:
+            assert 0 < extra <= 1.2 * 4 * params / (key[1] * key[2])
+        else:
+            assert extra == 0

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -197,6 +198,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="eager attention: scores stored (5·a·s²·b/t bytes per block) and their memory traffic priced",
     )
     parser.add_argument(
+        "--pipeline-stage",
+        default="copus",
+        metavar="copus|torch",
+        help="copus: the engine's stages, reduce-scatter every micro-batch (default); torch: torch's own "
+        "PipelineStage as torchtitan runs it, the stage's fp32 gradient unsharded until the last micro-batch",
+    )
+    parser.add_argument(
         "--param-dtype",
         default=None,
         metavar="fp32|bf16",
@@ -238,6 +246,7 @@ def _check(args: argparse.Namespace) -> None:
         check_choice(f"--{name.replace('_', '-')}", getattr(args, name), SWITCHES)
     if args.param_dtype is not None:
         check_choice("--param-dtype", args.param_dtype, ("fp32", "bf16"))
+    check_choice("--pipeline-stage", getattr(args, "pipeline_stage", "copus"), ("copus", "torch"))
     for flag in HARDWARE_FLAGS:
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -336,6 +345,7 @@ def plan_rows(
     hw = resolve_hardware(args) if hardware is None else hardware
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
     memory = memory_model(shape, hw, param_dtype(args, hw), flash_attention=not args.no_flash_attention)
+    memory = replace(memory, pipeline_no_sync=getattr(args, "pipeline_stage", "copus") == "torch")
     max_batch = args.global_batch if args.max_batch is None else args.max_batch
     cands = build_candidates(
         args.gpus,

@@ -445,7 +445,10 @@ class MemoryModel:
             parts["sp_gather"] = self.sp_gather_bytes(tp, b, sp) + zero
             head = self.logits_bytes(tp, b)
             parts["logits"] = (head if last else np.where(pp > 1, 0.0, head)) + zero
-            parts["pipeline"] = self.pipeline_bytes(tp, b, m, pp, flight, last, sp) + zero
+            # Megatron's p2p schedule receives into per-micro-batch tensors freed with the
+            # micro-batch, already counted among the blocks' in-flight inputs
+            pipe = zero if self.stack == "megatron" else self.pipeline_bytes(tp, b, m, pp, flight, last, sp)
+            parts["pipeline"] = pipe + zero
             parts["buffers"] = (
                 parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"] + parts["communicators"]
             )

@@ -416,7 +416,8 @@ def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
         raise ValueError(f"batch.policy={name!r} is invalid; allowed: {', '.join(POLICY_NAMES)}")
     if name in GOODPUT_POLICIES:
         controller = importlib.import_module("copus.core.control.controller")
-        return controller.make_controller(settings, initial_plan, world_size, shape, **kw)
+        return controller.make_controller(settings, initial_plan, world_size, shape, policy=name,
+                                          **kw)
     return _CLASSES[name](settings, initial_plan)
 
 

@@ -24,7 +24,7 @@ from copus.core.specs.models import MODELS
 from copus.core.control.policy_presets import apply_policy_preset
 
 POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
-                "goodput", "goodput-copus")
+                "goodput", "goodput-copus", "doubling", "schedule")
 
 # A check returns None when the value is allowed, else a short "what is allowed" text.
 Check = Callable[[Any], str | None]
@@ -244,6 +244,11 @@ class BatchConfig:
     ip_theta: float = _opt(0.5, _real(0.0, lo_open=True))
     orth_nu: float = _opt(5.84, _real(0.0, lo_open=True))
     gns_c: float = _opt(2.0, _real(0.0, lo_open=True))
+    # batch.policy = "schedule": "0:768,250B:1536,500B:3072" (token thresholds, K/M/B/T
+    # suffixes; batches in schedule_unit; docs/yardstick.md §schedules)
+    schedule: str = _opt("", lambda v: None if isinstance(v, str) else
+                         "a string such as '0:8,1M:16,4M:32' ('' = none)")
+    schedule_unit: str = _opt("samples", _choice("samples", "tokens"))
 
 
 @dataclass(**_FROZEN)
@@ -401,6 +406,31 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     return cfg
 
 
+def _check_schedule(cfg: Config) -> None:
+    """batch.schedule: parsed (one-line error naming the entry), only with batch.policy =
+    "schedule", starting at batch.initial, every batch within [batch.min, batch.max]."""
+    from copus.core.control.schedules import parse_step_schedule
+
+    b = cfg.batch
+    if not b.schedule.strip():
+        if b.policy == "schedule":
+            raise _bad("batch", "schedule", b.schedule, "allowed: with batch.policy='schedule', "
+                       "a schedule such as '0:8,1M:16,4M:32' (tokens:batch)")
+        return
+    if b.policy != "schedule":
+        raise _bad("batch", "schedule", b.schedule,
+                   f"allowed: only with batch.policy='schedule' (got {b.policy!r})")
+    sched = parse_step_schedule(b.schedule, unit=b.schedule_unit,
+                                seq_len=model_shape(cfg).seq_len)
+    if sched.entries[0][1] != b.initial:
+        raise _bad("batch", "initial", b.initial, f"allowed: batch.initial = the schedule's first "
+                   f"batch {sched.entries[0][1]} ({sched.describe()})")
+    for entry, (_, batch) in zip(sched.describe().split(","), sched.entries):
+        if not b.min <= batch <= b.max:
+            raise ValueError(f"batch.schedule entry '{entry}' is invalid: batch {batch} is outside "
+                             f"[batch.min={b.min}, batch.max={b.max}]; allowed: batches in that range")
+
+
 def check_consistency(cfg: Config) -> None:
     """Rules that relate keys to each other (each key alone was checked by its field)."""
     b = cfg.batch
@@ -412,6 +442,7 @@ def check_consistency(cfg: Config) -> None:
     if not b.min <= b.ramp_to <= b.max:
         raise _bad("batch", "ramp_to", b.ramp_to,
                    f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
+    _check_schedule(cfg)
     vocab = model_shape(cfg).vocab_size   # 256: a byte-level shape follows the tokenizer
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab != 256:
         raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,

@@ -92,7 +92,7 @@ def test_settings_mirror_config_and_validate():
 
 def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
     assert POLICY_NAMES == ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
-                            "goodput", "goodput-copus")
+                            "goodput", "goodput-copus", "doubling", "schedule")
     s, p = PolicySettings(), plan()
     for name, cls in (("constant", ConstantPolicy), ("ramp", RampPolicy),
                       ("norm-test", NormTestPolicy), ("inner-product-test", InnerProductTestPolicy),

@@ -45,14 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lr-aware", action="store_true",
                    help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
     p.add_argument("--seed", type=int, default=None, help="seed of the simulated noise (default 0)")
-    p.add_argument("--preset", default=None, help="a COPUS configuration (core.presets) or 'all'")
+    p.add_argument("--preset", default=None,
+                   help="a COPUS configuration (core.sim.presets), 'olmo-long' (a long pre-training "
+                        "truth) or 'all' (COPUS's four)")
     p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
                    help="--preset: the ground truth (default: each preset's best-fitting one)")
     p.add_argument("--crit-ratio", type=float, default=None, metavar="R",
                    help="--preset: the truth's B_crit / b_noise (default: the preset's fit)")
     p.add_argument("--truth-grid", action="store_true",
                    help="every preset x truth (lr-tuned, sqrt-lr) x --crit-ratios; prints capture "
-                        "= goodput's average speed-up / the oracle's per cell")
+                        "= goodput's speed-up to the final target / the honest ceiling per cell "
+                        "(docs/yardstick.md)")
     p.add_argument("--crit-ratios", default="0.5,1,2,4,8",
                    help="--truth-grid: comma-separated B_crit / b_noise values")
     p.add_argument("--seeds", default=None,
@@ -62,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from copus.core.sim.presets import PRESETS, get_preset
-    from copus.core.sim.simulator import compare_policies
+    from copus.core.sim.presets import COPUS_PRESETS, get_preset
+    from copus.core.sim.simulator import Planner, compare_policies
 
     fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -79,13 +82,16 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         args.seed = _numbers(args.seeds, "--seeds", int)[0]
     if args.preset is not None:
-        names = list(PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
-        scenarios = [(PRESETS[n], _preset(PRESETS[n], args)) for n in names]
+        names = list(COPUS_PRESETS) if args.preset == "all" else [get_preset(args.preset).name]
+        scenarios = [(get_preset(n), _preset(get_preset(n), args)) for n in names]
     else:
         scenarios = [(None, _custom(args))]
     out = []
     for preset, scenario in scenarios:
-        cmp_ = compare_policies(scenario, policies)
+        planner = Planner(scenario)
+        cmp_ = compare_policies(scenario, policies, planner=planner)
+        if preset is not None:
+            cmp_.yardstick = yardstick_score(preset, cmp_, planner)
         out.append((preset, cmp_))
         if not args.json:
             _print_comparison(preset, cmp_)
@@ -296,8 +302,34 @@ def _print_summary(out) -> None:
               + f"{_pct(_mean(oracle_speedups(cmp_))):>16s}")
 
 
+def yardstick_score(preset, cmp_, planner=None, yard=None) -> dict:
+    """The honest yardstick of a preset's comparison (`core.sim.yardstick.score`): the best
+    baseline, the honest ceiling and every goodput run's speed-ups on time to the final target."""
+    from copus.core.sim import yardstick as ys
+    from copus.core.sim.simulator import BASELINE_FAMILIES, Planner
+
+    sc = cmp_.scenario
+    if yard is None:
+        yard = ys.build(sc, planner or Planner(sc), horizon_tokens=preset.token_budget)
+    targets = yard.targets
+    simulated = {r.name: ys.seconds_to_minutes(r.time_to_target_s, targets) for r in cmp_.results
+                 if cmp_.families[r.name] in BASELINE_FAMILIES}
+    variants = {n: ys.seconds_to_minutes(cmp_.run(n).time_to_target_s, targets)
+                for n in cmp_.goodput_runs()}
+    return ys.score(yard, simulated, variants) | {"seed": sc.sim.seed}
+
+
 def _json(preset, cmp_) -> dict:
     d = cmp_.to_dict()
+    yard = getattr(cmp_, "yardstick", None)
+    if yard is not None:
+        d["honest_ceiling_pct"] = yard["honest_ceiling_pct"]
+        d["ceiling_ge_2pct"] = yard["ceiling_ge_2pct"]
+        d["yardstick"] = yard
+        for name, v in d["variants"].items():
+            d["variants"][name] = {"table1_speedups": v["speedups"],
+                                   "table1_average_speedup_pct": v["average_speedup_pct"]} | \
+                yard["variants"][name]
     if preset is not None:
         d["preset"] = preset.name
         d["truth"] = _truth_label(preset, cmp_.scenario.sim.trajectory)
@@ -341,58 +373,60 @@ def _plot(out, path: str) -> None:
 def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     """--truth-grid: the capture table (`core.sim.truth_grid`), as a table or JSON."""
     from copus.core.sim import truth_grid as tg
-    from copus.core.sim.presets import PRESETS, get_preset
+    from copus.core.sim.presets import COPUS_PRESETS, get_preset
     from copus.core.sim.simulator import compare_policies
 
     if "goodput" not in policies or not {"static", "cbs"} & set(policies):
         raise ValueError(f"--policies={args.policies!r} is invalid with --truth-grid; allowed: "
                          "goodput and at least one of static, cbs")
-    names = list(PRESETS) if args.preset in (None, "all") else [get_preset(args.preset).name]
+    names = (list(COPUS_PRESETS) if args.preset in (None, "all")
+             else [get_preset(args.preset).name])
     ratios = _numbers(args.crit_ratios, "--crit-ratios")
     seeds = _numbers(args.seeds, "--seeds", int) if args.seeds is not None else [args.seed]
     cells = tg.grid_cells(names, tg.GRID_TRUTHS, ratios)
 
-    aware: dict[tg.Cell, list] = {}    # the switch-aware ceiling does not depend on the seed
+    yards: dict[tg.Cell, object] = {}    # the deterministic yardstick does not read the seed
 
     def run_one(cell: tg.Cell, seed: int) -> dict:
-        from copus.core.sim.oracle import scenario_switch_aware_minutes
+        from copus.core.sim import yardstick as ys
+        from copus.core.sim.simulator import Planner
 
-        sc = _preset(PRESETS[cell.preset], args, cell.truth, cell.crit_ratio, seed)
-        cmp_ = compare_policies(sc, policies)
-        if cell not in aware:
-            aware[cell] = scenario_switch_aware_minutes(sc)
-        return {"seed": seed, "oracle_avg": _mean(oracle_speedups(cmp_)),
-                "switch_aware_avg": _mean(oracle_speedups(cmp_, aware[cell])),
-                "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
+        preset = get_preset(cell.preset)
+        sc = _preset(preset, args, cell.truth, cell.crit_ratio, seed)
+        planner = Planner(sc)
+        cmp_ = compare_policies(sc, policies, planner=planner)
+        if cell not in yards:
+            yards[cell] = ys.build(sc, planner, horizon_tokens=preset.token_budget)
+        return yardstick_score(preset, cmp_, planner, yard=yards[cell])
 
     def show(cell: dict) -> None:
         if args.json:
             return
-        parts = [f"{n} {_pct(v['average_speedup_pct'])} ({_capture(v['capture'])})"
-                 for n, v in cell["variants"].items()]
-        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} oracle "
-              f"{_pct(cell['oracle_avg_pct']):>7s} (paying for switches "
-              f"{_pct(cell['switch_aware_oracle_avg_pct'])})  " + "  ".join(parts), flush=True)
+        parts = [f"{n} {_pct(v['speedup_pct'])} ({_capture(v['capture'])}, spread "
+                 f"{_cell(v['seed_spread_pct'])})" for n, v in cell["variants"].items()]
+        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} honest ceiling "
+              f"{_pct(cell['honest_ceiling_pct']):>7s}{'' if cell['ceiling_ge_2pct'] else ' (<2 %)'}"
+              f"  best baseline {cell['best_baseline'][0]}  " + "  ".join(parts), flush=True)
 
     if not args.json:
-        print(f"== truth grid: average speed-up over the fastest baseline (capture = / oracle), "
-              f"mean of seeds {','.join(map(str, seeds))} ==")
-    out = tg.run_grid(cells, seeds, run_one, show)
+        print(f"== truth grid: speed-up in time to the final target over the best baseline "
+              f"(capture = / honest ceiling), mean of seeds {','.join(map(str, seeds))} ==")
+    out = tg.run_yardstick_grid(cells, seeds, run_one, show)
     variants = list(out[0]["variants"]) if out else []
-    result = {"seeds": seeds, "crit_ratios": ratios, "cells": out,
-              "goals": {n: tg.goals(out, n) for n in variants}}
+    result = {"seeds": seeds, "crit_ratios": ratios, "metric": out[0]["metric"] if out else None,
+              "policies": list(policies), "cells": out,
+              "goals": {n: tg.yardstick_goals(out, n) for n in variants}}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
         for n in variants:
             g = result["goals"][n]
-            print(f"{n}: median capture {_capture(g['median_capture'])} "
-                  f"({_capture(g['median_capture_switch_aware'])} of the ceiling paying for "
-                  f"switches) over {g['cells_counted']} "
-                  f"cells with ceiling >= {tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; "
-                  f"below 0.6: {', '.join(g['cells_below_0.6']) or 'none'}; "
-                  f"> 1 % behind the best baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
+            print(f"{n}: median capture {_capture(g['median_capture'])} over "
+                  f"{g['cells_counted']} of {g['cells']} cells with honest ceiling >= "
+                  f"{tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; below 0.5: "
+                  f"{', '.join(g['cells_below_0.5']) or 'none'}; > 1 % behind the best "
+                  f"baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
     return 0
 
 

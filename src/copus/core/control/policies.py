@@ -34,12 +34,14 @@ from typing import Any, Protocol
 from copus.core.stats import batch_tests as bt
 from copus.core.stats.gns import lower_bound
 from copus.core.specs.models import ModelShape
-from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.plan import ParallelPlan, default_micro_batch_size
 from copus.core.plan.records import Decision, StepRecord
-from copus.core.control.schedules import BatchSchedule, round_down
+from copus.core.control.schedules import (STEP_SCHEDULE_UNITS, BatchSchedule, StepSchedule,
+                                          parse_step_schedule,
+                                          round_down)
 
 POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
-                "goodput", "goodput-copus")
+                "goodput", "goodput-copus", "doubling", "schedule")
 GOODPUT_POLICIES = ("goodput", "goodput-copus")   # the controller; see core.policy_presets
 
 
@@ -78,6 +80,10 @@ class PolicySettings:
     calibration_quantile: float = 0.5   # "auto": the posterior quantile of c decisions use
     confidence: float = 1.645     # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
     recovery_steps: int = 20      # [gns]; hold after a batch change
+    # batch.policy = "schedule": "0:768,250B:1536,..." (thresholds in tokens, K/M/B/T
+    # suffixes; batches in `schedule_unit`); "" = the initial batch throughout
+    schedule: str = ""
+    schedule_unit: str = "samples"
 
     def __post_init__(self) -> None:
         for name, lo in (("initial", 1), ("min", 1), ("max", 1), ("interval_steps", 1),
@@ -109,6 +115,11 @@ class PolicySettings:
         if self.ramp_kind not in ("linear", "stepwise"):
             raise ValueError(f"batch.ramp_kind={self.ramp_kind!r} is invalid; "
                              "allowed: linear, stepwise")
+        if self.schedule_unit not in STEP_SCHEDULE_UNITS:
+            raise ValueError(f"batch.schedule_unit={self.schedule_unit!r} is invalid; allowed: "
+                             f"{', '.join(STEP_SCHEDULE_UNITS)}")
+        if self.schedule and self.schedule_unit == "samples":
+            parse_step_schedule(self.schedule)          # one-line error naming the bad entry
         if self.norm_test_form not in bt.NORM_TEST_FORMS:
             raise ValueError(f"batch.norm_test_form={self.norm_test_form!r} is invalid; "
                              f"allowed: {', '.join(bt.NORM_TEST_FORMS)}")
@@ -399,10 +410,82 @@ class GnsPolicy(_BatchPolicy):
         return target, why
 
 
+class DoublingPolicy(_BatchPolicy):
+    """Merrill et al. 2025's batch-size warm-up (§4, "Critical Batch Size Revisited"): when the
+    measured critical batch passes twice the batch, double the batch (the LR × √2 rides on
+    the trainer's sqrt(B) LR rule). The critical batch is read as gns_c · b_noise, at its lower
+    confidence bound when `confidence` > 0 (Merrill measure it by branching; copus measures the
+    noise scale, and `gns_c` converts, as COPUS's CBS baseline does)."""
+
+    name = "doubling"
+    gns_based = True
+
+    def _target(self, record: StepRecord) -> tuple[float, str] | None:
+        s = self.settings
+        b = lower_bound(record.b_noise, record.b_noise_rel_err, s.confidence)
+        cur = record.plan.global_batch_size
+        if math.isnan(b) or not s.gns_c * b > 2 * cur:
+            return None
+        return 2.0 * cur, (f"doubling: critical batch gns_c={s.gns_c:g} x b_noise={b:.1f} = "
+                           f"{s.gns_c * b:.1f} > 2 x B={cur}")
+
+
+class SchedulePolicy(_BatchPolicy):
+    """A token-denominated step schedule (`batch.schedule`, `core.control.schedules
+    .StepSchedule`): the batch is the schedule's value at the tokens consumed, checked every
+    step (a pure function of tokens: a resumed run lands on the same batch)."""
+
+    name = "schedule"
+
+    def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan,
+                 seq_len: int | None = None) -> None:
+        super().__init__(settings, initial_plan)
+        text = settings.schedule or f"0:{initial_plan.global_batch_size}"
+        unit = settings.schedule_unit if settings.schedule else "samples"
+        self.schedule: StepSchedule = parse_step_schedule(text, unit=unit, seq_len=seq_len)
+
+    def check_layouts(self, layout_for=None, micro_batch_size: int = 0) -> None:
+        """Every entry's batch must split over the plan it will run on: a multiple of dp ×
+        `micro_batch_size` (parallel.micro_batch_size; 0 = chosen per batch, then of dp) with at
+        least pp micro-batches, dp from `layout_for(batch)` (a layout map) or the initial plan.
+        One-line ValueError naming the entry and what is allowed."""
+        p = self.initial_plan
+        for entry, (_, batch) in zip(self.schedule.describe().split(","), self.schedule.entries):
+            layout = (layout_for(batch) if layout_for is not None else None) or p.layout
+            dp, _, pp = layout
+            m = dp * (micro_batch_size or 1)
+            if batch % m or batch // m < pp:
+                what = f"dp*micro_batch_size={dp}*{micro_batch_size}" if micro_batch_size \
+                    else f"dp={dp}"
+                raise ValueError(f"batch.schedule entry '{entry}' is invalid on layout "
+                                 f"dp{dp}.tp{layout[1]}.pp{pp}: {batch} is not a multiple of {what} "
+                                 f"with >= {pp} micro-batches; allowed: multiples of {m} (>= {m * pp})")
+
+    def observe(self, record: StepRecord) -> Decision | None:
+        if record.skipped:
+            return None
+        target = self.schedule(record.tokens)
+        plan = record.plan
+        if target <= plan.global_batch_size:
+            return None
+        if target % plan.dp:
+            raise ValueError(f"batch.schedule batch {target} is invalid on {plan.describe()}: not a "
+                             f"multiple of dp={plan.dp}; allowed: multiples of {plan.dp}")
+        per_dp = target // plan.dp
+        mbs = plan.micro_batch_size
+        if per_dp % mbs or per_dp // mbs < plan.pp:
+            mbs = default_micro_batch_size(per_dp, plan.pp, cap=mbs)
+        self.num_decisions += 1
+        reason = (f"schedule {self.schedule.describe()} at {record.tokens} tokens: "
+                  f"B {plan.global_batch_size} -> {target}")
+        return Decision(kind="batch", plan=plan.with_batch(target, mbs), reason=reason,
+                        step=record.step, b_noise=record.b_noise)
+
+
 _CLASSES: dict[str, type[_BatchPolicy]] = {
     "constant": ConstantPolicy, "ramp": RampPolicy, "norm-test": NormTestPolicy,
     "norm-test-lau": NormTestPolicy,     # its settings: core.control.policy_presets
-    "inner-product-test": InnerProductTestPolicy, "gns": GnsPolicy,
+    "inner-product-test": InnerProductTestPolicy, "gns": GnsPolicy, "doubling": DoublingPolicy,
 }
 
 
@@ -418,6 +501,8 @@ def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
         controller = importlib.import_module("copus.core.control.controller")
         return controller.make_controller(settings, initial_plan, world_size, shape, policy=name,
                                           **kw)
+    if name == "schedule":
+        return SchedulePolicy(settings, initial_plan, None if shape is None else shape.seq_len)
     return _CLASSES[name](settings, initial_plan)
 
 

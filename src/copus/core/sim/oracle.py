@@ -39,7 +39,7 @@ def oracle_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: n
         if not gain[i] > 0:
             if tokens >= params.lr_warmup_tokens:
                 break                              # stalled for good (x ≥ 2 everywhere)
-            i = int(np.argmax(batches * inv_t))   # LR still 0: get through warm-up fastest
+            i = _fair_start(batches, inv_t)        # LR still 0: the controllers' first batch
         progress += float(gain[i])
         tokens += batches[i] * seq_len
         wall += 1.0 / inv_t[i]
@@ -50,6 +50,14 @@ def oracle_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: n
         if k == len(order):
             break
     return [hit.get(t) for t in targets]
+
+
+def _fair_start(batches: np.ndarray, inv_t: np.ndarray) -> int:
+    """The candidate of a zero-progress step (the LR warm-up's first step): the fastest plan of
+    the smallest batch, where every controller starts. Taking the highest-throughput candidate
+    instead (B = 1024 for 3B) would burn the warm-up tokens no controller can burn."""
+    small = np.flatnonzero(batches == batches.min())
+    return int(small[np.argmax(inv_t[small])])
 
 
 def speedup_pct(baseline_min: float | None, run_min: float | None) -> float | None:
@@ -133,7 +141,7 @@ def _oracle_tokens(traj: Trajectory, batches: np.ndarray, step_s: np.ndarray, e_
         gain = np.asarray(traj.progress_per_step(batches, loss, tokens), dtype=float)
         i = int(np.argmax(gain * inv_t))
         if not gain[i] > 0:
-            i = int(np.argmax(batches * inv_t))
+            i = _fair_start(batches, inv_t)
         progress += float(gain[i])
         tokens += batches[i] * traj.seq_len
         loss = traj.loss(progress)

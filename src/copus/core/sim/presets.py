@@ -46,6 +46,7 @@ class Preset:
     # and a target must not be missed only because the budget ran out first.
     sim_budget_factor: float = 3.0
     static_batches: tuple[int, ...] = (16, 32, 64, 128, 1024)
+    batch_grid: str = "multiples"   # core.plan.goodput grid; "geometric" for huge clusters
     # (dp, tp, pp) of the two CBS baselines: tuned for B=16 ("pessimistic") and for the large
     # batches that dominate training ("optimistic"), COPUS Table 1 row labels.
     cbs_layouts: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 1, 1), (1, 1, 1))
@@ -209,9 +210,42 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# ------------------------------------------------------------------ a long pre-training truth
+
+# OLMo-1B-like (Merrill et al. 2025, "Critical Batch Size Revisited", §3.3 Fig. 2 and §4 Table 1;
+# /work/shared/papers/cbs-notes.md §1), in sequences of 2048 tokens: the critical batch starts
+# near zero, grows fast then slowly, and passes 4096 sequences (2048 of their 4096-token documents)
+# near 168B tokens and 8192 near 503B. Loss L(E) = 1 + (ln 32000 − 1)(1 + E/E0)^(−α) through
+# L = 2.8 at 168B tokens and 2.59 at 608B (their final pre-training loss), with E taken as the
+# samples seen (E0 = 3 samples, α = 0.0963); B_crit = B*/L^(1/α_B) through 4096 sequences at
+# L = 2.8 and 8192 at 2.62 (α_B = 0.096, B* = 3.8e11 tokens): B_crit ≈ 1 sequence at L = 6, ≈ 100
+# at 4.0, ≈ 1000 at 3.2. Kaplan's α_B = 0.21 would need a far larger loss drop than OLMo's for one
+# doubling. B_crit / b_noise = GNS_TO_BCRIT (Merrill: the noise scale under-reads the critical
+# batch; the grid moves the ratio). LR re-tuned per batch (their √2 rule per doubling).
+_TOLMO = {LR_TUNED: _traj(32000, progress_scale_samples=3.0, loss_exponent=0.0963,
+                          bcrit_star_tokens=3.8e11, bcrit_exponent=0.096,
+                          gns_calibration=GNS_TO_BCRIT)}
+_TOLMO[SQRT_LR] = _TOLMO[LR_TUNED].with_(lr_model=SQRT_LR, lr_opt_exponent=0.5,
+                                         lr_fraction_x0=0.7, lr_ref_batch=256.0,
+                                         lr_warmup_tokens=2e9)
+
+OLMO_LONG = Preset(
+    name="olmo-long", description="OLMo-1B-like long pre-training on 32x8 H100 (TinyLlama 1.1B "
+                                  "shape; Merrill et al. 2025's critical-batch growth)",
+    model="tinyllama-1.1b", hardware="h100-sxm", world_size=256,
+    token_budget=200_000_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
+    trajectory=_TOLMO[LR_TUNED], truths=_TOLMO, initial_batch=256, max_batch=16384,
+    sim_budget_factor=2.0, static_batches=(256, 1024, 4096, 16384), batch_grid="geometric",
+    cbs_layouts=())
+# not in PRESETS (COPUS's four, with published rows): `get_preset` finds it
+LONG_PRESETS: dict[str, Preset] = {OLMO_LONG.name: OLMO_LONG}
+COPUS_PRESETS = tuple(PRESETS)
+
+
 def get_preset(name: str) -> Preset:
     """Look up a preset; ValueError names the bad value and the allowed ones."""
     try:
-        return PRESETS[name]
+        return PRESETS[name] if name in PRESETS else LONG_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}, all") from None
+        raise ValueError(f"unknown preset {name!r}; allowed: "
+                         f"{', '.join([*PRESETS, *LONG_PRESETS])}, all") from None

@@ -261,8 +261,10 @@ def _num(x: float) -> float | None:
 
 # ------------------------------------------------------------------------ policies side by side
 
-POLICY_FAMILIES = ("static", "cbs", "norm-test", "goodput")
-BASELINE_FAMILIES = ("static", "cbs")  # COPUS Table 1 compares against these
+POLICY_FAMILIES = ("static", "cbs", "doubling", "norm-test", "goodput")
+# COPUS Table 1 compares against static and cbs; Merrill et al. 2025's doubling rule is a
+# practitioner's baseline too (core.sim.yardstick adds the full static menu and schedules)
+BASELINE_FAMILIES = ("static", "cbs", "doubling")
 
 
 VARIANT_STARTS = ("scenario", "planner")
@@ -483,6 +485,7 @@ class Comparison:
     scenario: Scenario
     results: list[SimResult]
     families: dict[str, str]     # run name -> policy family
+    yardstick: dict | None = None   # core.sim.yardstick.score of this comparison (presets)
 
     def best(self, target: float, families: tuple[str, ...]) -> tuple[str | None, float | None]:
         """Fastest run of the given families to `target` (name, seconds)."""
@@ -579,6 +582,12 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
                 plan = planner.smallest_batch_plan(layout)
                 if plan is not None:
                     run("cbs", f"cbs {_layout(plan)}", "gns", plan)
+        elif family == "doubling":
+            layouts = scenario.cbs_layouts or (start.layout,)
+            for layout in dict.fromkeys(layouts):
+                plan = planner.smallest_batch_plan(layout)
+                if plan is not None:
+                    run("doubling", f"doubling {_layout(plan)}", "doubling", plan)
         elif family == "goodput":
             for variant in scenario.variants():
                 first = start
@@ -623,6 +632,7 @@ def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
     return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
                     world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,
                     max_batch=preset.max_batch, static_batches=preset.static_batches,
+                    batch_grid=getattr(preset, "batch_grid", "multiples"),
                     goodput_variants=tuple(variants), cbs_layouts=tuple(preset.cbs_layouts),
                     # COPUS started from the layout its profiler found fastest at B = 16
                     start_layout=preset.published_layouts[0] if preset.published_layouts else None,

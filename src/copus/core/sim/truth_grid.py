@@ -108,3 +108,73 @@ def _label(cell: dict) -> str:
 def _mean(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if len(vals) == len(values) and vals else None
+
+
+# ------------------------------------------------------------------ the honest yardstick (core.sim.yardstick)
+
+def summarise_yardstick(cell: Cell, scores: list[dict]) -> dict:
+    """One cell over its seeds from `core.sim.yardstick.score` results (each with "seed").
+
+    capture = mean over seeds of the variant's speed-up / mean of the honest ceiling (both on
+    time to the final target, against the same best baseline); the seed spread is max − min of
+    the per-seed speed-ups."""
+    ceilings = [s["honest_ceiling_pct"] for s in scores]
+    ceiling = _mean(ceilings)
+    names = list(scores[0]["variants"]) if scores else []
+    first = scores[0] if scores else {}
+    out = {"preset": cell.preset, "truth": cell.truth, "crit_ratio": cell.crit_ratio,
+           "seeds": [s["seed"] for s in scores], "metric": first.get("metric"),
+           "honest_ceiling_pct": ceiling, "honest_ceiling_per_seed_pct": ceilings,
+           "ceiling_ge_2pct": bool(ceiling is not None and ceiling >= CEILING_FLOOR_PCT),
+           "free_switch_ceiling_pct": _mean([s["free_switch_ceiling_pct"] for s in scores]),
+           "best_baseline": [s["best_baseline"]["name"] for s in scores],
+           "best_baseline_minutes": _mean([s["best_baseline"]["minutes"] for s in scores]),
+           "variants": {}}
+    for name in names:
+        per = [s["variants"][name]["speedup_pct"] for s in scores]
+        avg = _mean(per)
+        vals = [v for v in per if v is not None]
+        untuned_keys = list(scores[0]["variants"][name]["vs_untuned_pct"])
+        out["variants"][name] = {
+            "speedup_pct": avg, "capture": _ratio(avg, ceiling),
+            "per_seed_pct": per,
+            "seed_spread_pct": (max(vals) - min(vals)) if len(vals) == len(per) and vals else None,
+            "per_seed_capture": [_ratio(v, c) for v, c in zip(per, ceilings)],
+            "weighted_speedup_pct": _mean([s["variants"][name]["weighted_speedup_pct"]
+                                           for s in scores]),
+            "average_speedup_pct": _mean([s["variants"][name]["average_speedup_pct"]
+                                          for s in scores]),
+            "vs_untuned_pct": {k: _mean([s["variants"][name]["vs_untuned_pct"][k] for s in scores])
+                               for k in untuned_keys}}
+    return out
+
+
+def yardstick_goals(cells: list[dict], name: str) -> dict:
+    """The goals on the honest yardstick: over cells whose honest ceiling is ≥ 2 %, median
+    capture ≥ 0.75 and every cell ≥ 0.5; in every cell at most 1 % behind the best baseline."""
+    counted = [c for c in cells if c["ceiling_ge_2pct"]]
+    caps = [c["variants"][name]["capture"] for c in counted]
+    caps = [x if x is not None else float("-inf") for x in caps]
+    low = [_label(c) for c, x in zip(counted, caps) if x < YARD_MIN_CAPTURE]
+    behind = [_label(c) for c in cells if _behind(c["variants"][name]["speedup_pct"])]
+    median = float(statistics.median(caps)) if caps else None
+    return {"variant": name, "cells": len(cells), "cells_counted": len(counted),
+            "median_capture": median, "min_capture": float(min(caps)) if caps else None,
+            "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
+            "every_cell_capture_ge_0.5": not low, "cells_below_0.5": low,
+            "never_more_than_1pct_behind": not behind, "cells_behind_1pct": behind}
+
+
+YARD_MIN_CAPTURE = 0.5
+
+
+def run_yardstick_grid(cells: list[Cell], seeds: list[int], run_one: Callable[[Cell, int], dict],
+                       progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Summarised cells; `run_one(cell, seed)` -> a `core.sim.yardstick.score` dict + "seed"."""
+    out = []
+    for cell in cells:
+        summary = summarise_yardstick(cell, [run_one(cell, s) for s in seeds])
+        out.append(summary)
+        if progress is not None:
+            progress(summary)
+    return out

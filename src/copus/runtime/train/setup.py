@@ -112,6 +112,9 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         # the analytic planner keeps pp (Megatron ties across stages), the run's controller may not
         forbid(lambda p: p.pp > 1)
     layouts = parse_layout_map(cfg.parallel.layouts)
+    if cfg.batch.policy == "schedule":   # every entry splits over its layout (before any worker)
+        policy.check_layouts(None if layouts is None else layouts.layout_for,
+                             cfg.parallel.micro_batch_size)
     return policy if layouts is None else LayoutMappedPolicy(policy, layouts)
 
 

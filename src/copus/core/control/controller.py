@@ -77,6 +77,9 @@ class Controller(ControllerBase):
         return decision
 
 
+PLANNER_EXPERIMENT_RATIO = 1.3
+
+
 def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> list[int]:
     """Powers of two up to min(max_batch, 64), plus the initial plan's micro-batch size."""
     sizes = {2**k for k in range(7) if 2**k <= max(max_batch, 1)}
@@ -145,9 +148,13 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
             fixed = prior
     posterior = None
     if getattr(settings, "calibration_mode", "fixed") == "auto":
+        # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
+        # (docs/robust-goodput.md §6)
+        opts = ({"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}) | \
+            (posterior_options or {})
         posterior = CalibrationPosterior(prior_c=float(settings.calibration),
                                          quantile=float(getattr(settings, "calibration_quantile", 0.5)),
-                                         **(posterior_options or {}))
+                                         **opts)
     common = dict(candidates=cands, initial_plan=initial_plan, fitter=fitter, model=fixed,
                   min_batch=min_b, max_batch=max_b, interval_steps=int(settings.interval_steps),
                   warmup_steps=int(settings.warmup_steps), calibration=float(settings.calibration),

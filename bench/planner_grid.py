@@ -26,6 +26,9 @@ def main() -> int:
     ap.add_argument("--ratios", default="0.5,1,2,4,8")
     ap.add_argument("--presets", default=",".join(COPUS_PRESETS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--settings", default="",
+                    help='JSON PolicySettings fields over the default goodput; "R*k" = the cell\'s '
+                         'ratio times k, e.g. \'{"calibration_mode": "fixed", "calibration": "R*1.3"}\'')
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS,
@@ -38,6 +41,8 @@ def main() -> int:
         for cell in cells:
             t0, yard, runs = time.perf_counter(), None, []
             preset = get_preset(cell.preset)
+            if args.settings:
+                _override_default(json.loads(args.settings), cell.crit_ratio)
             for seed in seeds:
                 sc = _preset(preset, sim_args, cell.truth, cell.crit_ratio, seed)
                 planner = Planner(sc)
@@ -56,6 +61,24 @@ def main() -> int:
     for name in out[0]["variants"] if out else []:
         print(name, json.dumps(tg.yardstick_goals(out, name)))
     return 0
+
+
+def _override_default(settings: dict, ratio: float) -> None:
+    """`copus simulate`'s default goodput variant with `settings` on top (for this cell)."""
+    from dataclasses import replace
+
+    import copus.commands.simulate as sim
+
+    base = getattr(sim, "_plain_default", sim.default_variant)
+    sim._plain_default = base
+    value = {k: ratio * float(v[2:]) if isinstance(v, str) and v.startswith("R*") else v
+             for k, v in settings.items()}
+
+    def patched(no_lr_aware: bool = False):
+        v = base(no_lr_aware)
+        return replace(v, settings=tuple(dict(v.settings, **value).items()))
+
+    sim.default_variant = patched
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ from typing import Any
 import numpy as np
 
 from copus.core.control.base import ControllerBase
+from copus.core.cost.fit import ProfiledStepTime
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
+from copus.core.stats.step_uncertainty import median_error, relative_spread
 
 PRIOR_SLOPE = 0.8         # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
@@ -76,6 +78,7 @@ class PlanningController(ControllerBase):
         self.batch_steps = int(batch_steps)    # B_crit at the first step (samples; prior)
         self.chunks: list[list[float]] = []     # [batch, steps, Σφ, steps with φ, first step]
         self.step_misses: list[float] = []      # measured/predicted − 1 of each new layout
+        self._shrunk: tuple | None = None
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -93,10 +96,33 @@ class PlanningController(ControllerBase):
         self._layouts()
 
     def decision_model(self):
-        """Measured medians where a plan was measured, the (fitted) model elsewhere."""
-        if self.fitter is not None and self.fitter.times:
-            return self.fitter.profiled()
-        return self.model
+        """The step time of each measured plan estimated from its measurements and the model
+        together (in log: precision-weighted, the model's weight 1/σ_model², the measurements'
+        1/se², se = the median's standard error but no less than the current plan's own
+        relative spread, so that plans measured under another load of the machine are not
+        taken at face value); the (fitted) model elsewhere."""
+        f = self.fitter
+        if f is None or not f.times:
+            return self.model
+        key = (id(f.model), sum(len(t) for t in f.times.values()), len(self.step_misses))
+        if self._shrunk is not None and self._shrunk[0] == key:
+            return self._shrunk[1]
+        plans = list(f.times)
+        pred = np.asarray(self.model.predict_plans(plans), dtype=float).reshape(-1)
+        floor = relative_spread(f.times.get(self.plan, ()))
+        floor = floor if math.isfinite(floor) else 0.0
+        w_model = 1.0 / max(self.model_spread(), 1e-3) ** 2
+        obs = []
+        for plan, model_s in zip(plans, pred):
+            times = f.times[plan]
+            se = median_error(times, noise_floor=0.0)
+            if not (math.isfinite(se) and model_s > 0):
+                continue
+            w = 1.0 / max(se, floor, 1e-3) ** 2
+            log_s = (w_model * math.log(model_s) + w * math.log(float(np.median(times)))) / (w_model + w)
+            obs.append((plan, math.exp(log_s)))
+        self._shrunk = (key, ProfiledStepTime(self.model, obs))
+        return self._shrunk[1]
 
     def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
         """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c."""

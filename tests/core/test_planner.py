@@ -177,3 +177,23 @@ def test_copus_report_shows_the_moves_weighed_and_refused(tmp_path):
     assert (f"| {first['step']} | {first['chosen']} | {first['expected_s']:.0f} | {lay['plan']} "
             f"| {lay['gain_s']:.1f} | {lay['needs_s']:.1f} |") in md
     assert md.count("\n| ") >= len(rows)            # one table row per decision point
+
+
+def test_measured_step_times_are_shrunk_toward_the_model_by_their_precision():
+    ctrl = _planner(step_time_model=None, allow_reconfigure=False)
+    model_s = float(ctrl.model.predict_plan(INIT))
+    rng = np.random.default_rng(0)
+    for _ in range(4):        # a few noisy steps at twice the model's time
+        ctrl.fitter.observe(INIT, 2.0 * model_s * math.exp(0.3 * rng.standard_normal()))
+    few = _predicted(ctrl)
+    assert model_s < few < 2.0 * model_s * 1.3
+    for _ in range(28):       # many quiet ones: the measurement dominates
+        ctrl.fitter.observe(INIT, 2.0 * model_s * (1 + 0.01 * rng.standard_normal()))
+    many = _predicted(ctrl)
+    assert abs(many / (2.0 * model_s) - 1) < abs(few / (2.0 * model_s) - 1)
+    assert many == pytest.approx(2.0 * model_s, rel=0.1)
+
+
+def _predicted(ctrl) -> float:
+    """The planner's step time of INIT (its decision model, over the candidates)."""
+    return float(ctrl.predicted_step_s()[ctrl.candidates.index_of(INIT)])

@@ -27,6 +27,8 @@ costs. The run's first layout is chosen by the same plan under the prior.
   (+ C when L is not the current layout) over `c_points` quantiles of c; the layout with the
   least J_L is taken, on it the batch with the highest expected relative rate
   Σ_k p_k r(B; c_k)/r*(c_k) at φ_now.
+- **Step times**: the model's, and for a measured plan the precision-weighted mean (in log) of
+  the model and its measured median (`decision_model`).
 - **Exploration** (with measured step times only): for each layout never measured, the value
   of measuring it = the expected time it would save if its step time were the model's ±
   the model's measured error (three-point quadrature of a log-normal), against its cost =

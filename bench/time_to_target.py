@@ -437,7 +437,8 @@ def noise_floor(roots: list[Path]) -> dict:
 def run_costs(run_dir: Path) -> dict:
     """Decisions, layout switches and their measured cost, batch trajectory, tokens/s."""
     steps = read_jsonl(run_dir / "metrics.jsonl")
-    dec = [d for d in read_jsonl(run_dir / "decisions.jsonl") if d.get("applied", True)]
+    dec = [d for d in read_jsonl(run_dir / "decisions.jsonl")
+           if d.get("applied", True) and "event" not in d]      # not calibration/considered rows
     switches = [d for d in dec if d.get("kind") != "batch"]
     batches, layouts = [], []
     for r in steps:

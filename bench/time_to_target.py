@@ -162,7 +162,7 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     b0, bmax = args.initial_batch, max(args.static)
     # the adaptive policies' batch.max: --max-batch, else the largest static (which capped a
     # run side by side with static B=8 alone at B = 8)
-    bmax_adaptive = args.max_batch or bmax
+    bmax_adaptive = getattr(args, "max_batch", 0) or bmax
     common = [f"model.name={args.model!r}", f"parallel.nproc={args.nproc}",
               f"train.max_tokens={args.max_tokens}", f"train.warmup_tokens={args.warmup_tokens}",
               f"train.lr={args.lr}", "checkpoint.interval_steps=0",

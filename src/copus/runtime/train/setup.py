@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from copus.core.specs.hardware import HardwareProfile
 
 __all__ = ["TORCHRUN_VARS", "check_run_length", "default_micro_batch_size", "elastic_run_id",
-           "explore_settings", "initial_plan", "job_cores", "make_run_policy", "restart_count",
+           "initial_plan", "job_cores", "make_run_policy", "restart_count",
            "run_hardware", "switch_cost_prior_s", "under_torchrun", "validate_before_launch",
            "world_size"]
 
@@ -88,14 +88,12 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         c = cfg.controller
         # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/state/elastic.py)
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
-        kw = dict(margin=c.margin, batch_margin=c.batch_margin, lr_aware=c.lr_aware,
-                  lr_warmup_tokens=cfg.train.warmup_tokens,
+        kw = dict(margin=c.margin, lr_aware=c.lr_aware, lr_warmup_tokens=cfg.train.warmup_tokens,
+                  horizon_tokens=float(cfg.train.max_tokens or 0),
                   reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size,
                                                       hardware),
                   allow_reconfigure=c.allow_reconfigure and not fixed,
                   refit_interval_steps=c.refit_interval_steps, hardware=hardware,
-                  explore=explore_settings(cfg), audit_steps=c.audit_steps,
-                  step_confidence=c.step_confidence,
                   cores=job_cores(world_size) if hardware is None else None)
         if memory_capacity_bytes is not None:
             kw["memory_capacity_bytes"] = memory_capacity_bytes
@@ -126,15 +124,6 @@ def job_cores(world_size: int, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     local = int(env.get("LOCAL_WORLD_SIZE") or world_size)
     return (os.cpu_count() or 1) * max(world_size // max(local, 1), 1)
-
-
-def explore_settings(cfg: Config):
-    """The in-run exploration bounds of `[controller] explore_*` (core.explore)."""
-    from copus.core.control.explore import ExploreSettings
-
-    c = cfg.controller
-    return ExploreSettings(max_probes=c.explore_max_probes, probe_steps=c.explore_steps,
-                           interval_steps=c.explore_interval_steps, top_k=c.explore_top_k)
 
 
 def switch_cost_prior_s(configured: float, shape: ModelShape, world_size: int,

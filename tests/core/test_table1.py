@@ -22,7 +22,8 @@ FAKE = Preset(
                        "CBS (DP8,TP1,PP1)": (1.2, 2.2), "Static GBS=16": (1.3, None),
                        "Static GBS=64": (None, 3.0)},
     published_speedup_pct=(9.1, 9.1), published_avg_speedup_pct=9.1, sim_budget_factor=1.0)
-STUBBORN = GoodputVariant(name="goodput", controller=(("margin", 1e6),))  # never switches
+# COPUS's rule with a margin no gain clears: never switches (the planner has no margin to set)
+STUBBORN = GoodputVariant(name="goodput", policy="goodput-copus", controller=(("margin", 1e6),))
 
 
 @pytest.fixture(scope="module")

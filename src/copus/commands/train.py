@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{default('train', 'max_tokens')})")
     p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
                                     "norm-test-lau, "
-                                    "inner-product-test, gns, goodput, goodput-copus (default "
+                                    "inner-product-test, gns, goodput, goodput-copus, schedule (batch.schedule), "
+                                    "doubling (default "
                                     f"{default('batch', 'policy')})")
     p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "
                    f"default {default('model', 'name')})")

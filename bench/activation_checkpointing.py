@@ -40,8 +40,7 @@ def run(model_name: str, mbs: int, repeats: int, warmup: int, compile: bool = Fa
     from copus.runtime.engine.parallelize import AC_MODES, apply_ac, apply_compile
 
     shape = get_model_shape(model_name)
-    tokens = torch.randint(0, shape.vocab_size, (mbs, shape.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, shape.vocab_size, (mbs, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1], tokens[:, 1:].flatten()
     models = {}
     for mode in AC_MODES:
@@ -52,12 +51,12 @@ def run(model_name: str, mbs: int, repeats: int, warmup: int, compile: bool = Fa
         logits, b = measure_activation_bytes(m, lambda m=m: m(x), (tokens,))
         nbytes[mode] = b.live_bytes
         del logits
-    if compile:   # after the byte count (eager): compiled kernels bypass the dispatch mode
+    if compile:  # after the byte count (eager): compiled kernels bypass the dispatch mode
         for m in models.values():
             apply_compile(m)
     times: dict[str, list[float]] = {mode: [] for mode in AC_MODES}
     for i in range(warmup + repeats):
-        for mode in AC_MODES[i % 3:] + AC_MODES[:i % 3]:
+        for mode in AC_MODES[i % 3 :] + AC_MODES[: i % 3]:
             m = models[mode]
             t0 = time.perf_counter()
             F.cross_entropy(m(x).flatten(0, 1), y).backward()
@@ -67,11 +66,14 @@ def run(model_name: str, mbs: int, repeats: int, warmup: int, compile: bool = Fa
             if i >= warmup:
                 times[mode].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"micro_batch_size": mbs, "median_s": med,
-            "ratio_to_none": {k: v / med["none"] for k, v in med.items()},
-            "bytes": nbytes, "saved_vs_none": {k: 1 - v / nbytes["none"]
-                                               for k, v in nbytes.items()},
-            "times": times}
+    return {
+        "micro_batch_size": mbs,
+        "median_s": med,
+        "ratio_to_none": {k: v / med["none"] for k, v in med.items()},
+        "bytes": nbytes,
+        "saved_vs_none": {k: 1 - v / nbytes["none"] for k, v in nbytes.items()},
+        "times": times,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,23 +97,37 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rows = [run(args.model, s, args.repeats, args.warmup, args.compile) for s in sizes]
-    out = {"bench": "activation_checkpointing", "model": args.model, "repeats": args.repeats,
-           "order": "rotating (repeat i starts at mode i mod 3)", "threads": 1,
-           "compile": args.compile, "rows": rows,
-           "goals": {"selective_over_none_max": 1.15, "selective_bytes_saved_min": 0.40},
-           "host": platform.node(), "python": sys.version.split()[0],
-           "load_average_1min_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+    out = {
+        "bench": "activation_checkpointing",
+        "model": args.model,
+        "repeats": args.repeats,
+        "order": "rotating (repeat i starts at mode i mod 3)",
+        "threads": 1,
+        "compile": args.compile,
+        "rows": rows,
+        "goals": {"selective_over_none_max": 1.15, "selective_bytes_saved_min": 0.40},
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "load_average_1min_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"model {args.model}, compile={args.compile}, 1 thread, {args.repeats} repeats, load "
-          f"{out['load_average_1min_after']:.1f}")
-    print(f"{'mbs':>4}{'none':>10}{'selective':>11}{'full':>9}{'sel/none':>10}{'full/none':>10}"
-          f"{'sel saved':>11}{'full saved':>11}")
+    print(
+        f"model {args.model}, compile={args.compile}, 1 thread, {args.repeats} repeats, load "
+        f"{out['load_average_1min_after']:.1f}"
+    )
+    print(
+        f"{'mbs':>4}{'none':>10}{'selective':>11}{'full':>9}{'sel/none':>10}{'full/none':>10}"
+        f"{'sel saved':>11}{'full saved':>11}"
+    )
     for r in rows:
         m, q, s = r["median_s"], r["ratio_to_none"], r["saved_vs_none"]
-        print(f"{r['micro_batch_size']:>4}{m['none'] * 1e3:>8.0f}ms{m['selective'] * 1e3:>9.0f}ms"
-              f"{m['full'] * 1e3:>7.0f}ms{q['selective']:>10.3f}{q['full']:>10.3f}"
-              f"{s['selective']:>11.1%}{s['full']:>11.1%}")
+        print(
+            f"{r['micro_batch_size']:>4}{m['none'] * 1e3:>8.0f}ms{m['selective'] * 1e3:>9.0f}ms"
+            f"{m['full'] * 1e3:>7.0f}ms{q['selective']:>10.3f}{q['full']:>10.3f}"
+            f"{s['selective']:>11.1%}{s['full']:>11.1%}"
+        )
     print(f"wrote {args.out}")
     return 0
 

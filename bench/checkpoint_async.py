@@ -35,26 +35,24 @@ from copus.runtime.engine.model import build_model, materialize
 from copus.runtime.state import checkpoint as ckpt
 
 OUT = Path(__file__).resolve().parent / "results" / "checkpoint_async"
-COUNTING = [True]      # off while the bench itself verifies a finished checkpoint
+COUNTING = [True]  # off while the bench itself verifies a finished checkpoint
 NICE = [0]
 KIND = ["thread"]
-SAVERS: dict = {}       # one per kind: a process-based one keeps its daemon between saves
+SAVERS: dict = {}  # one per kind: a process-based one keeps its daemon between saves
 
 
 def make(model_name: str):
     shape = get_model_shape(model_name)
     model = materialize(build_model(shape, "meta"), "cpu", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, shape.vocab_size, (4, shape.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, shape.vocab_size, (4, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
     return shape, model, opt, tokens
 
 
 def step(model, opt, tokens) -> float:
     t0 = time.perf_counter()
     logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             tokens[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -75,8 +73,7 @@ def one_repeat(mode: str, model, opt, tokens, root: Path, k: int, steps: int) ->
         ckpt.save(root, k, state(model, opt), {"step": k})
         blocked = time.perf_counter() - t0
         during = [step(model, opt, tokens) for _ in range(steps)]
-        return {"normal": normal, "during": during, "blocked_s": blocked, "write_s": blocked,
-                "overlapped_steps": 0}
+        return {"normal": normal, "during": during, "blocked_s": blocked, "write_s": blocked, "overlapped_steps": 0}
     saver = SAVERS.setdefault(KIND[0], ckpt.AsyncCheckpointer(nice=NICE[0], kind=KIND[0]))
     saver.save(root, k, state(model, opt), {"step": k})
     blocked = time.perf_counter() - t0
@@ -89,8 +86,7 @@ def one_repeat(mode: str, model, opt, tokens, root: Path, k: int, steps: int) ->
     COUNTING[0] = False
     assert ckpt.verify(root / f"step-{k}") is None
     COUNTING[0] = True
-    return {"normal": normal, "during": during, "blocked_s": blocked, "write_s": write,
-            "overlapped_steps": len(during)}
+    return {"normal": normal, "during": during, "blocked_s": blocked, "write_s": write, "overlapped_steps": len(during)}
 
 
 def main() -> None:
@@ -102,7 +98,7 @@ def main() -> None:
     ap.add_argument("--kind", default="thread", choices=("thread", "process"))
     args = ap.parse_args()
     NICE[0], KIND[0] = args.nice, args.kind
-    if args.kind == "process":      # DCP's checkpoint process needs a process group
+    if args.kind == "process":  # DCP's checkpoint process needs a process group
         import os
 
         import torch.distributed as dist
@@ -113,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(1)
     shape, model, opt, tokens = make(args.model)
     for _ in range(3):
-        step(model, opt, tokens)                          # warm-up, AdamW state allocated
+        step(model, opt, tokens)  # warm-up, AdamW state allocated
     hashed: list[int] = []
     real = ckpt._sha256
     ckpt._sha256 = lambda p: (COUNTING[0] and hashed.append(Path(p).stat().st_size)) or real(p)
@@ -122,28 +118,36 @@ def main() -> None:
     try:
         k = 0
         for rep in range(args.repeats):
-            for mode in (("async", "sync") if rep % 2 == 0 else ("sync", "async")):
+            for mode in ("async", "sync") if rep % 2 == 0 else ("sync", "async"):
                 k += 1
                 runs[mode].append(one_repeat(mode, model, opt, tokens, root, k, args.steps))
     finally:
         ckpt._sha256 = real
         shutil.rmtree(root, ignore_errors=True)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    result = {"machine": platform.processor() or platform.machine(), "model": args.model,
-              "state_bytes": state_bytes, "torch_threads": 1, "writer_nice": args.nice, "kind": args.kind,
-              "note": "2 CPU cores shared with other jobs; one process; medians over repeats, "
-                      "sync and async alternating",
-              "command": f"python bench/checkpoint_async.py --model {args.model} --repeats "
-                         f"{args.repeats} --steps {args.steps} --nice {args.nice} --kind {args.kind}",
-              "bytes_reread_for_hashing": sum(hashed)}
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "model": args.model,
+        "state_bytes": state_bytes,
+        "torch_threads": 1,
+        "writer_nice": args.nice,
+        "kind": args.kind,
+        "note": "2 CPU cores shared with other jobs; one process; medians over repeats, sync and async alternating",
+        "command": f"python bench/checkpoint_async.py --model {args.model} --repeats "
+        f"{args.repeats} --steps {args.steps} --nice {args.nice} --kind {args.kind}",
+        "bytes_reread_for_hashing": sum(hashed),
+    }
     for mode, reps in runs.items():
         normal = statistics.median(x for r in reps for x in r["normal"])
         during = statistics.median(x for r in reps for x in r["during"])
-        result[mode] = {"normal_step_s": normal, "step_during_save_s": during,
-                        "ratio_during_over_normal": during / normal,
-                        "blocked_s": statistics.median(r["blocked_s"] for r in reps),
-                        "write_s": statistics.median(r["write_s"] for r in reps),
-                        "overlapped_steps": [r["overlapped_steps"] for r in reps]}
+        result[mode] = {
+            "normal_step_s": normal,
+            "step_during_save_s": during,
+            "ratio_during_over_normal": during / normal,
+            "blocked_s": statistics.median(r["blocked_s"] for r in reps),
+            "write_s": statistics.median(r["write_s"] for r in reps),
+            "overlapped_steps": [r["overlapped_steps"] for r in reps],
+        }
     result["goal_ok"] = result["async"]["ratio_during_over_normal"] <= 1.1
     out = OUT.with_name(f"{OUT.name}_{args.kind}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,17 +158,21 @@ def main() -> None:
 
 def table(r: dict) -> str:
     a, s = r["async"], r["sync"]
-    lines = [f"Model `{r['model']}`, state (weights + AdamW) {r['state_bytes'] / 2**20:.1f} MiB, "
-             f"CPU, 1 torch thread.", "",
-             "| save | normal step ms | step during the write ms | ratio | training blocked by "
-             "the save call ms | write ms |", "|---|---|---|---|---|---|",
-             f"| synchronous (`checkpoint.save`) | {s['normal_step_s'] * 1e3:.1f} | (blocked) | — | "
-             f"{s['blocked_s'] * 1e3:.1f} | {s['write_s'] * 1e3:.1f} |",
-             f"| asynchronous (`AsyncCheckpointer`, {r['kind']}) | {a['normal_step_s'] * 1e3:.1f} | "
-             f"{a['step_during_save_s'] * 1e3:.1f} | {a['ratio_during_over_normal']:.2f} | "
-             f"{a['blocked_s'] * 1e3:.1f} | {a['write_s'] * 1e3:.1f} |", "",
-             f"Bytes re-read for hashing during the saves: {r['bytes_reread_for_hashing']}.",
-             f"({r['note']}; command: `{r['command']}`)"]
+    lines = [
+        f"Model `{r['model']}`, state (weights + AdamW) {r['state_bytes'] / 2**20:.1f} MiB, CPU, 1 torch thread.",
+        "",
+        "| save | normal step ms | step during the write ms | ratio | training blocked by "
+        "the save call ms | write ms |",
+        "|---|---|---|---|---|---|",
+        f"| synchronous (`checkpoint.save`) | {s['normal_step_s'] * 1e3:.1f} | (blocked) | — | "
+        f"{s['blocked_s'] * 1e3:.1f} | {s['write_s'] * 1e3:.1f} |",
+        f"| asynchronous (`AsyncCheckpointer`, {r['kind']}) | {a['normal_step_s'] * 1e3:.1f} | "
+        f"{a['step_during_save_s'] * 1e3:.1f} | {a['ratio_during_over_normal']:.2f} | "
+        f"{a['blocked_s'] * 1e3:.1f} | {a['write_s'] * 1e3:.1f} |",
+        "",
+        f"Bytes re-read for hashing during the saves: {r['bytes_reread_for_hashing']}.",
+        f"({r['note']}; command: `{r['command']}`)",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -84,23 +84,32 @@ def bench_prepare(corpus: Path, tok: Path, work: Path, workers: int, repeats: in
     for r in range(repeats):
         out = work / f"prep-w{workers}-{r}"
         t0 = time.perf_counter()
-        meta = prepare([str(corpus)], out, tokenizer=str(tok), workers=workers, progress=False,
-                       log=lambda _: None)
+        meta = prepare([str(corpus)], out, tokenizer=str(tok), workers=workers, progress=False, log=lambda _: None)
         times.append(time.perf_counter() - t0)
         shutil.rmtree(out)
     wall = statistics.median(times)
     tokens = meta["splits"]["train"]["num_tokens"] + meta["splits"]["val"]["num_tokens"]
     size = corpus.stat().st_size
-    return {"workers": workers, "wall_s": wall, "mb_per_s": size / 1e6 / wall,
-            "tokens_per_s": tokens / wall, "tokens": tokens, "times_s": times}
+    return {
+        "workers": workers,
+        "wall_s": wall,
+        "mb_per_s": size / 1e6 / wall,
+        "tokens_per_s": tokens / wall,
+        "tokens": tokens,
+        "times_s": times,
+    }
 
 
 def run_child(source: str, run_dir: Path, steps: int) -> dict:
     from copus.runtime.train.launch import free_port
 
-    out = subprocess.run([sys.executable, "-c", CHILD, source, str(run_dir), str(free_port()),
-                          str(steps)], capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, source, str(run_dir), str(free_port()), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -125,8 +134,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rss-mb", type=int, default=0,
-                    help="corpus size for the memory/loader part (byte tokenizer; default --mb)")
+    ap.add_argument(
+        "--rss-mb", type=int, default=0, help="corpus size for the memory/loader part (byte tokenizer; default --mb)"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data.json"))
     args = ap.parse_args()
     from copus.runtime.data.prepare import prepare
@@ -164,35 +174,43 @@ def main() -> None:
         trainer_rate = r["samples"] / r["train_s"]
         load = os.getloadavg()
         res = {
-            "corpus_bytes": size, "machine_load_1m": load[0], "cpus": os.cpu_count(),
+            "corpus_bytes": size,
+            "machine_load_1m": load[0],
+            "cpus": os.cpu_count(),
             "prepare": prep,
             "speedup_2_workers": prep[0]["wall_s"] / prep[1]["wall_s"],
             "prepare_byte": {"workers": 1, "wall_s": byte_s, "mb_per_s": size / 1e6 / byte_s},
-            "rss": {"prepared_corpus_mb": rss_mb,
-                    "embedded_hwm_mb": embedded["vm_hwm_kb"] / 1024,
-                    "prepared_hwm_mb": prepared["vm_hwm_kb"] / 1024,
-                    "delta_mb": (prepared["vm_hwm_kb"] - embedded["vm_hwm_kb"]) / 1024,
-                    "goal_delta_mb": 50},
-            "loader_samples_per_s": loader, "trainer_samples_per_s": trainer_rate,
-            "loader_over_trainer": loader / trainer_rate, "goal_ratio": 20,
+            "rss": {
+                "prepared_corpus_mb": rss_mb,
+                "embedded_hwm_mb": embedded["vm_hwm_kb"] / 1024,
+                "prepared_hwm_mb": prepared["vm_hwm_kb"] / 1024,
+                "delta_mb": (prepared["vm_hwm_kb"] - embedded["vm_hwm_kb"]) / 1024,
+                "goal_delta_mb": 50,
+            },
+            "loader_samples_per_s": loader,
+            "trainer_samples_per_s": trainer_rate,
+            "loader_over_trainer": loader / trainer_rate,
+            "goal_ratio": 20,
             "steps": args.steps,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"corpus {size / 1e6:.0f} MB jsonl, load {res['machine_load_1m']:.1f} on "
-          f"{res['cpus']} CPUs")
+    print(f"corpus {size / 1e6:.0f} MB jsonl, load {res['machine_load_1m']:.1f} on {res['cpus']} CPUs")
     print(f"{'workers':>8} {'wall s':>8} {'MB/s':>8} {'Mtok/s':>8}")
     for p in prep:
-        print(f"{p['workers']:>8} {p['wall_s']:>8.1f} {p['mb_per_s']:>8.1f} "
-              f"{p['tokens_per_s'] / 1e6:>8.2f}")
+        print(f"{p['workers']:>8} {p['wall_s']:>8.1f} {p['mb_per_s']:>8.1f} {p['tokens_per_s'] / 1e6:>8.2f}")
     print(f"{'byte':>8} {byte_s:>8.1f} {size / 1e6 / byte_s:>8.1f}   (byte tokenizer, 1 worker)")
     rss = res["rss"]
-    print(f"train RSS peak: embedded {rss['embedded_hwm_mb']:.0f} MB, prepared {rss_mb} MB corpus "
-          f"{rss['prepared_hwm_mb']:.0f} MB (delta {rss['delta_mb']:+.0f} MB, goal <= +50)")
-    print(f"loader {loader:,.0f} samples/s vs trainer {trainer_rate:,.1f} samples/s: "
-          f"{res['loader_over_trainer']:,.0f}x (goal >= 20x)")
+    print(
+        f"train RSS peak: embedded {rss['embedded_hwm_mb']:.0f} MB, prepared {rss_mb} MB corpus "
+        f"{rss['prepared_hwm_mb']:.0f} MB (delta {rss['delta_mb']:+.0f} MB, goal <= +50)"
+    )
+    print(
+        f"loader {loader:,.0f} samples/s vs trainer {trainer_rate:,.1f} samples/s: "
+        f"{res['loader_over_trainer']:,.0f}x (goal >= 20x)"
+    )
     print(f"wrote {args.out}")
 
 

@@ -101,8 +101,7 @@ def per_rank_bytes(folder: Path, world: int, read_only: bool, cache: Path) -> di
     """Bytes hashed by each rank at a first and a second start, before and after."""
     real_access = os.access
     if read_only:
-        os.access = lambda p, mode: False if Path(p) == folder and mode == os.W_OK else \
-            real_access(p, mode)
+        os.access = lambda p, mode: False if Path(p) == folder and mode == os.W_OK else real_access(p, mode)
     try:
         out = {}
         for name in ("before", "after"):
@@ -110,10 +109,10 @@ def per_rank_bytes(folder: Path, world: int, read_only: bool, cache: Path) -> di
             starts = []
             for start in range(2):
                 counts = []
-                for rank in range(world):       # ranks run at once; rank 0 stamps after all
+                for rank in range(world):  # ranks run at once; rank 0 stamps after all
                     sha = Counter()
                     if name == "before":
-                        if start == 0:          # at once: no rank sees another's stamp
+                        if start == 0:  # at once: no rank sees another's stamp
                             (folder / shards.VERIFIED).unlink(missing_ok=True)
                         old_verify_folder(folder, sha)
                     else:
@@ -161,7 +160,7 @@ def row_reads(folder: Path, rows: int, seq_len: int, repeats: int) -> dict:
     times: dict[str, list[float]] = {"before": [], "after": []}
     for rep in range(repeats):
         ids = rng.integers(0, len(ds), size=rows)
-        for name in (("before", "after") if rep % 2 == 0 else ("after", "before")):
+        for name in ("before", "after") if rep % 2 == 0 else ("after", "before"):
             t0 = time.perf_counter()
             got = old_batch(ds, ids) if name == "before" else ds.batch(ids)
             times[name].append(time.perf_counter() - t0)
@@ -169,7 +168,7 @@ def row_reads(folder: Path, rows: int, seq_len: int, repeats: int) -> dict:
                 assert np.array_equal(got, old_batch(ds, ids))
     med = {k: float(np.median(v)) for k, v in times.items()}
     growth = {}
-    for name in ("before", "after"):        # resident file pages over 200 batches
+    for name in ("before", "after"):  # resident file pages over 200 batches
         fresh = shards.open_split(folder, "train", seq_len)
         base, peak = rss_file(), 0
         for _ in range(200):
@@ -178,9 +177,15 @@ def row_reads(folder: Path, rows: int, seq_len: int, repeats: int) -> dict:
             peak = max(peak, rss_file() - base)
         fresh.tokens.close()
         growth[name] = peak
-    return {"rows": rows, "seq_len": seq_len, "median_s": med, "repeats": times,
-            "speedup": med["before"] / med["after"], "rss_file_growth_bytes": growth,
-            "release_bytes": shards.RELEASE_BYTES}
+    return {
+        "rows": rows,
+        "seq_len": seq_len,
+        "median_s": med,
+        "repeats": times,
+        "speedup": med["before"] / med["after"],
+        "rss_file_growth_bytes": growth,
+        "release_bytes": shards.RELEASE_BYTES,
+    }
 
 
 def rss_file() -> int:
@@ -208,14 +213,20 @@ def main() -> None:
         for world in (1, 2, 4):
             got = per_rank_bytes(folder, world, read_only, cache)
             worst = max(got["after"]["first_start"])
-            cases.append({"world": world, "read_only": read_only, **got,
-                          "after_max_over_D_per_W": worst / (total / world)})
-    result = {"machine": platform.processor() or platform.machine(),
-              "note": "2 CPU cores shared with other jobs",
-              "command": f"python bench/data_integrity.py --mb {args.mb} --shard-tokens "
-                         f"{args.shard_tokens} --repeats {args.repeats}",
-              "dataset_bytes": total, "files": len(entries), "largest_file": max(e["bytes"] for e in entries),
-              "cases": cases, "row_reads": row_reads(folder, 256, 2048, args.repeats)}
+            cases.append(
+                {"world": world, "read_only": read_only, **got, "after_max_over_D_per_W": worst / (total / world)}
+            )
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "note": "2 CPU cores shared with other jobs",
+        "command": f"python bench/data_integrity.py --mb {args.mb} --shard-tokens "
+        f"{args.shard_tokens} --repeats {args.repeats}",
+        "dataset_bytes": total,
+        "files": len(entries),
+        "largest_file": max(e["bytes"] for e in entries),
+        "cases": cases,
+        "row_reads": row_reads(folder, 256, 2048, args.repeats),
+    }
     result["goal_ok"] = all(c["after_max_over_D_per_W"] <= 1.1 for c in cases)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -225,26 +236,35 @@ def main() -> None:
 
 def table(r: dict) -> str:
     mib = 2**20
-    lines = [f"Dataset D = {r['dataset_bytes'] / mib:.1f} MiB in {r['files']} files; bytes hashed "
-             "per rank at start (max over ranks).", "",
-             "| folder | world | D/world MiB | before: 1st / 2nd start MiB | after: 1st / 2nd start MiB "
-             "| after / (D/world) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Dataset D = {r['dataset_bytes'] / mib:.1f} MiB in {r['files']} files; bytes hashed "
+        "per rank at start (max over ranks).",
+        "",
+        "| folder | world | D/world MiB | before: 1st / 2nd start MiB | after: 1st / 2nd start MiB "
+        "| after / (D/world) |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in r["cases"]:
         b, a = c["before"], c["after"]
-        lines.append(f"| {'read-only' if c['read_only'] else 'writable'} | {c['world']} | "
-                     f"{r['dataset_bytes'] / c['world'] / mib:.1f} | "
-                     f"{max(b['first_start']) / mib:.1f} / {max(b['second_start']) / mib:.1f} | "
-                     f"{max(a['first_start']) / mib:.1f} / {max(a['second_start']) / mib:.1f} | "
-                     f"{c['after_max_over_D_per_W']:.3f} |")
+        lines.append(
+            f"| {'read-only' if c['read_only'] else 'writable'} | {c['world']} | "
+            f"{r['dataset_bytes'] / c['world'] / mib:.1f} | "
+            f"{max(b['first_start']) / mib:.1f} / {max(b['second_start']) / mib:.1f} | "
+            f"{max(a['first_start']) / mib:.1f} / {max(a['second_start']) / mib:.1f} | "
+            f"{c['after_max_over_D_per_W']:.3f} |"
+        )
     rr = r["row_reads"]
-    lines += ["", f"A batch of {rr['rows']} random windows of {rr['seq_len'] + 1} tokens: "
-              f"one pread per row {rr['median_s']['before'] * 1e3:.1f} ms, one gather per shard "
-              f"{rr['median_s']['after'] * 1e3:.1f} ms (×{rr['speedup']:.1f}; medians, interleaved).",
-              f"Resident file pages grown over 200 such batches: before "
-              f"{rr['rss_file_growth_bytes']['before'] / mib:.1f} MiB, after "
-              f"{rr['rss_file_growth_bytes']['after'] / mib:.1f} MiB (release threshold "
-              f"{rr['release_bytes'] / mib:.0f} MiB).",
-              f"({r['note']}; command: `{r['command']}`)"]
+    lines += [
+        "",
+        f"A batch of {rr['rows']} random windows of {rr['seq_len'] + 1} tokens: "
+        f"one pread per row {rr['median_s']['before'] * 1e3:.1f} ms, one gather per shard "
+        f"{rr['median_s']['after'] * 1e3:.1f} ms (×{rr['speedup']:.1f}; medians, interleaved).",
+        f"Resident file pages grown over 200 such batches: before "
+        f"{rr['rss_file_growth_bytes']['before'] / mib:.1f} MiB, after "
+        f"{rr['rss_file_growth_bytes']['after'] / mib:.1f} MiB (release threshold "
+        f"{rr['release_bytes'] / mib:.0f} MiB).",
+        f"({r['note']}; command: `{r['command']}`)",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -33,8 +33,7 @@ sys.path.insert(0, str(ROOT))
 from tests.runtime._workers import run_ranks  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SHAPE_KW = dict(name="mem", n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536,
-                vocab_size=8192, seq_len=256)
+SHAPE_KW = dict(name="mem", n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, seq_len=256)
 
 
 def _status(key: str) -> float:
@@ -51,14 +50,13 @@ def _reset_peak() -> None:
 def _tokens(shape, rows: int, seed: int):
     import torch
 
-    return torch.randint(0, shape.vocab_size, (rows, shape.seq_len + 1),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, shape.vocab_size, (rows, shape.seq_len + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def _step_peak(eng, tokens, steps: int = 2) -> float:
     import torch.distributed as dist
 
-    eng.train_step(tokens, 0.0)                     # warm-up: optimizer state exists
+    eng.train_step(tokens, 0.0)  # warm-up: optimizer state exists
     dist.barrier()
     _reset_peak()
     for _ in range(steps):
@@ -72,17 +70,25 @@ def _accumulation(shape, cache, repeats: int) -> list[dict]:
 
     rows = []
     for rep in range(repeats):
-        for mode in (("microbatch", "rank") if rep % 2 == 0 else ("rank", "microbatch")):
+        for mode in ("microbatch", "rank") if rep % 2 == 0 else ("rank", "microbatch"):
             peaks = {}
-            for k in ((1, 4) if rep % 2 == 0 else (4, 1)):
+            for k in (1, 4) if rep % 2 == 0 else (4, 1):
                 plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=1, num_microbatches=k)
                 eng = Engine(shape, plan, EngineSettings(gns_small=mode), "cpu", cache, seed=0)
                 peaks[k] = _step_peak(eng, _tokens(shape, k, 1))
                 params = shape.num_params()
                 eng.close()
                 del eng
-            rows.append({"mode": mode, "repeat": rep, "peak_k1": peaks[1], "peak_k4": peaks[4],
-                         "extra": peaks[4] - peaks[1], "four_p_over_tp": 4.0 * params})
+            rows.append(
+                {
+                    "mode": mode,
+                    "repeat": rep,
+                    "peak_k1": peaks[1],
+                    "peak_k4": peaks[4],
+                    "extra": peaks[4] - peaks[1],
+                    "four_p_over_tp": 4.0 * params,
+                }
+            )
     return rows
 
 
@@ -113,8 +119,14 @@ def _close(shape, cache) -> list[dict]:
         finally:
             gc.enable()
             engine_mod.drop_tensors = real
-        rows.append({"how": how, "engine_bytes": held - base, "freed_by_close": held - after_close,
-                     "freed_by_gc": after_close - after_gc})
+        rows.append(
+            {
+                "how": how,
+                "engine_bytes": held - base,
+                "freed_by_close": held - after_close,
+                "freed_by_gc": after_close - after_gc,
+            }
+        )
     return rows
 
 
@@ -150,7 +162,7 @@ def _staging(shape, cache, folder: str) -> list[dict]:
         if how.startswith("host"):
             staged = TensorStage(eng, folder, plan.describe())
             eng.train_step(tokens, 1e-3)
-            best = TensorStage(eng, folder, plan.describe())     # the probe's best branch
+            best = TensorStage(eng, folder, plan.describe())  # the probe's best branch
             staged.restore(eng)
             eng.train_step(tokens, 1e-3)
             best.restore(eng)
@@ -165,8 +177,7 @@ def _staging(shape, cache, folder: str) -> list[dict]:
             eng.load_state(*_old_clone(best))
             del staged, best
         probe_peak = _status("VmHWM:")
-        rows.append({"how": how, "step_peak": step_peak, "probe_peak": probe_peak,
-                     "ratio": probe_peak / step_peak})
+        rows.append({"how": how, "step_peak": step_peak, "probe_peak": probe_peak, "ratio": probe_peak / step_peak})
         eng.close()
         del eng
     return rows
@@ -197,9 +208,14 @@ def _model(shape, cache) -> list[dict]:
                 eng.train_step(tokens, 0.0)
             measured = _status("VmHWM:") - base
             parts = mm.breakdown(dp, tp, pp, mbs, k)
-            rows.append({"plan": plan.describe(), "measured": measured,
-                         "model": float(parts["total"]),
-                         "parts": {k2: float(v) for k2, v in parts.items()}})
+            rows.append(
+                {
+                    "plan": plan.describe(),
+                    "measured": measured,
+                    "model": float(parts["total"]),
+                    "parts": {k2: float(v) for k2, v in parts.items()},
+                }
+            )
             eng.close()
             del eng
     return rows
@@ -211,9 +227,12 @@ def _work(folder: str, repeats: int, sections: list[str]):
 
     shape = ModelShape(**SHAPE_KW)
     cache = MeshCache("cpu")
-    runs = {"accumulation": lambda: _accumulation(shape, cache, repeats),
-            "close": lambda: _close(shape, cache), "staging": lambda: _staging(shape, cache, folder),
-            "model": lambda: _model(shape, cache)}
+    runs = {
+        "accumulation": lambda: _accumulation(shape, cache, repeats),
+        "close": lambda: _close(shape, cache),
+        "staging": lambda: _staging(shape, cache, folder),
+        "model": lambda: _model(shape, cache),
+    }
     return {name: runs[name]() for name in sections}
 
 
@@ -247,6 +266,7 @@ def _logits() -> list[dict]:
                     def free(k=key, n=n):
                         self.live -= n
                         self.seen.discard(k)
+
                     weakref.finalize(t, free)
             return out
 
@@ -264,38 +284,62 @@ def _logits() -> list[dict]:
             loss.backward()
         weight_grad = d * v * (4 if dtype == torch.float32 else 2)
         input_grad = b * s * d * (4 if dtype == torch.float32 else 2)
-        rows.append({"dtype": str(dtype), "bytes_per_logit":
-                     (mode.peak - weight_grad - input_grad) / (b * s * v)})
+        rows.append({"dtype": str(dtype), "bytes_per_logit": (mode.peak - weight_grad - input_grad) / (b * s * v)})
     return rows
 
 
 def _md(out: dict) -> str:
-    mb = 2.0 ** 20
-    lines = ["# Engine memory on CPU (2 gloo ranks, 2 shared cores)", "",
-             f"model: {SHAPE_KW}", "", "## Accumulation: dp 2, micro-batch 1, 4 vs 1 micro-batches", "",
-             "| gns.small | extra peak RSS (MB, median) | 4·P/tp (MB) | extra / (4·P/tp) |", "|---|---|---|---|"]
+    mb = 2.0**20
+    lines = [
+        "# Engine memory on CPU (2 gloo ranks, 2 shared cores)",
+        "",
+        f"model: {SHAPE_KW}",
+        "",
+        "## Accumulation: dp 2, micro-batch 1, 4 vs 1 micro-batches",
+        "",
+        "| gns.small | extra peak RSS (MB, median) | 4·P/tp (MB) | extra / (4·P/tp) |",
+        "|---|---|---|---|",
+    ]
     for mode in ("microbatch", "rank"):
         rows = [r for r in out["accumulation"] if r["mode"] == mode]
         extra = statistics.median(r["extra"] for r in rows)
         four = rows[0]["four_p_over_tp"]
         lines.append(f"| {mode} | {extra / mb:.1f} | {four / mb:.1f} | {extra / four:.3f} |")
-    lines += ["", "## Close (rank 0)", "", "| close | engine (MB) | freed by close (MB) | freed by gc after (MB) |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Close (rank 0)",
+        "",
+        "| close | engine (MB) | freed by close (MB) | freed by gc after (MB) |",
+        "|---|---|---|---|",
+    ]
     for r in out["close"]:
-        lines.append(f"| {r['how']} | {r['engine_bytes'] / mb:.1f} | {r['freed_by_close'] / mb:.1f} | "
-                     f"{r['freed_by_gc'] / mb:.1f} |")
-    lines += ["", "## Branch staging (probe pattern, rank 0)", "",
-              "| staging | step peak (MB) | probe peak (MB) | probe / step |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r['how']} | {r['engine_bytes'] / mb:.1f} | {r['freed_by_close'] / mb:.1f} | "
+            f"{r['freed_by_gc'] / mb:.1f} |"
+        )
+    lines += [
+        "",
+        "## Branch staging (probe pattern, rank 0)",
+        "",
+        "| staging | step peak (MB) | probe peak (MB) | probe / step |",
+        "|---|---|---|---|",
+    ]
     for r in out["staging"]:
         lines.append(f"| {r['how']} | {r['step_peak'] / mb:.0f} | {r['probe_peak'] / mb:.0f} | {r['ratio']:.3f} |")
     lines += ["", "## Loss bytes per logit (forward + backward peak)", "", "| dtype | bytes/logit |", "|---|---|"]
     for r in out["logits"]:
         lines.append(f"| {r['dtype']} | {r['bytes_per_logit']:.2f} |")
-    lines += ["", "## Memory model vs measured peak above the pre-build resident memory (max over ranks)", "",
-              "| plan | measured (MB) | model (MB) | model / measured |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Memory model vs measured peak above the pre-build resident memory (max over ranks)",
+        "",
+        "| plan | measured (MB) | model (MB) | model / measured |",
+        "|---|---|---|---|",
+    ]
     for r in out["model"]:
-        lines.append(f"| {r['plan']} | {r['measured'] / mb:.1f} | {r['model'] / mb:.1f} | "
-                     f"{r['model'] / r['measured']:.3f} |")
+        lines.append(
+            f"| {r['plan']} | {r['measured'] / mb:.1f} | {r['model'] / mb:.1f} | {r['model'] / r['measured']:.3f} |"
+        )
     lines += ["", "commands: " + "; ".join(f"{k}: `{v}`" for k, v in out.get("commands", {}).items())]
     return "\n".join(lines) + "\n"
 
@@ -306,8 +350,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--sections", default="accumulation,close,staging,model",
-                    help="a subset re-runs those sections and keeps the others from the last JSON")
+    ap.add_argument(
+        "--sections",
+        default="accumulation,close,staging,model",
+        help="a subset re-runs those sections and keeps the others from the last JSON",
+    )
     args = ap.parse_args()
     sections = args.sections.split(",")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
@@ -317,15 +364,22 @@ def main() -> None:
     out = json.loads(path.read_text()) if path.is_file() else {}
     out.setdefault("commands", {})
     command = "python bench/engine_memory.py " + " ".join(sys.argv[1:])
-    out.update({"command": command, "machine": "2 shared CPU cores (other jobs running), gloo",
-                "shape": SHAPE_KW, "logits": _logits()})
+    out.update(
+        {
+            "command": command,
+            "machine": "2 shared CPU cores (other jobs running), gloo",
+            "shape": SHAPE_KW,
+            "logits": _logits(),
+        }
+    )
     for name in sections:
         out["commands"][name] = command
         out[name] = ranks[0][name]
         if name == "model":
-            out[name] = [dict(r0, measured=max(r0["measured"], r1["measured"]), ranks=[r0["measured"],
-                                                                                      r1["measured"]])
-                         for r0, r1 in zip(ranks[0]["model"], ranks[1]["model"])]
+            out[name] = [
+                dict(r0, measured=max(r0["measured"], r1["measured"]), ranks=[r0["measured"], r1["measured"]])
+                for r0, r1 in zip(ranks[0]["model"], ranks[1]["model"])
+            ]
     out.pop("ranks", None)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

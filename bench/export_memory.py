@@ -57,8 +57,13 @@ print(json.dumps({"model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes),
 
 
 def _run(src: str, code: str, *argv: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *argv], env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,36 +82,55 @@ def main() -> None:
     ours = str(ROOT / "src")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "config.json"
-        cfg.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": args.layers,
-                                   "hidden_size": args.dim, "num_attention_heads": args.dim // 64,
-                                   "num_key_value_heads": args.dim // 256, "intermediate_size": args.ffn,
-                                   "vocab_size": args.vocab}))
+        cfg.write_text(
+            json.dumps(
+                {
+                    "model_type": "llama",
+                    "num_hidden_layers": args.layers,
+                    "hidden_size": args.dim,
+                    "num_attention_heads": args.dim // 64,
+                    "num_key_value_heads": args.dim // 256,
+                    "intermediate_size": args.ffn,
+                    "vocab_size": args.vocab,
+                }
+            )
+        )
         run = Path(tmp) / "run"
         model = _run(ours, SAVE, str(run), str(cfg))
         trials = {"reference (whole model)": [], "this tree fp32 (streamed)": [], "this tree bf16 (streamed)": []}
-        kwargs = {"reference (whole model)": (args.reference_src, {}),
-                  "this tree fp32 (streamed)": (ours, {"dtype": "float32"}),
-                  "this tree bf16 (streamed)": (ours, {"dtype": "bfloat16"})}
+        kwargs = {
+            "reference (whole model)": (args.reference_src, {}),
+            "this tree fp32 (streamed)": (ours, {"dtype": "float32"}),
+            "this tree bf16 (streamed)": (ours, {"dtype": "bfloat16"}),
+        }
         for r in range(args.repeats):
-            for name, (src, kw) in kwargs.items():     # interleaved
+            for name, (src, kw) in kwargs.items():  # interleaved
                 out = Path(tmp) / f"hf-{r}-{len(trials[name])}-{name.split()[0]}-{kw.get('dtype', 'x')}"
                 m = _run(src, CHILD, str(run), str(out), json.dumps(kw))
                 trials[name].append(m["peak"] - m["base"])
     rows = {k: {"median_extra_peak_bytes": statistics.median(v), "trials": v} for k, v in trials.items()}
-    result = {"command": " ".join(["python", "bench/export_memory.py", *sys.argv[1:]]), **model,
-              "shape": {"layers": args.layers, "dim": args.dim, "ffn": args.ffn, "vocab": args.vocab},
-              "results": rows}
+    result = {
+        "command": " ".join(["python", "bench/export_memory.py", *sys.argv[1:]]),
+        **model,
+        "shape": {"layers": args.layers, "dim": args.dim, "ffn": args.ffn, "vocab": args.vocab},
+        "results": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     mb = 2**20
-    lines = [f"model {model['model_bytes'] / mb:.0f} MiB fp32 in {model['tensors']} tensors, largest "
-             f"{model['largest_tensor_bytes'] / mb:.0f} MiB; peak memory above the process baseline "
-             f"(median of {args.repeats}, interleaved):", "",
-             "| export | extra peak MiB | × model | × largest tensor |", "| --- | ---: | ---: | ---: |"]
+    lines = [
+        f"model {model['model_bytes'] / mb:.0f} MiB fp32 in {model['tensors']} tensors, largest "
+        f"{model['largest_tensor_bytes'] / mb:.0f} MiB; peak memory above the process baseline "
+        f"(median of {args.repeats}, interleaved):",
+        "",
+        "| export | extra peak MiB | × model | × largest tensor |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for k, v in rows.items():
         p = v["median_extra_peak_bytes"]
-        lines.append(f"| {k} | {p / mb:.0f} | {p / model['model_bytes']:.2f} | "
-                     f"{p / model['largest_tensor_bytes']:.2f} |")
+        lines.append(
+            f"| {k} | {p / mb:.0f} | {p / model['model_bytes']:.2f} | {p / model['largest_tensor_bytes']:.2f} |"
+        )
     table = "\n".join(lines) + "\n"
     Path(args.out).with_suffix(".md").write_text(table)
     print(table)

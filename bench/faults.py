@@ -65,28 +65,77 @@ def train_command(run_dir: Path, steps: int, seed: int, switch_step: int = 0) ->
     `switch_step` steps and the layout map `pp2@8,dp2@16` moves the run to dp2 in-process at
     that point — a switch at a known step, so that kills can be aimed inside it."""
     if switch_step:
-        policy = ["--policy", "ramp", "--set", "parallel.layouts=pp2@8,dp2@16",
-                  "--set", "batch.ramp_to=16", "--set", "batch.ramp_kind=stepwise",
-                  "--set", "batch.ramp_steps=1", "--set", f"batch.ramp_samples={8 * switch_step}",
-                  "--set", "batch.warmup_steps=0", "--set", "batch.interval_steps=1"]
+        policy = [
+            "--policy",
+            "ramp",
+            "--set",
+            "parallel.layouts=pp2@8,dp2@16",
+            "--set",
+            "batch.ramp_to=16",
+            "--set",
+            "batch.ramp_kind=stepwise",
+            "--set",
+            "batch.ramp_steps=1",
+            "--set",
+            f"batch.ramp_samples={8 * switch_step}",
+            "--set",
+            "batch.warmup_steps=0",
+            "--set",
+            "batch.interval_steps=1",
+        ]
     else:
-        policy = ["--policy", "goodput", "--set", "parallel.pp=2",
-                  "--set", "batch.warmup_steps=3", "--set", "batch.interval_steps=3",
-                  "--set", "gns.max_rel_err=100.0", "--set", "controller.margin=0.0"]
-    return [sys.executable, "-m", "copus", "train", "--nproc", "2", "--max-steps", str(steps),
-            "--run-dir", str(run_dir), "--seed", str(seed), *policy,
-            "--set", "data.max_chars=100000",
-            "--set", "eval.interval_steps=0",
-            "--set", f"checkpoint.interval_steps={CHECKPOINT_EVERY}",
-            "--set", "checkpoint.keep=2", "--set", "log.progress=false",
-            "--set", "log.tensorboard=false", "--set", "train.warmup_tokens=0",
-            # FSDP2 resharding on: under it the controller prefers dp2 to pp2 at its first
-            # decisions on this model (the command's default keeps parameters gathered, under
-            # which pp2 often stays best and no reconfiguration happens in a short run)
-            "--set", "parallel.reshard_after_forward=true"]
+        policy = [
+            "--policy",
+            "goodput",
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "batch.warmup_steps=3",
+            "--set",
+            "batch.interval_steps=3",
+            "--set",
+            "gns.max_rel_err=100.0",
+            "--set",
+            "controller.margin=0.0",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "copus",
+        "train",
+        "--nproc",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--seed",
+        str(seed),
+        *policy,
+        "--set",
+        "data.max_chars=100000",
+        "--set",
+        "eval.interval_steps=0",
+        "--set",
+        f"checkpoint.interval_steps={CHECKPOINT_EVERY}",
+        "--set",
+        "checkpoint.keep=2",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.tensorboard=false",
+        "--set",
+        "train.warmup_tokens=0",
+        # FSDP2 resharding on: under it the controller prefers dp2 to pp2 at its first
+        # decisions on this model (the command's default keeps parameters gathered, under
+        # which pp2 often stays best and no reconfiguration happens in a short run)
+        "--set",
+        "parallel.reshard_after_forward=true",
+    ]
 
 
 # ------------------------------------------------------------------------------- processes
+
 
 def children(pid: int) -> list[int]:
     out: list[int] = []
@@ -147,8 +196,7 @@ def staging_dirs(pids: list[int] | None = None) -> set[str]:
 # ------------------------------------------------------------------------------- reading a run
 
 _SWITCH_START = re.compile(r"^copus: reconfigure .* -> .*: start$", re.MULTILINE)
-_SWITCH_DONE = re.compile(r"^copus: reconfigure .* -> .* \((?:direct|in-process|checkpoint)\): ",
-                          re.MULTILINE)
+_SWITCH_DONE = re.compile(r"^copus: reconfigure .* -> .* \((?:direct|in-process|checkpoint)\): ", re.MULTILINE)
 
 
 def switch_open(log: Path) -> bool:
@@ -255,9 +303,16 @@ def offsets_match(ckpt_root: Path, traj: dict[int, dict]) -> bool:
 
 # ------------------------------------------------------------------------------- one trial
 
-def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
-                          rng: random.Random, steps: int, deadline: float,
-                          switch_delay_s: float = 0.3) -> dict | None:
+
+def _wait_for_kill_moment(
+    proc: subprocess.Popen,
+    run_dir: Path,
+    phase: str,
+    rng: random.Random,
+    steps: int,
+    deadline: float,
+    switch_delay_s: float = 0.3,
+) -> dict | None:
     """Poll until the chosen moment; return a description of it, or None if the run ended."""
     ckpts = run_dir / "checkpoints"
     target_step = rng.randint(2, steps - 3)
@@ -273,26 +328,39 @@ def _wait_for_kill_moment(proc: subprocess.Popen, run_dir: Path, phase: str,
             if tmp.exists():
                 time.sleep(rng.uniform(0.0, 0.25))
                 return {"at_step": target_save, "confirmed": tmp.exists()}
-        else:   # a switch is under way: logged start (direct) or our staging folder (DCP)
+        else:  # a switch is under way: logged start (direct) or our staging folder (DCP)
             pids = workers(proc.pid)
             own = staging_dirs(pids)
             rows = read_rows(run_dir)
             if switch_open(run_dir.with_suffix(".log")):
                 time.sleep(rng.uniform(0.0, switch_delay_s))
-                return {"at_step": rows[-1]["step"] if rows else 0, "switch_path": "direct",
-                        "confirmed": True}     # re-checked once the workers are dead
+                return {
+                    "at_step": rows[-1]["step"] if rows else 0,
+                    "switch_path": "direct",
+                    "confirmed": True,
+                }  # re-checked once the workers are dead
             if own or any(STAGE_PREFIX in path for pid in pids for path in open_paths(pid)):
                 time.sleep(rng.uniform(0.0, switch_delay_s))
-                return {"at_step": rows[-1]["step"] if rows else 0, "switch_path": "dcp",
-                        "confirmed": bool(staging_dirs(pids))}
-            if rows and rows[-1]["step"] >= steps - 2:   # no layout change in this run: kill
-                return {"at_step": rows[-1]["step"], "confirmed": False}   # mid-step instead
+                return {
+                    "at_step": rows[-1]["step"] if rows else 0,
+                    "switch_path": "dcp",
+                    "confirmed": bool(staging_dirs(pids)),
+                }
+            if rows and rows[-1]["step"] >= steps - 2:  # no layout change in this run: kill
+                return {"at_step": rows[-1]["step"], "confirmed": False}  # mid-step instead
         time.sleep(0.003)
     return None
 
 
-def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 480.0,
-              phases: tuple[str, ...] = PHASES, switch_delay_s: float = 0.3) -> dict:
+def run_trial(
+    index: int,
+    root: Path,
+    steps: int,
+    seed: int,
+    timeout_s: float = 480.0,
+    phases: tuple[str, ...] = PHASES,
+    switch_delay_s: float = 0.3,
+) -> dict:
     """One run with one kill -9; returns the trial's findings (see the module docstring).
     The first trials take each of `phases` in turn, later ones one at random. A "reconfigure"
     kill lands a random 0..`switch_delay_s` after the switch's staging folder appears."""
@@ -304,22 +372,28 @@ def run_trial(index: int, root: Path, steps: int, seed: int, timeout_s: float = 
     t0 = time.monotonic()
     with open(root / f"trial-{index:02d}.log", "w") as log:
         switch_step = rng.randint(3, steps - 4) if phase == "reconfigure" else 0
-        proc = subprocess.Popen(train_command(run_dir, steps, index % 3, switch_step), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        result: dict = {"trial": index, "phase": phase, "killed": False,
-                        "switch_step": switch_step or None}
+        proc = subprocess.Popen(
+            train_command(run_dir, steps, index % 3, switch_step),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        result: dict = {"trial": index, "phase": phase, "killed": False, "switch_step": switch_step or None}
         try:
-            moment = _wait_for_kill_moment(proc, run_dir, phase, rng, steps, t0 + timeout_s / 2,
-                                           switch_delay_s)
+            moment = _wait_for_kill_moment(proc, run_dir, phase, rng, steps, t0 + timeout_s / 2, switch_delay_s)
             pids = workers(proc.pid)
             if moment is not None and pids:
                 victim = rng.choice(pids)
                 os.kill(victim, signal.SIGKILL)
-                result.update(moment, killed=True, victim_local_index=pids.index(victim),
-                              killed_at_s=round(time.monotonic() - t0, 2))
+                result.update(
+                    moment,
+                    killed=True,
+                    victim_local_index=pids.index(victim),
+                    killed_at_s=round(time.monotonic() - t0, 2),
+                )
                 while any(alive(p) for p in pids) and time.monotonic() < t0 + timeout_s:
-                    time.sleep(0.01)                  # the agent stops the other worker
-                if moment.get("switch_path") == "direct":   # did the switch finish first?
+                    time.sleep(0.01)  # the agent stops the other worker
+                if moment.get("switch_path") == "direct":  # did the switch finish first?
                     result["confirmed"] = switch_open(root / f"trial-{index:02d}.log")
                 good, bad = verify_all(run_dir / "checkpoints")
                 result["valid_after_kill"], result["corrupt_after_kill"] = good, bad
@@ -358,16 +432,20 @@ def analyse(run_dir: Path, steps: int, result: dict) -> dict:
     resumed_at = resume_points(run_dir, runs)
     if not result["killed"]:
         resume_ok = len(runs) <= 1
-    else:   # the restart must begin one past the newest checkpoint valid at the kill (0: none)
+    else:  # the restart must begin one past the newest checkpoint valid at the kill (0: none)
         resume_ok = (resumed_at[0] if resumed_at else 0) == max(result["valid_after_kill"] or [0])
     complete = sorted(traj) == list(range(1, steps + 1))
     return {
         "survived": result["exit_code"] == 0 and complete,
-        "steps_done": max(traj) if traj else 0, "attempts": len(runs),
-        "resumed_from": resumed_at, "resume_ok": resume_ok,
-        "samples_lost": lost, "samples_repeated": repeated,
+        "steps_done": max(traj) if traj else 0,
+        "attempts": len(runs),
+        "resumed_from": resumed_at,
+        "resume_ok": resume_ok,
+        "samples_lost": lost,
+        "samples_repeated": repeated,
         "checkpoint_offsets_ok": offsets_match(run_dir / "checkpoints", traj),
-        "loss_steps_compared": compared, "loss_mismatches": mismatches,
+        "loss_steps_compared": compared,
+        "loss_mismatches": mismatches,
         "loss_max_abs_diff": worst,
         "corrupt_checkpoints": len(bad) + len(result.get("corrupt_after_kill", [])),
         "corrupt": bad + result.get("corrupt_after_kill", []),
@@ -378,8 +456,16 @@ def analyse(run_dir: Path, steps: int, result: dict) -> dict:
 
 # ------------------------------------------------------------------------------- many trials
 
-def run_trials(trials: int, steps: int, seed: int, root: Path, echo: bool = True,
-               phases: tuple[str, ...] = PHASES, switch_delay_s: float = 0.3) -> dict:
+
+def run_trials(
+    trials: int,
+    steps: int,
+    seed: int,
+    root: Path,
+    echo: bool = True,
+    phases: tuple[str, ...] = PHASES,
+    switch_delay_s: float = 0.3,
+) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     results = []
     for i in range(trials):
@@ -394,7 +480,9 @@ def summarise(results: list[dict], steps: int, seed: int) -> dict:
     trials = len(results)
     killed = [r for r in results if r["killed"]]
     return {
-        "trials": trials, "steps": steps, "seed": seed,
+        "trials": trials,
+        "steps": steps,
+        "seed": seed,
         "survived": sum(r["survived"] for r in results),
         "killed": len(killed),
         "resumed_from_last_good": sum(r["resume_ok"] for r in results),
@@ -413,24 +501,34 @@ def summarise(results: list[dict], steps: int, seed: int) -> dict:
 
 def _row(r: dict) -> str:
     eq = r["loss_steps_compared"] - r["loss_mismatches"]
-    return (f"trial {r['trial']:2d} {r['phase']:<11} killed={r['killed']!s:<5} "
-            f"at={r.get('at_step', '-')!s:<3} exit={r['exit_code']} survived={r['survived']!s:<5} "
-            f"resumed={r['resumed_from']} lost={r['samples_lost']} "
-            f"repeated={r['samples_repeated']} loss_eq={eq}/{r['loss_steps_compared']} "
-            f"corrupt={r['corrupt_checkpoints']} {r['wall_s']} s")
+    return (
+        f"trial {r['trial']:2d} {r['phase']:<11} killed={r['killed']!s:<5} "
+        f"at={r.get('at_step', '-')!s:<3} exit={r['exit_code']} survived={r['survived']!s:<5} "
+        f"resumed={r['resumed_from']} lost={r['samples_lost']} "
+        f"repeated={r['samples_repeated']} loss_eq={eq}/{r['loss_steps_compared']} "
+        f"corrupt={r['corrupt_checkpoints']} {r['wall_s']} s"
+    )
 
 
 def print_summary(s: dict) -> None:
     phases = ", ".join(f"{k} {v}" for k, v in s["kills_by_phase"].items())
-    print(f"\nsurvived {s['survived']}/{s['trials']}  (killed {s['killed']}: {phases}; "
-          f"{s['kills_in_phase_confirmed']} confirmed inside the phase)")
+    print(
+        f"\nsurvived {s['survived']}/{s['trials']}  (killed {s['killed']}: {phases}; "
+        f"{s['kills_in_phase_confirmed']} confirmed inside the phase)"
+    )
     print(f"resumed from the last good checkpoint: {s['resumed_from_last_good']}/{s['trials']}")
-    print(f"samples lost {s['samples_lost']}, repeated {s['samples_repeated']}; "
-          f"checkpoint offsets consistent {s['checkpoint_offsets_ok']}/{s['trials']}")
-    print(f"loss after resume: {s['loss_steps_compared'] - s['loss_mismatches']}/"
-          f"{s['loss_steps_compared']} redone steps bit-identical")
-    print(f"corrupt checkpoints found {s['corrupt_checkpoints']}; leaked /dev/shm staging "
-          f"folders {s['leaked_staging_dirs']}; mean trial {s['mean_trial_s']} s")
+    print(
+        f"samples lost {s['samples_lost']}, repeated {s['samples_repeated']}; "
+        f"checkpoint offsets consistent {s['checkpoint_offsets_ok']}/{s['trials']}"
+    )
+    print(
+        f"loss after resume: {s['loss_steps_compared'] - s['loss_mismatches']}/"
+        f"{s['loss_steps_compared']} redone steps bit-identical"
+    )
+    print(
+        f"corrupt checkpoints found {s['corrupt_checkpoints']}; leaked /dev/shm staging "
+        f"folders {s['leaked_staging_dirs']}; mean trial {s['mean_trial_s']} s"
+    )
 
 
 def reanalyse(report: dict, root: Path) -> dict:
@@ -461,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         phases = tuple(x for x in args.phases.split(",") if x)
         if not phases or any(x not in PHASES for x in phases):
-            p.error(f"--phases {args.phases!r}: allowed: a comma-separated subset of "
-                    f"{','.join(PHASES)}")
+            p.error(f"--phases {args.phases!r}: allowed: a comma-separated subset of {','.join(PHASES)}")
         report = run_trials(args.trials, args.steps, args.seed, root, phases=phases)
     print_summary(report["summary"])
     out = Path(args.out)
@@ -472,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     s = report["summary"]
-    ok = (s["survived"] == s["trials"] and s["samples_lost"] == s["samples_repeated"] == 0
-          and s["corrupt_checkpoints"] == 0)
+    ok = (
+        s["survived"] == s["trials"]
+        and s["samples_lost"] == s["samples_repeated"] == 0
+        and s["corrupt_checkpoints"] == 0
+    )
     return 0 if ok else 1
 
 

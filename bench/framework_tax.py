@@ -55,9 +55,12 @@ class PlainFSDP2:
         self.model = materialize(model, device, seed)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         rest = [p for p in self.model.parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                      {"params": rest, "weight_decay": 0.0}],
-                                     lr=LR, betas=(0.9, 0.95), eps=1e-8)
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=LR,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
 
     def train_step(self, tokens, num_microbatches: int) -> float:
         import torch
@@ -93,24 +96,23 @@ def bench_worker(cfg, run_dir: str, resume: bool) -> dict:
     shape = get_model_shape(cfg.model.name)
     world = dist.get_world_size()
     mbs = opts["mbs"]
-    plan = ParallelPlan(dp=world, tp=1, pp=1, micro_batch_size=mbs,
-                        num_microbatches=opts["batch"] // (world * mbs))
+    plan = ParallelPlan(dp=world, tp=1, pp=1, micro_batch_size=mbs, num_microbatches=opts["batch"] // (world * mbs))
     cache = MeshCache(device.type)
-    variants: dict[str, object] = {"plain": PlainFSDP2(shape, cache.get(dp=world, tp=1, pp=1)["dp"],
-                                                       device)}
+    variants: dict[str, object] = {"plain": PlainFSDP2(shape, cache.get(dp=world, tp=1, pp=1)["dp"], device)}
     for name in opts["variants"]:
         if name in AC:
-            variants[name] = Engine(shape, plan, EngineSettings(
-                activation_checkpointing=AC[name], grad_clip=CLIP), device, cache, seed=0)
+            variants[name] = Engine(
+                shape, plan, EngineSettings(activation_checkpointing=AC[name], grad_clip=CLIP), device, cache, seed=0
+            )
     names = [n for n in VARIANTS if n in variants]
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, shape.vocab_size, (opts["batch"], shape.seq_len + 1), generator=g)
     rank = dist.get_rank()
     n = opts["batch"] // world
-    local = tokens[rank * n:(rank + 1) * n].to(device)
+    local = tokens[rank * n : (rank + 1) * n].to(device)
     times: dict[str, list[float]] = {v: [] for v in names}
     for i in range(opts["warmup"] + opts["steps"]):
-        order = names[i % len(names):] + names[:i % len(names)]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -139,8 +141,7 @@ def activation_bytes(model_name: str, mbs: int) -> dict[str, int]:
     from copus.runtime.engine.parallelize import AC_MODES, apply_ac
 
     shape = get_model_shape(model_name)
-    tokens = torch.randint(0, shape.vocab_size, (mbs, shape.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, shape.vocab_size, (mbs, shape.seq_len), generator=torch.Generator().manual_seed(0))
     out = {}
     for mode in AC_MODES:
         model = materialize(build_model(shape, "cpu"), "cpu", 0)
@@ -153,10 +154,12 @@ def activation_bytes(model_name: str, mbs: int) -> dict[str, int]:
 
 def _ratios(a: list[float], b: list[float]) -> dict:
     pairs = sorted(x / y for x, y in zip(a, b, strict=True))
-    return {"ratio_of_medians": statistics.median(a) / statistics.median(b),
-            "pair_ratio_median": statistics.median(pairs),
-            "pair_ratio_iqr": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]],
-            "ratio_of_minima": min(a) / min(b)}
+    return {
+        "ratio_of_medians": statistics.median(a) / statistics.median(b),
+        "pair_ratio_median": statistics.median(pairs),
+        "pair_ratio_iqr": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]],
+        "ratio_of_minima": min(a) / min(b),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.variants.split(",")
     bad = [v for v in wanted if v not in VARIANTS]
     if bad or "plain" not in wanted or "copus" not in wanted:
-        print(f"--variants={args.variants!r}: allowed: plain,copus plus any of "
-              f"{', '.join(VARIANTS[2:])}", file=sys.stderr)
+        print(
+            f"--variants={args.variants!r}: allowed: plain,copus plus any of {', '.join(VARIANTS[2:])}", file=sys.stderr
+        )
         return 2
     if args.batch % (args.nproc * args.mbs):
-        print(f"--batch={args.batch}: allowed: a multiple of nproc*mbs={args.nproc * args.mbs}",
-              file=sys.stderr)
+        print(f"--batch={args.batch}: allowed: a multiple of nproc*mbs={args.nproc * args.mbs}", file=sys.stderr)
         return 2
 
     import tempfile
@@ -188,41 +191,56 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(None, [f"parallel.nproc={args.nproc}", f"model.name='{args.model}'"])
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "bench_opts.json").write_text(json.dumps(
-            {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "mbs": args.mbs,
-             "variants": wanted}))
+        Path(tmp, "bench_opts.json").write_text(
+            json.dumps(
+                {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "mbs": args.mbs, "variants": wanted}
+            )
+        )
         res = launch(cfg, tmp, max_restarts=0, entry=bench_worker)
     times = res["times"]
     nbytes = activation_bytes(args.model, args.mbs)
-    out = {"bench": "framework_tax", "model": args.model, "plan": res["plan"],
-           "world_size": res["world_size"], "steps": args.steps, "warmup": args.warmup,
-           "order": "rotating (step i starts at variant i mod n)",
-           "median_step_s": {k: statistics.median(v) for k, v in times.items()},
-           "min_step_s": {k: min(v) for k, v in times.items()},
-           "vs_plain": {k: _ratios(v, times["plain"]) for k, v in times.items() if k != "plain"},
-           "vs_copus_none": {k: _ratios(v, times["copus"]) for k, v in times.items()
-                             if k.startswith("copus-")},
-           "activation_bytes_per_microbatch": nbytes,
-           "activation_bytes_saved_vs_none": {k: 1 - v / nbytes["none"] for k, v in
-                                              nbytes.items()},
-           "goals": {"copus_over_plain_max": 1.03, "selective_over_none_max": 1.15,
-                     "selective_bytes_saved_min": 0.40},
-           "times": times, "host": platform.node(), "python": sys.version.split()[0],
-           "load_average_1min_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+    out = {
+        "bench": "framework_tax",
+        "model": args.model,
+        "plan": res["plan"],
+        "world_size": res["world_size"],
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "order": "rotating (step i starts at variant i mod n)",
+        "median_step_s": {k: statistics.median(v) for k, v in times.items()},
+        "min_step_s": {k: min(v) for k, v in times.items()},
+        "vs_plain": {k: _ratios(v, times["plain"]) for k, v in times.items() if k != "plain"},
+        "vs_copus_none": {k: _ratios(v, times["copus"]) for k, v in times.items() if k.startswith("copus-")},
+        "activation_bytes_per_microbatch": nbytes,
+        "activation_bytes_saved_vs_none": {k: 1 - v / nbytes["none"] for k, v in nbytes.items()},
+        "goals": {"copus_over_plain_max": 1.03, "selective_over_none_max": 1.15, "selective_bytes_saved_min": 0.40},
+        "times": times,
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "load_average_1min_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"{res['plan']}, {res['world_size']} ranks, model {args.model}, {args.steps} steps "
-          f"(+{args.warmup} warm-up), load average {out['load_average_1min_after']:.1f}")
+    print(
+        f"{res['plan']}, {res['world_size']} ranks, model {args.model}, {args.steps} steps "
+        f"(+{args.warmup} warm-up), load average {out['load_average_1min_after']:.1f}"
+    )
     print(f"{'variant':<18}{'median':>10}{'/plain':>9}{'/copus':>9}{'pair IQR vs plain':>22}")
     for k in times:
         med = out["median_step_s"][k]
         vp = out["vs_plain"].get(k, {"ratio_of_medians": 1.0, "pair_ratio_iqr": [1.0, 1.0]})
         vc = out["vs_copus_none"].get(k, {}).get("ratio_of_medians", float("nan"))
-        print(f"{k:<18}{med * 1e3:>8.0f}ms{vp['ratio_of_medians']:>9.3f}{vc:>9.3f}"
-              f"{'[%.3f, %.3f]' % tuple(vp['pair_ratio_iqr']):>22}")
-    print("activation bytes per micro-batch: " + ", ".join(
-        f"{k} {v / 2**20:.1f} MiB ({out['activation_bytes_saved_vs_none'][k]:.0%} saved)"
-        for k, v in nbytes.items()))
+        print(
+            f"{k:<18}{med * 1e3:>8.0f}ms{vp['ratio_of_medians']:>9.3f}{vc:>9.3f}"
+            f"{'[%.3f, %.3f]' % tuple(vp['pair_ratio_iqr']):>22}"
+        )
+    print(
+        "activation bytes per micro-batch: "
+        + ", ".join(
+            f"{k} {v / 2**20:.1f} MiB ({out['activation_bytes_saved_vs_none'][k]:.0%} saved)" for k, v in nbytes.items()
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

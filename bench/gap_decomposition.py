@@ -30,8 +30,11 @@ def _variants(ratio: float):
     from copus.commands.simulate import default_variant
 
     base = default_variant()
-    known = replace(base, name="known-c", settings=tuple(
-        dict(base.settings, calibration_mode="fixed", calibration=1.3 * ratio).items()))
+    known = replace(
+        base,
+        name="known-c",
+        settings=tuple(dict(base.settings, calibration_mode="fixed", calibration=1.3 * ratio).items()),
+    )
     return (base, known)
 
 
@@ -44,25 +47,28 @@ def run_cell(job) -> dict:
 
     pname, truth, ratio, seed = job
     preset = PRESETS[pname]
-    sc = preset_scenario(preset, seed=seed, variants=_variants(ratio),
-                         trajectory=preset.truth(truth).with_(gns_calibration=ratio))
+    sc = preset_scenario(
+        preset, seed=seed, variants=_variants(ratio), trajectory=preset.truth(truth).with_(gns_calibration=ratio)
+    )
     sc = replace(sc, sim=replace(sc.sim, keep_records=True))
     planner = Planner(sc)
     cmp_ = compare_policies(sc, ("goodput",), planner=planner)
     oracle = scenario_oracle_minutes(sc, planner=planner)[-1]
     last = min(sc.sim.target_losses)
-    row = {"preset": pname, "truth": truth, "crit_ratio": ratio, "seed": seed,
-           "oracle_min": oracle, "variants": {}}
+    row = {"preset": pname, "truth": truth, "crit_ratio": ratio, "seed": seed, "oracle_min": oracle, "variants": {}}
     for name in cmp_.goodput_runs():
         res = cmp_.run(name)
         t = res.time_to_target_s[last]
         gap = run_gap(sc, res, planner)
         total = None if t is None or oracle is None else t / 60.0 - oracle
-        parts = {"batch": gap.batch_s / 60.0, "layout": gap.layout_s / 60.0,
-                 "switch": gap.switch_s / 60.0}
+        parts = {"batch": gap.batch_s / 60.0, "layout": gap.layout_s / 60.0, "switch": gap.switch_s / 60.0}
         parts["rest"] = None if total is None else total - sum(parts.values())
-        row["variants"][name] = {"minutes": None if t is None else t / 60.0, "gap_min": total,
-                                 "parts_min": parts, "switches": len(res.switch_costs_s)}
+        row["variants"][name] = {
+            "minutes": None if t is None else t / 60.0,
+            "gap_min": total,
+            "parts_min": parts,
+            "switches": len(res.switch_costs_s),
+        }
     return row
 
 
@@ -73,7 +79,8 @@ def table(rows: list[dict]) -> str:
         cells.setdefault((r["preset"], r["truth"], r["crit_ratio"]), []).append(r)
     names = list(rows[0]["variants"])
     head = "| preset | truth | R | oracle min |" + "".join(
-        f" {n}: gap | batch | layout | switch | rest |" for n in names)
+        f" {n}: gap | batch | layout | switch | rest |" for n in names
+    )
     out = [head, "|" + "---|" * (4 + 5 * len(names))]
     totals = {n: {p: [] for p in ("gap", *PARTS)} for n in names}
     for (p, t, ratio), rs in cells.items():
@@ -88,8 +95,10 @@ def table(rows: list[dict]) -> str:
         out.append(line)
     out.append("")
     for n in names:
-        out.append(f"- {n}: median over cells, minutes: " + ", ".join(
-            f"{k} {statistics.median(v):.2f}" for k, v in totals[n].items() if v))
+        out.append(
+            f"- {n}: median over cells, minutes: "
+            + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in totals[n].items() if v)
+        )
     return "\n".join(out) + "\n"
 
 
@@ -104,9 +113,14 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    jobs = list(itertools.product(args.presets.split(","), GRID_TRUTHS,
-                                  [float(x) for x in args.ratios.split(",")],
-                                  [int(s) for s in args.seeds.split(",")]))
+    jobs = list(
+        itertools.product(
+            args.presets.split(","),
+            GRID_TRUTHS,
+            [float(x) for x in args.ratios.split(",")],
+            [int(s) for s in args.seeds.split(",")],
+        )
+    )
     t0 = time.perf_counter()
     if args.jobs > 1:
         import multiprocessing as mp
@@ -120,9 +134,16 @@ def main() -> int:
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s")
     if args.out:
         out = Path(args.out)
-        out.write_text(json.dumps({"command": "python bench/gap_decomposition.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-            "rows": rows}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "command": "python bench/gap_decomposition.py "
+                    + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         out.with_suffix(".md").write_text(md)
     return 0
 

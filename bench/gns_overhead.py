@@ -64,8 +64,7 @@ def bench_worker(cfg, run_dir: str, resume: bool) -> dict:
     world = dist.get_world_size()
     plan = initial_plan(cfg, world, shape)
     cache = MeshCache(device.type)
-    engines = {name: Engine(shape, plan, EngineSettings(), device, cache, seed=0)
-               for name in ("with", "without")}
+    engines = {name: Engine(shape, plan, EngineSettings(), device, cache, seed=0) for name in ("with", "without")}
     engines["without"].stats.close()
     engines["without"].stats = _NoStats()
     hook_s = _time_hooks(engines["with"].stats)
@@ -77,7 +76,7 @@ def bench_worker(cfg, run_dir: str, resume: bool) -> dict:
     in_hooks: list[float] = []
     order = ["with", "without", "without", "with"]
     for i in range(opts["warmup"] + opts["steps"]):
-        for name in (order[:2] if i % 2 == 0 else order[2:]):
+        for name in order[:2] if i % 2 == 0 else order[2:]:
             dist.barrier()
             hook_s[0] = 0.0
             t0 = time.perf_counter()
@@ -91,8 +90,7 @@ def bench_worker(cfg, run_dir: str, resume: bool) -> dict:
     for e in engines.values():
         e.close()
     shutdown()
-    return {"times": times, "plan": plan.describe(), "world_size": world,
-            "in_hooks_s": statistics.median(in_hooks)}
+    return {"times": times, "plan": plan.describe(), "world_size": world, "in_hooks_s": statistics.median(in_hooks)}
 
 
 def _time_hooks(stats) -> list[float]:
@@ -136,39 +134,61 @@ def main(argv: list[str] | None = None) -> int:
     from copus.config import load_config
     from copus.runtime.train.launch import launch
 
-    cfg = load_config(None, [f"parallel.nproc={args.nproc}", f"model.name='{args.model}'",
-                             f"batch.initial={args.batch}", "batch.min=1",
-                             f"batch.max={max(args.batch, 256)}",
-                             f"parallel.micro_batch_size={args.mbs}", "data.max_chars=400000"])
+    cfg = load_config(
+        None,
+        [
+            f"parallel.nproc={args.nproc}",
+            f"model.name='{args.model}'",
+            f"batch.initial={args.batch}",
+            "batch.min=1",
+            f"batch.max={max(args.batch, 256)}",
+            f"parallel.micro_batch_size={args.mbs}",
+            "data.max_chars=400000",
+        ],
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "bench_opts.json").write_text(json.dumps({"steps": args.steps,
-                                                            "warmup": args.warmup}))
+        Path(tmp, "bench_opts.json").write_text(json.dumps({"steps": args.steps, "warmup": args.warmup}))
         res = launch(cfg, tmp, max_restarts=0, entry=bench_worker)
     w, wo = res["times"]["with"], res["times"]["without"]
     pairs = sorted(a / b for a, b in zip(w, wo, strict=True))
     q1, q3 = pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]
     ratio = statistics.median(w) / statistics.median(wo)
-    out = {"bench": "gns_overhead", "model": args.model, "plan": res["plan"],
-           "world_size": res["world_size"], "steps": args.steps,
-           "median_step_s_with_stats": statistics.median(w),
-           "median_step_s_without_stats": statistics.median(wo),
-           "ratio": ratio, "pair_ratio_median": statistics.median(pairs),
-           "min_step_s_with_stats": min(w), "min_step_s_without_stats": min(wo),
-           "ratio_of_minima": min(w) / min(wo),
-           "median_s_in_hooks_rank0": res["in_hooks_s"],
-           "direct_ratio": 1.0 + res["in_hooks_s"] / statistics.median(wo),
-           "pair_ratio_iqr": [q1, q3], "target": 1.005, "meets_target": ratio <= 1.005,
-           "host": platform.node(), "python": sys.version.split()[0],
-           "load_average_1min_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+    out = {
+        "bench": "gns_overhead",
+        "model": args.model,
+        "plan": res["plan"],
+        "world_size": res["world_size"],
+        "steps": args.steps,
+        "median_step_s_with_stats": statistics.median(w),
+        "median_step_s_without_stats": statistics.median(wo),
+        "ratio": ratio,
+        "pair_ratio_median": statistics.median(pairs),
+        "min_step_s_with_stats": min(w),
+        "min_step_s_without_stats": min(wo),
+        "ratio_of_minima": min(w) / min(wo),
+        "median_s_in_hooks_rank0": res["in_hooks_s"],
+        "direct_ratio": 1.0 + res["in_hooks_s"] / statistics.median(wo),
+        "pair_ratio_iqr": [q1, q3],
+        "target": 1.005,
+        "meets_target": ratio <= 1.005,
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "load_average_1min_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'plan':<24}{'with stats':>12}{'without':>12}{'ratio':>9}{'pair IQR':>18}")
-    print(f"{res['plan']:<24}{out['median_step_s_with_stats'] * 1e3:>10.1f}ms"
-          f"{out['median_step_s_without_stats'] * 1e3:>10.1f}ms{ratio:>9.4f}"
-          f"{'[%.3f, %.3f]' % (q1, q3):>18}")
+    print(
+        f"{res['plan']:<24}{out['median_step_s_with_stats'] * 1e3:>10.1f}ms"
+        f"{out['median_step_s_without_stats'] * 1e3:>10.1f}ms{ratio:>9.4f}"
+        f"{'[%.3f, %.3f]' % (q1, q3):>18}"
+    )
     print(f"ratio of minima (least disturbed steps): {min(w) / min(wo):.4f}")
-    print(f"time inside the hooks (rank 0): {res['in_hooks_s'] * 1e3:.2f} ms/step -> direct ratio "
-          f"{out['direct_ratio']:.4f}")
+    print(
+        f"time inside the hooks (rank 0): {res['in_hooks_s'] * 1e3:.2f} ms/step -> direct ratio "
+        f"{out['direct_ratio']:.4f}"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -56,35 +56,70 @@ from gpu_check_report import (  # noqa: E402 (bench/ on the path first)
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
-FAIL_ENV = "GPU_CHECK_FAIL_LEG"      # comma-separated legs whose ranks raise (tests)
-HANG_ENV = "GPU_CHECK_HANG_LEG"      # comma-separated legs whose ranks sleep (timeout tests)
+FAIL_ENV = "GPU_CHECK_FAIL_LEG"  # comma-separated legs whose ranks raise (tests)
+HANG_ENV = "GPU_CHECK_HANG_LEG"  # comma-separated legs whose ranks sleep (timeout tests)
 MAX_MICRO_BATCH = 16
 
-TINYLLAMA = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 22,
-             "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 5632,
-             "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-             "rope_theta": 10000.0, "tie_word_embeddings": False}
-DRY = {**TINYLLAMA, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320,
-       "max_position_embeddings": 64}
+TINYLLAMA = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+DRY = {
+    **TINYLLAMA,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 320,
+    "max_position_embeddings": 64,
+}
 
 
 def settings(dry: bool, nproc: int) -> dict:
     """The run's knobs: the real check, or the dry run's tiny CPU version of the same."""
     if dry:
-        return {"config": DRY, "seq_len": 64, "mbs": 2, "steps": 8, "gns_pairs": 1,
-                "backend": "gloo", "dtype": "fp32", "nproc": nproc, "dry_run": True,
-                "compile": os.environ.get("GPU_CHECK_DRY_COMPILE", "0") == "1"}
-    return {"config": TINYLLAMA, "seq_len": 2048, "mbs": 2, "steps": 12, "gns_pairs": 3,
-            "backend": "nccl", "dtype": "auto", "nproc": nproc, "dry_run": False,
-            "compile": True}
+        return {
+            "config": DRY,
+            "seq_len": 64,
+            "mbs": 2,
+            "steps": 8,
+            "gns_pairs": 1,
+            "backend": "gloo",
+            "dtype": "fp32",
+            "nproc": nproc,
+            "dry_run": True,
+            "compile": os.environ.get("GPU_CHECK_DRY_COMPILE", "0") == "1",
+        }
+    return {
+        "config": TINYLLAMA,
+        "seq_len": 2048,
+        "mbs": 2,
+        "steps": 12,
+        "gns_pairs": 3,
+        "backend": "nccl",
+        "dtype": "auto",
+        "nproc": nproc,
+        "dry_run": False,
+        "compile": True,
+    }
 
 
 def check_nproc(nproc: int, count: int) -> str | None:
     """One line when `nproc` ranks cannot each get a device of the `count` torch sees."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = (f"torch.cuda.device_count() = {count}"
-             + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""))
+    where = f"torch.cuda.device_count() = {count}" + (
+        f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+    )
     if count < 1:
         return f"gpu_check: no CUDA device ({where}); allowed: a CUDA host, or --dry-run"
     if not 1 <= nproc <= count:
@@ -95,40 +130,71 @@ def check_nproc(nproc: int, count: int) -> str | None:
 # --------------------------------------------------------------------------- leg settings
 def common_overrides(s: dict, config_path: Path) -> list[str]:
     n = s["nproc"]
-    return [f"model.name={str(config_path)!r}", f"model.seq_len={s['seq_len']}",
-            "data.tokenizer='byte'", f"parallel.nproc={n}", f"parallel.backend={s['backend']!r}",
-            f"train.dtype={s['dtype']!r}", f"train.max_steps={s['steps']}",
-            f"train.nccl_timeout_s={NCCL_TIMEOUT_S}", "train.lr=1e-4",
-            "train.lr_schedule='constant'", "batch.interval_steps=1", "batch.warmup_steps=0",
-            "eval.interval_steps=0", "checkpoint.interval_steps=0", "checkpoint.keep=1",
-            "log.tensorboard=false", "log.progress=false", "gns.calibration=1.0"]
+    return [
+        f"model.name={str(config_path)!r}",
+        f"model.seq_len={s['seq_len']}",
+        "data.tokenizer='byte'",
+        f"parallel.nproc={n}",
+        f"parallel.backend={s['backend']!r}",
+        f"train.dtype={s['dtype']!r}",
+        f"train.max_steps={s['steps']}",
+        f"train.nccl_timeout_s={NCCL_TIMEOUT_S}",
+        "train.lr=1e-4",
+        "train.lr_schedule='constant'",
+        "batch.interval_steps=1",
+        "batch.warmup_steps=0",
+        "eval.interval_steps=0",
+        "checkpoint.interval_steps=0",
+        "checkpoint.keep=1",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "gns.calibration=1.0",
+    ]
 
 
 def leg_overrides(leg: str, s: dict, mbs: int) -> list[str]:
     """Each copus leg's own keys on top of `common_overrides`."""
     n = s["nproc"]
     b0 = 2 * n * s["mbs"]
-    ramp = ["batch.policy='ramp'", "batch.ramp_kind='stepwise'", "batch.ramp_steps=1",
-            f"batch.initial={b0}", f"batch.min={b0}", f"batch.max={2 * b0}",
-            f"batch.ramp_to={2 * b0}", f"batch.ramp_samples={b0 * s['steps'] // 2}",
-            f"parallel.micro_batch_size={s['mbs']}"]
+    ramp = [
+        "batch.policy='ramp'",
+        "batch.ramp_kind='stepwise'",
+        "batch.ramp_steps=1",
+        f"batch.initial={b0}",
+        f"batch.min={b0}",
+        f"batch.max={2 * b0}",
+        f"batch.ramp_to={2 * b0}",
+        f"batch.ramp_samples={b0 * s['steps'] // 2}",
+        f"parallel.micro_batch_size={s['mbs']}",
+    ]
     if leg == "eager":
-        return ["batch.policy='constant'", f"batch.initial={b0}", f"batch.min={b0}",
-                f"batch.max={b0}", f"batch.ramp_to={b0}", f"parallel.micro_batch_size={s['mbs']}",
-                f"parallel.dp={n}"]
+        return [
+            "batch.policy='constant'",
+            f"batch.initial={b0}",
+            f"batch.min={b0}",
+            f"batch.max={b0}",
+            f"batch.ramp_to={b0}",
+            f"parallel.micro_batch_size={s['mbs']}",
+            f"parallel.dp={n}",
+        ]
     if leg == "growth":
         return ramp + [f"parallel.dp={n}"]
     if leg == "switch":
         return ramp + [f"parallel.layouts='dp{n}@{b0},dp{n // 2}.tp2@{2 * b0}'"]
     if leg == "throughput":
         b = n * mbs
-        return ["batch.policy='constant'", f"batch.initial={b}", f"batch.min={b}",
-                f"batch.max={b}", f"batch.ramp_to={b}", f"parallel.micro_batch_size={mbs}",
-                f"parallel.dp={n}",
-                f"train.compile={'true' if s['compile'] else 'false'}",
-                "parallel.activation_checkpointing='selective'"]
-    raise ValueError(f"leg={leg!r} has no copus overrides; allowed: eager, growth, switch, "
-                     "throughput")
+        return [
+            "batch.policy='constant'",
+            f"batch.initial={b}",
+            f"batch.min={b}",
+            f"batch.max={b}",
+            f"batch.ramp_to={b}",
+            f"parallel.micro_batch_size={mbs}",
+            f"parallel.dp={n}",
+            f"train.compile={'true' if s['compile'] else 'false'}",
+            "parallel.activation_checkpointing='selective'",
+        ]
+    raise ValueError(f"leg={leg!r} has no copus overrides; allowed: eager, growth, switch, throughput")
 
 
 def skip_reason(leg: str, s: dict) -> str | None:
@@ -160,8 +226,12 @@ def pick_micro_batch(cfg_overrides: list[str], s: dict, capacity_bytes: float) -
         if table[b] <= limit:
             best = b
         b *= 2
-    return {"micro_batch_size": best, "capacity_bytes": capacity_bytes, "limit_bytes": limit,
-            "predicted_bytes_by_micro_batch": table}
+    return {
+        "micro_batch_size": best,
+        "capacity_bytes": capacity_bytes,
+        "limit_bytes": limit,
+        "predicted_bytes_by_micro_batch": table,
+    }
 
 
 # --------------------------------------------------------------------------- worker (every rank)
@@ -199,11 +269,10 @@ def _timed_steps(trainer, pairs: int) -> dict:
     ids = trainer.sampler.ids(trainer.progress.samples, trainer.plan.global_batch_size)
     tokens = trainer.batch_to_device(trainer.train_set.batch(trainer.local_ids(ids)))
     times: dict[str, list[float]] = {"with": [], "without": []}
-    for i in range(pairs + 1):                       # the first pair is a warm-up
-        for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
+    for i in range(pairs + 1):  # the first pair is a warm-up
+        for name in ("with", "without") if i % 2 == 0 else ("without", "with"):
             if name == "with" and engine.stats is not with_stats:
-                engine.stats = with_stats = GradStats(engine.model, engine.plan.tp,
-                                                      engine.gns_small)
+                engine.stats = with_stats = GradStats(engine.model, engine.plan.tp, engine.gns_small)
             elif name == "without":
                 engine.stats.close()
                 engine.stats = without
@@ -218,16 +287,18 @@ def _timed_steps(trainer, pairs: int) -> dict:
         engine.stats = GradStats(engine.model, engine.plan.tp, engine.gns_small)
     end = trainer.step_end(0.0)
     w, wo = times["with"], times["without"]
-    return {"plan": trainer.plan.describe(), "pairs": pairs,
-            "median_step_s_with_stats": statistics.median(w),
-            "median_step_s_without_stats": statistics.median(wo),
-            "overhead": statistics.median(w) / statistics.median(wo) - 1.0,
-            "pair_ratios": [a / b for a, b in zip(w, wo)],
-            "peak_allocated_bytes": end.peak_memory_bytes,
-            "peak_reserved_bytes": _na(end.peak_reserved_bytes),
-            "device_used_bytes": _na(end.device_used_bytes),
-            "predicted_memory_bytes": perf.predicted_memory_bytes(trainer.memory.model,
-                                                                  trainer.plan)}
+    return {
+        "plan": trainer.plan.describe(),
+        "pairs": pairs,
+        "median_step_s_with_stats": statistics.median(w),
+        "median_step_s_without_stats": statistics.median(wo),
+        "overhead": statistics.median(w) / statistics.median(wo) - 1.0,
+        "pair_ratios": [a / b for a, b in zip(w, wo)],
+        "peak_allocated_bytes": end.peak_memory_bytes,
+        "peak_reserved_bytes": _na(end.peak_reserved_bytes),
+        "device_used_bytes": _na(end.device_used_bytes),
+        "predicted_memory_bytes": perf.predicted_memory_bytes(trainer.memory.model, trainer.plan),
+    }
 
 
 def _na(x: float) -> float | None:
@@ -259,7 +330,7 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg, run_dir, device)
     build_s = time.perf_counter() - t0
-    perf.reset_peak_memory(device)          # the first plan's peak without the build's transients
+    perf.reset_peak_memory(device)  # the first plan's peak without the build's transients
     t0 = time.perf_counter()
     while not trainer.done():
         record = trainer.memory.guarded(trainer.train_step, trainer._where)
@@ -269,13 +340,18 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     run_s = time.perf_counter() - t0
     gns = _timed_steps(trainer, opts["gns_pairs"]) if opts["gns_pairs"] else None
     summary = trainer.finish()
-    result = {"build_s": build_s, "run_s": run_s, "summary": summary, "gns": gns,
-              "memory_capacity_bytes": trainer.memory.capacity,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "hardware": trainer.hardware.name if trainer.hardware is not None else "cpu",
-              "peak_flops": trainer.peak_flops,
-              "flops_per_token": trainer.shape.model_flops_per_token(),
-              "num_params": trainer.shape.num_params()}
+    result = {
+        "build_s": build_s,
+        "run_s": run_s,
+        "summary": summary,
+        "gns": gns,
+        "memory_capacity_bytes": trainer.memory.capacity,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hardware": trainer.hardware.name if trainer.hardware is not None else "cpu",
+        "peak_flops": trainer.peak_flops,
+        "flops_per_token": trainer.shape.model_flops_per_token(),
+        "num_params": trainer.shape.num_params(),
+    }
     trainer.close()
     shutdown()
     return result
@@ -293,7 +369,7 @@ def titan_worker(cfg, run_dir: str, resume: bool = False) -> dict:
 def _error_text(exc: BaseException) -> str:
     """The failure's last meaningful line (a child's error when the launcher wraps it)."""
     text = str(exc).strip() or type(exc).__name__
-    failures = getattr(exc, "failures", None)          # torch elastic's ChildFailedError
+    failures = getattr(exc, "failures", None)  # torch elastic's ChildFailedError
     if failures:
         first = next(iter(failures.values()))
         msg = getattr(first, "message", "") or ""
@@ -329,25 +405,34 @@ def run_leg(leg: str, s: dict, out: Path) -> dict:
     opts = {"leg": leg, "gns_pairs": s["gns_pairs"] if leg in ("eager", "throughput") else 0}
     if leg == "torchtitan":
         cfg = load_config(None, base + [f"parallel.dp={s['nproc']}"])
-        opts.update(config=s["config"], seq_len=s["seq_len"], mbs=mbs, steps=s["steps"],
-                    global_batch_size=s["nproc"] * mbs, dp=s["nproc"], tp=1,
-                    compile=s["compile"], activation_checkpointing="selective",
-                    nccl_timeout_s=NCCL_TIMEOUT_S)
+        opts.update(
+            config=s["config"],
+            seq_len=s["seq_len"],
+            mbs=mbs,
+            steps=s["steps"],
+            global_batch_size=s["nproc"] * mbs,
+            dp=s["nproc"],
+            tp=1,
+            compile=s["compile"],
+            activation_checkpointing="selective",
+            nccl_timeout_s=NCCL_TIMEOUT_S,
+        )
         entry = titan_worker
     else:
         cfg = load_config(None, base + leg_overrides(leg, s, mbs))
         entry = worker
-    row.update(compile=leg in ("throughput", "torchtitan") and s["compile"],
-               activation_checkpointing="selective" if leg in ("throughput", "torchtitan")
-               else "none", micro_batch_size=mbs)
+    row.update(
+        compile=leg in ("throughput", "torchtitan") and s["compile"],
+        activation_checkpointing="selective" if leg in ("throughput", "torchtitan") else "none",
+        micro_batch_size=mbs,
+    )
     (run_dir / "leg.json").write_text(json.dumps(opts))
     t0 = time.perf_counter()
     try:
         res = launch(cfg, str(run_dir), max_restarts=0, entry=entry)
     except Exception as exc:  # noqa: BLE001 - the leg's failure is its result (a signal from
         # `timeout` is not: KeyboardInterrupt propagates and gpu.sh records the timeout)
-        return {**row, "status": "error", "error": _error_text(exc),
-                "wall_s": time.perf_counter() - t0}
+        return {**row, "status": "error", "error": _error_text(exc), "wall_s": time.perf_counter() - t0}
     row["wall_s"] = time.perf_counter() - t0
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if "error" in res:
@@ -366,22 +451,38 @@ def copus_leg_row(res: dict, cfg, s: dict, run_dir: Path) -> dict:
     memory_model = runtime_memory_model(cfg, shape, "cpu" if s["dry_run"] else "cuda")
     rows = read_rows(run_dir / "metrics.jsonl")
     segs = segments(rows, memory_model)
-    out = {k: res[k] for k in ("build_s", "run_s", "device", "hardware", "peak_flops",
-                               "flops_per_token", "num_params", "memory_capacity_bytes", "gns",
-                               "summary")}
-    out.update(segments=segs, switches=switches(run_dir),
-               batch_grew=len({r["global_batch_size"] for r in rows}) > 1,
-               compile_s=(segs[0]["first_step_excess_s"] if segs and cfg.train.compile
-                          else None))
+    out = {
+        k: res[k]
+        for k in (
+            "build_s",
+            "run_s",
+            "device",
+            "hardware",
+            "peak_flops",
+            "flops_per_token",
+            "num_params",
+            "memory_capacity_bytes",
+            "gns",
+            "summary",
+        )
+    }
+    out.update(
+        segments=segs,
+        switches=switches(run_dir),
+        batch_grew=len({r["global_batch_size"] for r in rows}) > 1,
+        compile_s=(segs[0]["first_step_excess_s"] if segs and cfg.train.compile else None),
+    )
     if res["peak_flops"] is None:
         out["mfu_note"] = peak_unknown_reason(res["device"])
     if s["dry_run"]:
         for seg in segs:
-            seg["peak_over_predicted"] = None       # RSS against a device-memory model
-        out["memory_note"] = ("CPU: peak allocated = the process's RSS high-water mark (VmHWM, "
-                              "reset per plan; libraries and the Python heap included: not "
-                              "comparable to the model's prediction); reserved and device-used "
-                              "bytes are CUDA-only (null)")
+            seg["peak_over_predicted"] = None  # RSS against a device-memory model
+        out["memory_note"] = (
+            "CPU: peak allocated = the process's RSS high-water mark (VmHWM, "
+            "reset per plan; libraries and the Python heap included: not "
+            "comparable to the model's prediction); reserved and device-used "
+            "bytes are CUDA-only (null)"
+        )
     return out
 
 
@@ -397,17 +498,22 @@ def devices(nproc: int, dry: bool, out: Path) -> int:
     else:
         import torch
 
-        count = torch.cuda.device_count()     # honours CUDA_VISIBLE_DEVICES; a MIG slice is one
+        count = torch.cuda.device_count()  # honours CUDA_VISIBLE_DEVICES; a MIG slice is one
         n = nproc or count
         problem = check_nproc(n, count)
         if problem:
             print(problem, file=sys.stderr)
             return 2
         props = torch.cuda.get_device_properties(0)
-        info = {"count": count, "nproc": n, "name": torch.cuda.get_device_name(0),
-                "memory_bytes": float(props.total_memory),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "torch": torch.__version__, "cuda": torch.version.cuda}
+        info = {
+            "count": count,
+            "nproc": n,
+            "name": torch.cuda.get_device_name(0),
+            "memory_bytes": float(props.total_memory),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        }
     (out / "devices.json").write_text(json.dumps(info, indent=1) + "\n")
     print(n)
     return 0
@@ -435,11 +541,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row = run_leg(args.leg, s, out)
         except Exception as exc:  # noqa: BLE001 - a leg's own setup failure is its result
-            row = {"leg": args.leg, "status": "error", "error": _error_text(exc),
-                   "traceback": traceback.format_exc()[-2000:]}
+            row = {
+                "leg": args.leg,
+                "status": "error",
+                "error": _error_text(exc),
+                "traceback": traceback.format_exc()[-2000:],
+            }
         (out / "legs" / f"{args.leg}.json").write_text(json.dumps(row, indent=1) + "\n")
-        print(f"gpu_check: leg {args.leg}: {row['status']}"
-              + (f" ({row.get('reason') or row.get('error')})" if row["status"] != "ok" else ""))
+        print(
+            f"gpu_check: leg {args.leg}: {row['status']}"
+            + (f" ({row.get('reason') or row.get('error')})" if row["status"] != "ok" else "")
+        )
         return 0
     res = collect(out, s, args.wall_s, args.budget_s)
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -56,18 +56,22 @@ def model_config(shape: dict, seq_len: int):
     dim, vocab = shape["hidden_size"], shape["vocab_size"]
     n_heads = shape["num_attention_heads"]
     return Llama3Model.Config(
-        dim=dim, vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init=_EMBEDDING_INIT),
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab,
-                              param_init=_output_linear_init(dim)),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         layers=_build_llama3_layers(
-            fuse_qkv=True, n_layers=shape["num_hidden_layers"], dim=dim, n_heads=n_heads,
-            n_kv_heads=shape["num_key_value_heads"], hidden_dim=shape["intermediate_size"],
-            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=seq_len,
-                                    theta=shape["rope_theta"], scaling="none"),
-            attn_backend="flex"))
+            fuse_qkv=True,
+            n_layers=shape["num_hidden_layers"],
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=shape["num_key_value_heads"],
+            hidden_dim=shape["intermediate_size"],
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=seq_len, theta=shape["rope_theta"], scaling="none"),
+            attn_backend="flex",
+        ),
+    )
 
 
 class _Synthetic:
@@ -115,7 +119,8 @@ def trainer_config(opts: dict):
     spec.model = model_config(opts["config"], opts["seq_len"])
     cfg.model_spec = spec
     cfg.loss = ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=opts["config"]["vocab_size"]))
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=opts["config"]["vocab_size"])
+    )
     t = cfg.training
     t.seq_len, t.local_batch_size, t.steps = opts["seq_len"], opts["mbs"], opts["steps"]
     t.global_batch_size = opts["global_batch_size"]
@@ -125,8 +130,7 @@ def trainer_config(opts: dict):
     cfg.parallelism.pipeline_parallel_degree = 1
     cfg.compile.enable = bool(opts["compile"])
     ac = opts["activation_checkpointing"]
-    cfg.activation_checkpoint = (SelectiveAC.Config() if ac == "selective"
-                                 else FullAC.Config() if ac == "full" else None)
+    cfg.activation_checkpoint = SelectiveAC.Config() if ac == "selective" else FullAC.Config() if ac == "full" else None
     cfg.checkpoint.enable = False
     cfg.validator.enable = False
     cfg.metrics.log_freq = 10**9
@@ -165,22 +169,36 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     free, total = torch.cuda.mem_get_info(device)
-    local = torch.tensor([max(times), float(torch.cuda.max_memory_allocated(device)),
-                          float(torch.cuda.max_memory_reserved(device)), float(total - free)],
-                         dtype=torch.float64, device=device)
+    local = torch.tensor(
+        [
+            max(times),
+            float(torch.cuda.max_memory_allocated(device)),
+            float(torch.cuda.max_memory_reserved(device)),
+            float(total - free),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     step_max = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    dist.all_reduce(step_max, op=dist.ReduceOp.MAX)    # the slowest rank per step (as copus)
+    dist.all_reduce(step_max, op=dist.ReduceOp.MAX)  # the slowest rank per step (as copus)
     slowest = step_max.tolist()
     steady = slowest[1:] or slowest
     median = statistics.median(steady)
     tokens = opts["global_batch_size"] * opts["seq_len"]
-    result = {"build_s": build_s, "step_s": slowest, "median_step_s": median,
-              "median_tokens_per_s": tokens / median, "first_step_s": slowest[0],
-              "peak_allocated_bytes": local[1].item(), "peak_reserved_bytes": local[2].item(),
-              "device_used_bytes": local[3].item(),
-              "torchtitan_version": getattr(__import__("torchtitan"), "__version__", "?"),
-              "world_size": dist.get_world_size(), "pid": os.getpid()}
+    result = {
+        "build_s": build_s,
+        "step_s": slowest,
+        "median_step_s": median,
+        "median_tokens_per_s": tokens / median,
+        "first_step_s": slowest[0],
+        "peak_allocated_bytes": local[1].item(),
+        "peak_reserved_bytes": local[2].item(),
+        "device_used_bytes": local[3].item(),
+        "torchtitan_version": getattr(__import__("torchtitan"), "__version__", "?"),
+        "world_size": dist.get_world_size(),
+        "pid": os.getpid(),
+    }
     trainer.close()
     dist.destroy_process_group()
     return result

@@ -55,17 +55,25 @@ def main(argv: list[str] | None = None) -> int:
             fn(ts, 1)
             times[name].append(time.perf_counter() - t0)
     loop, fe = statistics.median(times["loop"]), statistics.median(times["foreach"])
-    out = {"bench": "grad_norm_speed", "tensors": len(ts), "elements": sum(t.numel() for t in ts),
-           "median_loop_s": loop, "median_foreach_s": fe, "ratio": loop / fe,
-           "rel_diff": abs(float(loop_sqnorm(ts, 1)) / float(weighted_sqnorm(ts, 1)) - 1),
-           "load_average_1min": os.getloadavg()[0], "repeats": args.repeats,
-           "command": "python bench/grad_norm_speed.py " + " ".join(sys.argv[1:] if argv is None
-                                                                    else argv)}
+    out = {
+        "bench": "grad_norm_speed",
+        "tensors": len(ts),
+        "elements": sum(t.numel() for t in ts),
+        "median_loop_s": loop,
+        "median_foreach_s": fe,
+        "ratio": loop / fe,
+        "rel_diff": abs(float(loop_sqnorm(ts, 1)) / float(weighted_sqnorm(ts, 1)) - 1),
+        "load_average_1min": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "command": "python bench/grad_norm_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{len(ts)} tensors ({out['elements']:,} elements): loop {loop * 1e3:.2f} ms, "
-          f"foreach {fe * 1e3:.2f} ms ({loop / fe:.1f}x), same value to {out['rel_diff']:.1e}; "
-          f"load {out['load_average_1min']:.1f}")
+    print(
+        f"{len(ts)} tensors ({out['elements']:,} elements): loop {loop * 1e3:.2f} ms, "
+        f"foreach {fe * 1e3:.2f} ms ({loop / fe:.1f}x), same value to {out['rel_diff']:.1e}; "
+        f"load {out['load_average_1min']:.1f}"
+    )
     return 0
 
 

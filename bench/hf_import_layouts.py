@@ -39,8 +39,10 @@ def work(folder: str) -> dict:
         eng = Engine(shape, plan, EngineSettings(), "cpu", cache, seed=123)
         read = load_hf_weights(eng.model, folder)
         n = 4 // dp
-        out[f"dp{dp}.tp{tp}.pp{pp}"] = {"loss": eng.eval_loss(rt._tokens()[eng.dp_rank * n:(eng.dp_rank + 1) * n]),
-                                        "read_bytes": read}
+        out[f"dp{dp}.tp{tp}.pp{pp}"] = {
+            "loss": eng.eval_loss(rt._tokens()[eng.dp_rank * n : (eng.dp_rank + 1) * n]),
+            "read_bytes": read,
+        }
         eng.close()
     return out
 
@@ -51,11 +53,19 @@ def main() -> None:
         ref = rt._hf_loss(folder, rt._tokens())
         total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         res = run_ranks(work, 4, str(folder), timeout=900)
-    rows = {k: {"loss_per_rank": [r[k]["loss"] for r in res], "transformers_loss": ref,
-                "read_fraction_per_rank": [r[k]["read_bytes"] / total for r in res]} for k in res[0]}
+    rows = {
+        k: {
+            "loss_per_rank": [r[k]["loss"] for r in res],
+            "transformers_loss": ref,
+            "read_fraction_per_rank": [r[k]["read_bytes"] / total for r in res],
+        }
+        for k in res[0]
+    }
     out = ROOT / "bench/results/hf_import_layouts.json"
-    out.write_text(json.dumps({"command": "python bench/hf_import_layouts.py", "file_bytes": total,
-                               "layouts": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps({"command": "python bench/hf_import_layouts.py", "file_bytes": total, "layouts": rows}, indent=1)
+        + "\n"
+    )
     print("| layout | max abs(loss - transformers) | bytes read per rank / file |\n| --- | ---: | --- |")
     for k, v in rows.items():
         gap = max(abs(x - ref) for x in v["loss_per_rank"])

@@ -39,6 +39,7 @@ def _timed(fn, box: list[float]):
             return fn(*a, **k)
         finally:
             box[0] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -62,8 +63,7 @@ def _one_run(cfg, run_dir: str, steps: int, warmup: int) -> list[dict]:
             trainer.apply_decision(decision)
         wall = time.perf_counter() - t0
         if i >= warmup:
-            rows.append({"wall_s": wall, "fwd_bwd_s": fb[0], "optimizer_s": opt[0],
-                         "decided": decision is not None})
+            rows.append({"wall_s": wall, "fwd_bwd_s": fb[0], "optimizer_s": opt[0], "decided": decision is not None})
     trainer.close()
     return rows
 
@@ -86,9 +86,9 @@ def bench_worker(cfg, run_dir: str, resume: bool = False) -> dict:
         shares = [(x["wall_s"] - x["fwd_bwd_s"] - x["optimizer_s"]) / x["wall_s"] for x in rows]
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, statistics.median(shares))
-        out.setdefault(policy, []).append({"rows": rows, "median_share_rank0":
-                                           statistics.median(shares),
-                                           "median_share_per_rank": gathered})
+        out.setdefault(policy, []).append(
+            {"rows": rows, "median_share_rank0": statistics.median(shares), "median_share_per_rank": gathered}
+        )
     shutdown()
     return out
 
@@ -109,18 +109,26 @@ def main(argv: list[str] | None = None) -> int:
 
     policies = ["constant", "goodput"]
     order = [p for i in range(args.repeats) for p in (policies if i % 2 == 0 else policies[::-1])]
-    overrides = [f"parallel.nproc={args.nproc}", f"model.name={args.model!r}",
-                 f"batch.initial={args.batch}", f"batch.min={args.batch}",
-                 f"batch.max={args.batch * 8}", "eval.interval_steps=0",
-                 "checkpoint.interval_steps=0", "log.progress=false", "log.tensorboard=false",
-                 "data.max_chars=2000000", "controller.explore_max_probes=0",
-                 f"train.max_steps={args.steps + args.warmup + 10}"]
+    overrides = [
+        f"parallel.nproc={args.nproc}",
+        f"model.name={args.model!r}",
+        f"batch.initial={args.batch}",
+        f"batch.min={args.batch}",
+        f"batch.max={args.batch * 8}",
+        "eval.interval_steps=0",
+        "checkpoint.interval_steps=0",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "data.max_chars=2000000",
+        "controller.explore_max_probes=0",
+        f"train.max_steps={args.steps + args.warmup + 10}",
+    ]
     cfg = load_config(None, overrides)
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "opts.json").write_text(json.dumps({"order": order, "overrides": overrides,
-                                                      "steps": args.steps,
-                                                      "warmup": args.warmup}))
+        Path(tmp, "opts.json").write_text(
+            json.dumps({"order": order, "overrides": overrides, "steps": args.steps, "warmup": args.warmup})
+        )
         res = launch(cfg, tmp, max_restarts=0, entry=bench_worker)
     summary = {}
     for policy, reps in res.items():
@@ -132,29 +140,43 @@ def main(argv: list[str] | None = None) -> int:
             "median_step_s": statistics.median(x["wall_s"] for x in steps),
             "median_fwd_bwd_s": statistics.median(x["fwd_bwd_s"] for x in steps),
             "median_optimizer_s": statistics.median(x["optimizer_s"] for x in steps),
-            "median_host_s": statistics.median(x["wall_s"] - x["fwd_bwd_s"] - x["optimizer_s"]
-                                               for x in steps)}
-    out = {"bench": "host_overhead", "nproc": args.nproc, "model": args.model,
-           "batch": args.batch, "steps": args.steps, "repeats": args.repeats, "order": order,
-           "summary": summary, "goal_share": 0.03,
-           "meets_goal": all(s["median_host_share_max_rank"] <= 0.03 for s in summary.values()),
-           "load_average_1min": [load0, os.getloadavg()[0]], "cpu_count": os.cpu_count(),
-           "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None
-                                                                  else argv),
-           "raw": res}
+            "median_host_s": statistics.median(x["wall_s"] - x["fwd_bwd_s"] - x["optimizer_s"] for x in steps),
+        }
+    out = {
+        "bench": "host_overhead",
+        "nproc": args.nproc,
+        "model": args.model,
+        "batch": args.batch,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "order": order,
+        "summary": summary,
+        "goal_share": 0.03,
+        "meets_goal": all(s["median_host_share_max_rank"] <= 0.03 for s in summary.values()),
+        "load_average_1min": [load0, os.getloadavg()[0]],
+        "cpu_count": os.cpu_count(),
+        "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "raw": res,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    lines = ["| policy | step s | fwd+bwd s | optimizer s | copus host s | host share (max rank, "
-             "median of repeats) | per repeat |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | step s | fwd+bwd s | optimizer s | copus host s | host share (max rank, "
+        "median of repeats) | per repeat |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p, s in summary.items():
-        lines.append(f"| {p} | {s['median_step_s']:.3f} | {s['median_fwd_bwd_s']:.3f} | "
-                     f"{s['median_optimizer_s']:.3f} | {s['median_host_s']:.4f} | "
-                     f"{s['median_host_share_max_rank']:.2%} | "
-                     + ", ".join(f"{x:.2%}" for x in s["per_repeat_max_rank"]) + " |")
-    lines.append(f"\n{args.nproc} ranks, `{args.model}`, B={args.batch}, {args.steps} steps x "
-                 f"{args.repeats} repeats per policy (ABBA); load average {load0:.1f} -> "
-                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine). "
-                 f"Command: `{out['command']}`")
+        lines.append(
+            f"| {p} | {s['median_step_s']:.3f} | {s['median_fwd_bwd_s']:.3f} | "
+            f"{s['median_optimizer_s']:.3f} | {s['median_host_s']:.4f} | "
+            f"{s['median_host_share_max_rank']:.2%} | " + ", ".join(f"{x:.2%}" for x in s["per_repeat_max_rank"]) + " |"
+        )
+    lines.append(
+        f"\n{args.nproc} ranks, `{args.model}`, B={args.batch}, {args.steps} steps x "
+        f"{args.repeats} repeats per policy (ABBA); load average {load0:.1f} -> "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine). "
+        f"Command: `{out['command']}`"
+    )
     table = "\n".join(lines) + "\n"
     args.out.with_suffix(".md").write_text(table)
     print(table)

@@ -94,7 +94,7 @@ def _work(model_name: str, repeats: int, layers: int):
             before = _status("VmRSS:")
             _reset_peak()
             c0, w0, d0 = time.process_time(), time.perf_counter(), DrawCounter.values
-            model.to_empty(device="cpu")          # the build: memory, then values
+            model.to_empty(device="cpu")  # the build: memory, then values
             reset_rope(model)
             if how == "tiles":
                 init_weights(model, 0)
@@ -102,18 +102,24 @@ def _work(model_name: str, repeats: int, layers: int):
             elif how == "full":
                 drawn = _full_init(model, 0)
             else:
-                drawn = 0               # init=False: materialize skips init_weights
-            rows.append({"how": how, "repeat": rep, "drawn": drawn,
-                         "cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0,
-                         "peak_above_fill_start": _status("VmHWM:") - before})
+                drawn = 0  # init=False: materialize skips init_weights
+            rows.append(
+                {
+                    "how": how,
+                    "repeat": rep,
+                    "drawn": drawn,
+                    "cpu_s": time.process_time() - c0,
+                    "wall_s": time.perf_counter() - w0,
+                    "peak_above_fill_start": _status("VmHWM:") - before,
+                }
+            )
             shard = sum(p.to_local().numel() * 4 for p in model.parameters())
             if how != "none":
                 sums[how] = float(sum(p.to_local().double().sum() for p in model.parameters()))
-            drop_tensors(model, None)             # FSDP2's cycles would keep it until a gc
+            drop_tensors(model, None)  # FSDP2's cycles would keep it until a gc
             del model
             dist.barrier()
-    return {"world": world, "shard_bytes": shard, "local_values": shard // 4, "rows": rows,
-            "checksums": sums}
+    return {"world": world, "shard_bytes": shard, "local_values": shard // 4, "rows": rows, "checksums": sums}
 
 
 def main() -> None:
@@ -125,9 +131,13 @@ def main() -> None:
     args = ap.parse_args()
     # large blocks straight from mmap, returned on free: resident memory follows live tensors
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    out = {"command": "python bench/init_scale.py " + " ".join(sys.argv[1:]), "model": args.model,
-           "layers": args.layers or "the shape's own",
-           "machine": "2 shared CPU cores (other jobs running), gloo", "worlds": {}}
+    out = {
+        "command": "python bench/init_scale.py " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "layers": args.layers or "the shape's own",
+        "machine": "2 shared CPU cores (other jobs running), gloo",
+        "worlds": {},
+    }
     for w in [int(x) for x in args.worlds.split(",")]:
         ranks = run_ranks(_work, w, args.model, args.repeats, args.layers, timeout=1800)
         summary = {}
@@ -135,33 +145,43 @@ def main() -> None:
             per_rank = [[r for r in rk["rows"] if r["how"] == how] for rk in ranks]
             summary[how] = {
                 "drawn_per_rank": max(rows[0]["drawn"] for rows in per_rank),
-                "cpu_s_median_max_rank": max(statistics.median(r["cpu_s"] for r in rows)
-                                             for rows in per_rank),
-                "wall_s_median_max_rank": max(statistics.median(r["wall_s"] for r in rows)
-                                              for rows in per_rank),
-                "peak_above_start_bytes": max(max(r["peak_above_fill_start"] for r in rows)
-                                              for rows in per_rank)}
-        out["worlds"][w] = {"shard_bytes": ranks[0]["shard_bytes"],
-                            "local_values": ranks[0]["local_values"], "summary": summary,
-                            "ranks": ranks}
+                "cpu_s_median_max_rank": max(statistics.median(r["cpu_s"] for r in rows) for rows in per_rank),
+                "wall_s_median_max_rank": max(statistics.median(r["wall_s"] for r in rows) for rows in per_rank),
+                "peak_above_start_bytes": max(max(r["peak_above_fill_start"] for r in rows) for rows in per_rank),
+            }
+        out["worlds"][w] = {
+            "shard_bytes": ranks[0]["shard_bytes"],
+            "local_values": ranks[0]["local_values"],
+            "summary": summary,
+            "ranks": ranks,
+        }
         print(w, json.dumps(summary), flush=True)
     w1 = out["worlds"][min(out["worlds"])]["summary"]
     depth = f", {args.layers} layers" if args.layers else ""
-    lines = [f"# Initialisation per rank, {args.model}{depth} (dp = world, gloo, 2 shared CPU cores)", "",
-             "| world | method | values drawn / rank | / local shard | CPU s / rank | vs world 1 "
-             "| wall s | build peak RSS above start (MB) | shard (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Initialisation per rank, {args.model}{depth} (dp = world, gloo, 2 shared CPU cores)",
+        "",
+        "| world | method | values drawn / rank | / local shard | CPU s / rank | vs world 1 "
+        "| wall s | build peak RSS above start (MB) | shard (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for w, d in out["worlds"].items():
         for how in ("tiles", "full", "none"):
             s = d["summary"][how]
             ratio = s["cpu_s_median_max_rank"] / max(w1[how]["cpu_s_median_max_rank"], 1e-9)
-            lines.append(f"| {w} | {how} | {s['drawn_per_rank']:,} | "
-                         f"{s['drawn_per_rank'] / d['local_values']:.3f} | "
-                         f"{s['cpu_s_median_max_rank']:.2f} | {ratio:.2f} | "
-                         f"{s['wall_s_median_max_rank']:.2f} | {s['peak_above_start_bytes'] / 2**20:.0f} | "
-                         f"{d['shard_bytes'] / 2**20:.0f} |")
-    lines += ["", f"command: `{out['command']}`; medians over {args.repeats} interleaved repeats, "
-              "the slowest rank's; 'tiles' = the runtime's shard-local init, 'full' = the former "
-              "full-tensor init, 'none' = init=False (a load follows)."]
+            lines.append(
+                f"| {w} | {how} | {s['drawn_per_rank']:,} | "
+                f"{s['drawn_per_rank'] / d['local_values']:.3f} | "
+                f"{s['cpu_s_median_max_rank']:.2f} | {ratio:.2f} | "
+                f"{s['wall_s_median_max_rank']:.2f} | {s['peak_above_start_bytes'] / 2**20:.0f} | "
+                f"{d['shard_bytes'] / 2**20:.0f} |"
+            )
+    lines += [
+        "",
+        f"command: `{out['command']}`; medians over {args.repeats} interleaved repeats, "
+        "the slowest rank's; 'tiles' = the runtime's shard-local init, 'full' = the former "
+        "full-tensor init, 'none' = init=False (a load follows).",
+    ]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "init_scale.json").write_text(json.dumps(out, indent=1))
     (RESULTS / "init_scale.md").write_text("\n".join(lines) + "\n")

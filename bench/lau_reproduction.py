@@ -46,9 +46,19 @@ from copus.runtime.engine.engine import token_loss
 from copus.runtime.engine.model import build_model, materialize
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = ModelShape(name="lau-micro", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                   vocab_size=256, seq_len=32, tie_embeddings=False, rope_theta=10000.0,
-                   norm_eps=1e-5)
+SHAPE = ModelShape(
+    name="lau-micro",
+    n_layers=2,
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=128,
+    vocab_size=256,
+    seq_len=32,
+    tie_embeddings=False,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+)
 J, MBS, START, CAP = 4, 4, 16, 256
 EVAL_EVERY, EVAL_ROWS = 256, 64
 LR, WARMUP_FRAC, MIN_LR_FRAC = 3e-3, 0.01, 0.1
@@ -75,12 +85,13 @@ def step_stats(vectors: list[torch.Tensor], k: int) -> dict[str, tuple[float, in
     (J·k micro-batch gradients, worker j owning vectors j·k … j·k + k − 1)."""
     micro = torch.stack(vectors)
     workers = micro.view(J, k, -1).mean(1)
-    return {"micro": (float((micro * micro).sum(1).mean()), J * k, float(MBS)),
-            "worker": (float((workers * workers).sum(1).mean()), J, float(MBS * k))}
+    return {
+        "micro": (float((micro * micro).sum(1).mean()), J * k, float(MBS)),
+        "worker": (float((workers * workers).sum(1).mean()), J, float(MBS * k)),
+    }
 
 
-def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tensor,
-        eta: float) -> dict:
+def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tensor, eta: float) -> dict:
     torch.manual_seed(seed)
     model = materialize(build_model(SHAPE), "cpu", seed=seed)
     params = [p for p in model.parameters()]
@@ -89,10 +100,17 @@ def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tens
     form = policy.split(":", 1)[1] if policy.startswith("norm-test") else None
     test = None
     if form is not None:
-        s = PolicySettings(initial=START, min=START, max=CAP, interval_steps=1, warmup_steps=0,
-                           max_growth=float("inf"), norm_test_form=form, norm_test_eta=eta)
-        test = NormTestPolicy(s, ParallelPlan(dp=J, tp=1, pp=1, micro_batch_size=MBS,
-                                              num_microbatches=1))
+        s = PolicySettings(
+            initial=START,
+            min=START,
+            max=CAP,
+            interval_steps=1,
+            warmup_steps=0,
+            max_growth=float("inf"),
+            norm_test_form=form,
+            norm_test_eta=eta,
+        )
+        test = NormTestPolicy(s, ParallelPlan(dp=J, tp=1, pp=1, micro_batch_size=MBS, num_microbatches=1))
     batch = int(policy.split("-")[1]) if policy.startswith("constant") else START
     samples = steps = 0
     curve, batches, next_eval = [], [], 0
@@ -105,7 +123,7 @@ def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tens
             curve.append({"samples": samples, "steps": steps, "val": evaluate(model, val)})
             next_eval += EVAL_EVERY
         k = batch // (J * MBS)
-        ids = order[samples:samples + batch]
+        ids = order[samples : samples + batch]
         tokens = torch.from_numpy(data.batch(ids.numpy())).long()
         vectors, loss_sum = [], 0.0
         for chunk in tokens.chunk(J * k):
@@ -116,7 +134,7 @@ def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tens
         gbar = torch.stack(vectors).mean(0)
         offset = 0
         for p in params:
-            p.grad = gbar[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = gbar[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in opt.param_groups:
@@ -129,20 +147,35 @@ def run(policy: str, seed: int, budget: int, data: TokenDataset, val: torch.Tens
         if test is not None:
             stats = step_stats(vectors, k)["worker" if form == "paper" else "micro"]
             plan = ParallelPlan(dp=J, tp=1, pp=1, micro_batch_size=MBS, num_microbatches=k)
-            if form == "paper":   # the record's small gradients are per-worker (gns.small="rank")
-                plan = ParallelPlan(dp=J, tp=1, pp=1, micro_batch_size=MBS * k,
-                                    num_microbatches=1)
-            rec = StepRecord(step=steps, samples=samples, tokens=samples * SHAPE.seq_len,
-                             plan=plan, step_s=1.0, loss=loss_sum / (J * k),
-                             small_sqnorm=stats[0], num_small=stats[1], small_batch=stats[2],
-                             big_sqnorm=float(gbar @ gbar))
+            if form == "paper":  # the record's small gradients are per-worker (gns.small="rank")
+                plan = ParallelPlan(dp=J, tp=1, pp=1, micro_batch_size=MBS * k, num_microbatches=1)
+            rec = StepRecord(
+                step=steps,
+                samples=samples,
+                tokens=samples * SHAPE.seq_len,
+                plan=plan,
+                step_s=1.0,
+                loss=loss_sum / (J * k),
+                small_sqnorm=stats[0],
+                num_small=stats[1],
+                small_batch=stats[2],
+                big_sqnorm=float(gbar @ gbar),
+            )
             decision = test.observe(rec)
             if decision is not None:
                 batch = decision.plan.global_batch_size
     curve.append({"samples": samples, "steps": steps, "val": evaluate(model, val)})
-    return {"policy": policy, "seed": seed, "steps": steps, "samples": samples,
-            "final_val": curve[-1]["val"], "mean_batch": samples / steps,
-            "batches": batches, "curve": curve, "wall_s": time.perf_counter() - t0}
+    return {
+        "policy": policy,
+        "seed": seed,
+        "steps": steps,
+        "samples": samples,
+        "final_val": curve[-1]["val"],
+        "mean_batch": samples / steps,
+        "batches": batches,
+        "curve": curve,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 @torch.no_grad()
@@ -163,12 +196,13 @@ def summarise(runs: list[dict]) -> dict:
     rows = {}
     for p in policies:
         finals = [r["final_val"] for r in by[p]]
-        rows[p] = {"final_val_mean": statistics.mean(finals),
-                   "final_val_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                   "steps_mean": statistics.mean(r["steps"] for r in by[p]),
-                   "mean_batch": statistics.mean(r["mean_batch"] for r in by[p]),
-                   "steps_to": {t: [steps_to(r["curve"], v) for r in by[p]]
-                                for t, v in targets.items()}}
+        rows[p] = {
+            "final_val_mean": statistics.mean(finals),
+            "final_val_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "steps_mean": statistics.mean(r["steps"] for r in by[p]),
+            "mean_batch": statistics.mean(r["mean_batch"] for r in by[p]),
+            "steps_to": {t: [steps_to(r["curve"], v) for r in by[p]] for t, v in targets.items()},
+        }
     best = min(consts, key=lambda p: rows[p]["final_val_mean"])
     cap = f"constant-{CAP}"
     claim = {}
@@ -179,33 +213,40 @@ def summarise(runs: list[dict]) -> dict:
         small = [c for c in consts if int(c.split("-")[1]) < r["mean_batch"]]
         claim[p] = {
             "beats_cap_constant": cap in rows and r["final_val_mean"] < rows[cap]["final_val_mean"],
-            "matches_best_constant": r["final_val_mean"] <= rows[best]["final_val_mean"]
-            + rows[best]["final_val_sd"],
+            "matches_best_constant": r["final_val_mean"] <= rows[best]["final_val_mean"] + rows[best]["final_val_sd"],
             "fewer_steps_than": [c for c in small if r["steps_mean"] < rows[c]["steps_mean"]],
-            "grew": r["mean_batch"] > START}
+            "grew": r["mean_batch"] > START,
+        }
     return {"targets": targets, "best_constant": best, "rows": rows, "claim": claim}
 
 
 def table(summary: dict, args: argparse.Namespace) -> str:
     consts = list(summary["targets"])
-    head = ("| policy | final val loss (mean ± sd) | steps | mean batch | "
-            + " | ".join(f"steps to {summary['targets'][c]:.3f} ({c})" for c in consts) + " |")
+    head = (
+        "| policy | final val loss (mean ± sd) | steps | mean batch | "
+        + " | ".join(f"steps to {summary['targets'][c]:.3f} ({c})" for c in consts)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (4 + len(consts))]
     for p, r in summary["rows"].items():
         cells = []
         for c in consts:
             hit = [x for x in r["steps_to"][c] if x is not None]
             n = len(r["steps_to"][c])
-            cells.append("–" if not hit else f"{statistics.mean(hit):.0f}"
-                         + ("" if len(hit) == n else f" ({len(hit)}/{n})"))
-        lines.append(f"| {p} | {r['final_val_mean']:.4f} ± {r['final_val_sd']:.4f} | "
-                     f"{r['steps_mean']:.0f} | {r['mean_batch']:.0f} | " + " | ".join(cells)
-                     + " |")
+            cells.append(
+                "–" if not hit else f"{statistics.mean(hit):.0f}" + ("" if len(hit) == n else f" ({len(hit)}/{n})")
+            )
+        lines.append(
+            f"| {p} | {r['final_val_mean']:.4f} ± {r['final_val_sd']:.4f} | "
+            f"{r['steps_mean']:.0f} | {r['mean_batch']:.0f} | " + " | ".join(cells) + " |"
+        )
     lines.append("")
-    lines.append(f"Budget {args.samples} samples, start {START}, cap {args.cap}, J = {J} "
-                 f"workers, seeds {args.seeds}, eta {args.eta}; best "
-                 f"constant: {summary['best_constant']}. Steps to a target (a constant's mean final "
-                 "loss): mean over the seeds that reached it, (k/n) when only k of n did, – none.")
+    lines.append(
+        f"Budget {args.samples} samples, start {START}, cap {args.cap}, J = {J} "
+        f"workers, seeds {args.seeds}, eta {args.eta}; best "
+        f"constant: {summary['best_constant']}. Steps to a target (a constant's mean final "
+        "loss): mean over the seeds that reached it, (k/n) when only k of n did, – none."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -224,16 +265,28 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eta", type=float, default=0.2)
     ap.add_argument("--cap", type=int, default=CAP, help="largest batch (default 256)")
-    ap.add_argument("--text-chars", type=int, default=400_000, help="bytes of the embedded "
-                    "corpus to use (default 400000: 11875 training samples; the last 5 %% is "
-                    "the validation text)")
-    ap.add_argument("--policies", default="constant-16,constant-32,constant-64,constant-128,"
-                    "constant-256,stagewise,norm-test:paper,norm-test:micro-batch,"
-                    "norm-test:per-sample")
+    ap.add_argument(
+        "--text-chars",
+        type=int,
+        default=400_000,
+        help="bytes of the embedded "
+        "corpus to use (default 400000: 11875 training samples; the last 5 %% is "
+        "the validation text)",
+    )
+    ap.add_argument(
+        "--policies",
+        default="constant-16,constant-32,constant-64,constant-128,"
+        "constant-256,stagewise,norm-test:paper,norm-test:micro-batch,"
+        "norm-test:per-sample",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/lau_reproduction.json"))
     ap.add_argument("--table", default=str(ROOT / "docs/lau_results.md"))
-    ap.add_argument("--merge", default="", help="comma-separated JSON files of earlier runs "
-                    "(e.g. one per seed, run in parallel): summarise them, train nothing")
+    ap.add_argument(
+        "--merge",
+        default="",
+        help="comma-separated JSON files of earlier runs "
+        "(e.g. one per seed, run in parallel): summarise them, train nothing",
+    )
     args = ap.parse_args()
     CAP = args.cap
     if args.merge:
@@ -249,16 +302,20 @@ def main() -> None:
     split = int(0.95 * len(ids))
     data = TokenDataset(ids[:split], SHAPE.seq_len)
     if args.samples > len(data):
-        raise SystemExit(f"--samples={args.samples} is invalid; allowed: <= {len(data)} training "
-                         f"samples at --text-chars={args.text_chars} (one pass, no repeats)")
+        raise SystemExit(
+            f"--samples={args.samples} is invalid; allowed: <= {len(data)} training "
+            f"samples at --text-chars={args.text_chars} (one pass, no repeats)"
+        )
     held = TokenDataset(ids[split:], SHAPE.seq_len)
     val = torch.from_numpy(held.batch(list(range(EVAL_ROWS)))).long()
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for policy in args.policies.split(","):     # interleaved: every policy per seed
+        for policy in args.policies.split(","):  # interleaved: every policy per seed
             r = run(policy, seed, args.samples, data, val, args.eta)
-            print(json.dumps({k: r[k] for k in ("policy", "seed", "steps", "final_val",
-                                                "mean_batch", "wall_s")}), flush=True)
+            print(
+                json.dumps({k: r[k] for k in ("policy", "seed", "steps", "final_val", "mean_batch", "wall_s")}),
+                flush=True,
+            )
             runs.append(r)
             dump(args.out, args, runs, None)
     summary = summarise(runs)

@@ -28,10 +28,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args()
-    out = RESULTS.parent.parent / "runs" / "bench" / "layouts_profile"   # raw: git-ignored; rows go to layouts.json
-    cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model", args.model,
-           "--global-batch", str(args.global_batch), "--micro-batch-sizes", args.micro_batch_sizes,
-           "--steps", str(args.steps), "--warmup", "1", "--out", str(out)]
+    out = RESULTS.parent.parent / "runs" / "bench" / "layouts_profile"  # raw: git-ignored; rows go to layouts.json
+    cmd = [
+        sys.executable,
+        "-m",
+        "copus",
+        "profile",
+        "--nproc",
+        str(args.nproc),
+        "--model",
+        args.model,
+        "--global-batch",
+        str(args.global_batch),
+        "--micro-batch-sizes",
+        args.micro_batch_sizes,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
     for s in args.set:
         cmd += ["--set", s]
     print("$", " ".join(cmd), flush=True)
@@ -40,8 +57,13 @@ def main() -> None:
     mbss = sorted({r["micro_batch_size"] for r in rows})
     layouts = sorted({(r["pp"], r["dp"], r["tp"]) for r in rows})
     cell = {(r["pp"], r["dp"], r["tp"], r["micro_batch_size"]): r for r in rows}
-    result = {"command": " ".join(cmd[1:]), "model": args.model, "nproc": args.nproc,
-              "global_batch_size": args.global_batch, "rows": rows}
+    result = {
+        "command": " ".join(cmd[1:]),
+        "model": args.model,
+        "nproc": args.nproc,
+        "global_batch_size": args.global_batch,
+        "rows": rows,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "layouts.json").write_text(json.dumps(result, indent=1))
     best = min(rows, key=lambda r: r["step_s"])
@@ -53,8 +75,9 @@ def main() -> None:
         for m in mbss:
             r = cell.get((*lay, m))
             mark = "**" if r is best else ""
-            cells.append("–" if r is None else
-                         f"{mark}{r['step_s'] * 1e3:.0f}{mark} ({r['peak_memory_bytes'] / 2**20:.0f})")
+            cells.append(
+                "–" if r is None else f"{mark}{r['step_s'] * 1e3:.0f}{mark} ({r['peak_memory_bytes'] / 2**20:.0f})"
+            )
         print(f"| {lay[0]},{lay[1]},{lay[2]} | " + " | ".join(cells) + " |")
     worst = max(rows, key=lambda r: r["step_s"])
     print(f"\nspread worst/best: {worst['step_s'] / best['step_s']:.1f}x")

@@ -37,12 +37,16 @@ def _rescore(run: dict) -> dict:
 
     old = run["yardstick"]
     preset = get_preset(run["preset"])
-    args = argparse.Namespace(truth=run["truth"], crit_ratio=run["crit_ratio"], seed=run["seed"],
-                              reconfig="online", no_lr_aware=False)
+    args = argparse.Namespace(
+        truth=run["truth"], crit_ratio=run["crit_ratio"], seed=run["seed"], reconfig="online", no_lr_aware=False
+    )
     sc = _preset(preset, args)
     yard = ys.build(sc, Planner(sc), horizon_tokens=preset.token_budget)
-    simulated = {k: v for k, v in old["baselines"].items()
-                 if k.startswith(("cbs", "doubling dp", "static B=")) and "full menu" not in k}
+    simulated = {
+        k: v
+        for k, v in old["baselines"].items()
+        if k.startswith(("cbs", "doubling dp", "static B=")) and "full menu" not in k
+    }
     variants = {k: v["minutes"] for k, v in old["variants"].items()}
     return ys.score(yard, simulated, variants) | {"seed": run["seed"]}
 
@@ -58,27 +62,35 @@ def main(argv: list[str]) -> int:
     final = scores[0]["final_target"]
     baselines = {name: [s["baselines"][name][-1] for s in scores] for name in scores[0]["baselines"]}
     summary["baseline_minutes_to_final"] = baselines
-    summary["variant_minutes_to_final"] = {n: [s["variants"][n]["minutes"][-1] for s in scores]
-                                           for n in scores[0]["variants"]}
+    summary["variant_minutes_to_final"] = {
+        n: [s["variants"][n]["minutes"][-1] for s in scores] for n in scores[0]["variants"]
+    }
     with open(argv[0], "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"# olmo-long ({cell.truth}, R = {cell.crit_ratio:g}): minutes to the final target "
-          f"L = {final:g}, seeds {', '.join(str(s['seed']) for s in scores)}\n")
-    print(f"Honest ceiling {_f(summary['honest_ceiling_pct'])} % over the best baseline "
-          f"({', '.join(sorted(set(summary['best_baseline'])))}; "
-          f"{_f(summary['best_baseline_minutes'], '.1f')} min).\n")
+    print(
+        f"# olmo-long ({cell.truth}, R = {cell.crit_ratio:g}): minutes to the final target "
+        f"L = {final:g}, seeds {', '.join(str(s['seed']) for s in scores)}\n"
+    )
+    print(
+        f"Honest ceiling {_f(summary['honest_ceiling_pct'])} % over the best baseline "
+        f"({', '.join(sorted(set(summary['best_baseline'])))}; "
+        f"{_f(summary['best_baseline_minutes'], '.1f')} min).\n"
+    )
     print("| run | minutes per seed | speed-up over the best baseline | capture | seed spread |")
     print("|---|---|---|---|---|")
     for name, v in summary["variants"].items():
         mins = summary["variant_minutes_to_final"][name]
-        print(f"| {name} | {' / '.join(_f(m, '.1f') for m in mins)} | {_f(v['speedup_pct'])} % | "
-              f"{_f(v['capture'], '.2f')} | {_f(v['seed_spread_pct'], '.1f')} |")
+        print(
+            f"| {name} | {' / '.join(_f(m, '.1f') for m in mins)} | {_f(v['speedup_pct'])} % | "
+            f"{_f(v['capture'], '.2f')} | {_f(v['seed_spread_pct'], '.1f')} |"
+        )
     for name, mins in baselines.items():
         print(f"| {name} | {' / '.join(_f(m, '.1f') for m in mins)} | | | |")
     print()
     for name, v in summary["variants"].items():
-        print(f"- {name} over the untuned choices: "
-              + ", ".join(f"{k} {_f(x)} %" for k, x in v["vs_untuned_pct"].items()))
+        print(
+            f"- {name} over the untuned choices: " + ", ".join(f"{k} {_f(x)} %" for k, x in v["vs_untuned_pct"].items())
+        )
     return 0
 
 

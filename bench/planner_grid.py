@@ -26,15 +26,16 @@ def main() -> int:
     ap.add_argument("--ratios", default="0.5,1,2,4,8")
     ap.add_argument("--presets", default=",".join(COPUS_PRESETS))
     ap.add_argument("--out", required=True)
-    ap.add_argument("--settings", default="",
-                    help='JSON PolicySettings fields over the default goodput; "R*k" = the cell\'s '
-                         'ratio times k, e.g. \'{"calibration_mode": "fixed", "calibration": "R*1.3"}\'')
+    ap.add_argument(
+        "--settings",
+        default="",
+        help='JSON PolicySettings fields over the default goodput; "R*k" = the cell\'s '
+        'ratio times k, e.g. \'{"calibration_mode": "fixed", "calibration": "R*1.3"}\'',
+    )
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS,
-                          [float(r) for r in args.ratios.split(",")])
-    sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online",
-                                  no_lr_aware=False)
+    cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS, [float(r) for r in args.ratios.split(",")])
+    sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)
     policies = ("static", "cbs", "doubling", "goodput")
     out = []
     with open(args.out, "w") as f:
@@ -54,10 +55,13 @@ def main() -> int:
             f.write(json.dumps(summary) + "\n")
             f.flush()
             v = summary["variants"]
-            print(f"{cell.preset:12s} {cell.truth:9s} R={cell.crit_ratio:<4g} ceiling "
-                  f"{summary['honest_ceiling_pct']:+.1f} " + "  ".join(
-                      f"{n} {v[n]['speedup_pct']:+.1f} ({v[n]['capture']:.2f})" for n in v)
-                  + f"  {time.perf_counter() - t0:.0f}s", flush=True)
+            print(
+                f"{cell.preset:12s} {cell.truth:9s} R={cell.crit_ratio:<4g} ceiling "
+                f"{summary['honest_ceiling_pct']:+.1f} "
+                + "  ".join(f"{n} {v[n]['speedup_pct']:+.1f} ({v[n]['capture']:.2f})" for n in v)
+                + f"  {time.perf_counter() - t0:.0f}s",
+                flush=True,
+            )
     for name in out[0]["variants"] if out else []:
         print(name, json.dumps(tg.yardstick_goals(out, name)))
     return 0
@@ -71,8 +75,7 @@ def _override_default(settings: dict, ratio: float) -> None:
 
     base = getattr(sim, "_plain_default", sim.default_variant)
     sim._plain_default = base
-    value = {k: ratio * float(v[2:]) if isinstance(v, str) and v.startswith("R*") else v
-             for k, v in settings.items()}
+    value = {k: ratio * float(v[2:]) if isinstance(v, str) and v.startswith("R*") else v for k, v in settings.items()}
 
     def patched(no_lr_aware: bool = False):
         v = base(no_lr_aware)

@@ -51,7 +51,7 @@ TRANSITIONS = ("dp4>dp2tp2", "dp2tp2>pp2dp2", "pp2dp2>dp4")
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:
-    """"dp2tp2" → (dp, tp, pp) = (2, 2, 1); missing degrees are 1."""
+    """ "dp2tp2" → (dp, tp, pp) = (2, 2, 1); missing degrees are 1."""
     import re
 
     deg = {k: int(v) for k, v in re.findall(r"(dp|tp|pp)(\d+)", text)}
@@ -65,14 +65,14 @@ def make_plan(layout: str, batch: int, nproc: int):
 
     dp, tp, pp = parse_layout(layout)
     if dp * tp * pp != nproc or batch % dp:
-        raise ValueError(f"layout {layout!r} with batch {batch}: allowed: dp·tp·pp = {nproc} "
-                         "and dp dividing the batch")
+        raise ValueError(f"layout {layout!r} with batch {batch}: allowed: dp·tp·pp = {nproc} and dp dividing the batch")
     per = batch // dp
     mbs = max(m for m in range(1, min(4, per) + 1) if per % m == 0 and per // m >= pp)
     return ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=per // mbs)
 
 
 # ------------------------------------------------------------------------------------ shapes
+
 
 def synthetic_shape(gb: float):
     """A Llama-like shape whose weights + 2 AdamW moments (fp32, 12 B/parameter) total about
@@ -83,18 +83,26 @@ def synthetic_shape(gb: float):
     dim, ffn = (1024, 4096) if gb >= 0.3 else (512, 2048)
     per_block = 12 * (4 * dim * dim + 3 * dim * ffn)
     layers = max(2, round(gb * 1e9 / per_block))
-    return ModelShape(name=f"synthetic-{gb:g}GB", n_layers=layers, dim=dim, n_heads=dim // 64,
-                      n_kv_heads=dim // 64, ffn_dim=ffn, vocab_size=256, seq_len=16)
+    return ModelShape(
+        name=f"synthetic-{gb:g}GB",
+        n_layers=layers,
+        dim=dim,
+        n_heads=dim // 64,
+        n_kv_heads=dim // 64,
+        ffn_dim=ffn,
+        vocab_size=256,
+        seq_len=16,
+    )
 
 
 def model_shape(name: str):
     from copus.core.specs.resolve import get_model_shape
 
-    return synthetic_shape(float(name.split(":", 1)[1])) if name.startswith("synthetic:") \
-        else get_model_shape(name)
+    return synthetic_shape(float(name.split(":", 1)[1])) if name.startswith("synthetic:") else get_model_shape(name)
 
 
 # ------------------------------------------------------------------------------------ workers
+
 
 def _setup(args: dict, layout: str):
     import torch
@@ -108,8 +116,7 @@ def _setup(args: dict, layout: str):
     cache = MeshCache(device.type)
 
     def build(plan, allocate=True, init=True):
-        return Engine(shape, plan, EngineSettings(), device, cache, seed=0, allocate=allocate,
-                      init=init)
+        return Engine(shape, plan, EngineSettings(), device, cache, seed=0, allocate=allocate, init=init)
 
     def step(engine, i: int) -> float:
         """One optimizer step on a fixed batch; returns the slowest rank's wall time."""
@@ -175,9 +182,11 @@ def bandwidths(nbytes: int, device, repeats: int = 3) -> dict:
             torch.cuda.synchronize(device)
         copy.append(_slowest(time.perf_counter() - t0, device))
     crossing = n * 4 * (world - 1) / world * world
-    return {"bytes_per_rank": n * 4,
-            "a2a_Bps": crossing / float(np.median(a2a[1:])),
-            "copy_Bps": n * 4 * world / float(np.median(copy[1:]))}
+    return {
+        "bytes_per_rank": n * 4,
+        "a2a_Bps": crossing / float(np.median(a2a[1:])),
+        "copy_Bps": n * 4 * world / float(np.median(copy[1:])),
+    }
 
 
 def in_process_worker(args: dict) -> dict:
@@ -201,12 +210,11 @@ def in_process_worker(args: dict) -> dict:
     bw = bandwidths(min(max(per_rank, 8 << 20), 256 << 20), engine.device)
     rows, i = [], 2
     for rep in range(args["repeats"]):
-        for path in (("direct", "dcp") if rep % 2 == 0 else ("dcp", "direct")):
+        for path in ("direct", "dcp") if rep % 2 == 0 else ("dcp", "direct"):
             for tr in args["transitions"]:
                 src, dst = tr.split(">")
                 if engine.plan.layout != make_plan(src, args["batch"], args["nproc"]).layout:
-                    raise ValueError(f"transitions must chain: {tr!r} does not start at "
-                                     f"{engine.plan.describe()}")
+                    raise ValueError(f"transitions must chain: {tr!r} does not start at {engine.plan.describe()}")
                 new_plan = make_plan(dst, args["batch"], args["nproc"])
                 engine, report = switch_engine(engine, new_plan, build, path=path)
                 row = {"transition": tr, "repeat": rep, "path": path, **report.to_dict()}
@@ -274,15 +282,24 @@ def launch(entry, args: dict, nproc: int) -> dict:
 
     from copus.runtime.train.launch import free_port
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                          run_id=f"bench-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120},
-                          max_restarts=0, monitor_interval=0.2, start_method="spawn",
-                          local_addr="127.0.0.1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+    )
     return elastic_launch(config, entry)(args)[0]
 
 
 # ------------------------------------------------------------------------------------ main
+
 
 def checkpoint_restart(args: dict, tr: str, rep: int, root: Path) -> dict:
     src, dst = tr.split(">")
@@ -291,10 +308,14 @@ def checkpoint_restart(args: dict, tr: str, rep: int, root: Path) -> dict:
     saved = launch(restart_save_worker, job, args["nproc"])
     loaded = launch(restart_load_worker, job, args["nproc"])
     shutil.rmtree(folder, ignore_errors=True)
-    return {"transition": tr, "repeat": rep, "restart_s": loaded["t_ready"] - saved["t_start"],
-            "restart_to_first_step_s": loaded["t_first"] - saved["t_start"],
-            "spawn_to_entry_s": loaded["t_entry"] - saved["t_start"],
-            "first_step_s": loaded["first_step_s"]}
+    return {
+        "transition": tr,
+        "repeat": rep,
+        "restart_s": loaded["t_ready"] - saved["t_start"],
+        "restart_to_first_step_s": loaded["t_first"] - saved["t_start"],
+        "spawn_to_entry_s": loaded["t_entry"] - saved["t_start"],
+        "first_step_s": loaded["first_step_s"],
+    }
 
 
 PHASE_KEYS = ("build_s", "plan_s", "move_s", "teardown_s", "stage_s", "load_s")
@@ -316,24 +337,25 @@ def summarise_model(job: dict, restart: list[dict], transitions: list[str], npro
         direct = [r for r in pick if r["path"] == "direct"]
         dcp = [r for r in pick if r["path"] == "dcp"]
         rs = [r for r in restart if tr in ("all", r["transition"])]
-        row = {"transition": tr, "direct_s": _med(direct, "wall_s"), "dcp_s": _med(dcp, "wall_s"),
-               **{f"direct_{k}": _med(direct, k) for k in PHASE_KEYS[:4]},
-               **{f"dcp_{k}": _med(dcp, k) for k in ("stage_s", "teardown_s", "build_s",
-                                                      "load_s")},
-               "moved_mb": _med(direct, "moved_bytes") / 2**20,
-               "local_mb": _med(direct, "local_bytes") / 2**20,
-               "state_mb_per_rank": job["state_bytes_per_rank"] / 2**20,
-               "direct_state_peak_mb": _med(direct, "state_peak_mb"),
-               "direct_state_mb": _med(direct, "state_mb"),
-               "direct_rss_delta_mb": float(np.median([r["rss_peak_mb"] - r["rss_before_mb"]
-                                                       for r in direct])),
-               "dcp_rss_delta_mb": float(np.median([r["rss_peak_mb"] - r["rss_before_mb"]
-                                                    for r in dcp])),
-               "floor_s": _med(direct, "floor_s"), "buckets": _med(direct, "buckets"),
-               "step_s": _med(direct + dcp, "step_s")}
+        row = {
+            "transition": tr,
+            "direct_s": _med(direct, "wall_s"),
+            "dcp_s": _med(dcp, "wall_s"),
+            **{f"direct_{k}": _med(direct, k) for k in PHASE_KEYS[:4]},
+            **{f"dcp_{k}": _med(dcp, k) for k in ("stage_s", "teardown_s", "build_s", "load_s")},
+            "moved_mb": _med(direct, "moved_bytes") / 2**20,
+            "local_mb": _med(direct, "local_bytes") / 2**20,
+            "state_mb_per_rank": job["state_bytes_per_rank"] / 2**20,
+            "direct_state_peak_mb": _med(direct, "state_peak_mb"),
+            "direct_state_mb": _med(direct, "state_mb"),
+            "direct_rss_delta_mb": float(np.median([r["rss_peak_mb"] - r["rss_before_mb"] for r in direct])),
+            "dcp_rss_delta_mb": float(np.median([r["rss_peak_mb"] - r["rss_before_mb"] for r in dcp])),
+            "floor_s": _med(direct, "floor_s"),
+            "buckets": _med(direct, "buckets"),
+            "step_s": _med(direct + dcp, "step_s"),
+        }
         row["achieved_a2a_Bps"] = row["moved_mb"] * 2**20 / row["direct_move_s"]
-        row["direct_vs_floor"] = row["direct_s"] / row["floor_s"] if row["floor_s"] else \
-            float("nan")
+        row["direct_vs_floor"] = row["direct_s"] / row["floor_s"] if row["floor_s"] else float("nan")
         row["dcp_over_direct"] = row["dcp_s"] / row["direct_s"]
         row["switch_in_steps"] = row["direct_s"] / row["step_s"]
         if rs:
@@ -346,47 +368,58 @@ def summarise_model(job: dict, restart: list[dict], transitions: list[str], npro
 
 def fit_floor(models: dict) -> dict | None:
     """Least squares wall = c + k · floor over the synthetic states' direct switches."""
-    pts = [(r["floor_s"], r["wall_s"]) for name, m in models.items()
-           if name.startswith("synthetic:") for r in m["in_process"] if r["path"] == "direct"]
+    pts = [
+        (r["floor_s"], r["wall_s"])
+        for name, m in models.items()
+        if name.startswith("synthetic:")
+        for r in m["in_process"]
+        if r["path"] == "direct"
+    ]
     if len({round(x, 6) for x, _ in pts}) < 2:
         return None
     x, y = np.array(pts).T
     k, c = np.polyfit(x, y, 1)
     worst = max(w / (3 * f + 0.2) for f, w in pts)
-    return {"constant_s": float(c), "slope": float(k), "points": len(pts),
-            "max_wall_over_3floor_plus_0.2": float(worst)}
+    return {
+        "constant_s": float(c),
+        "slope": float(k),
+        "points": len(pts),
+        "max_wall_over_3floor_plus_0.2": float(worst),
+    }
 
 
 def run_model(name: str, ns, transitions: list[str]) -> dict:
     """One model's raw measurements: the in-process job, then the restarts (named models)."""
-    args = {"model": name, "nproc": ns.nproc, "batch": ns.batch, "repeats": ns.repeats,
-            "transitions": transitions}
+    args = {"model": name, "nproc": ns.nproc, "batch": ns.batch, "repeats": ns.repeats, "transitions": transitions}
     load = os.getloadavg()[0]
     job = launch(in_process_worker, args, ns.nproc)
     restart = []
     if not name.startswith("synthetic:") and not ns.no_restart:
         root = Path(tempfile.mkdtemp(prefix="copus-bench-restart-"))
         try:
-            restart = [checkpoint_restart(args, tr, rep, root)
-                       for rep in range(ns.restart_repeats) for tr in transitions]
+            restart = [
+                checkpoint_restart(args, tr, rep, root) for rep in range(ns.restart_repeats) for tr in transitions
+            ]
         finally:
             shutil.rmtree(root, ignore_errors=True)
     shape = model_shape(name)
-    return {"shape": {"n_layers": shape.n_layers, "dim": shape.dim, "ffn_dim": shape.ffn_dim,
-                      "params": shape.num_params()},
-            "transitions": transitions, "loadavg_before": load,
-            "loadavg_after": os.getloadavg()[0], "bandwidth": job["bandwidth"],
-            "state_bytes_per_rank": job["state_bytes_per_rank"], "in_process": job["rows"],
-            "checkpoint_restart": restart}
+    return {
+        "shape": {"n_layers": shape.n_layers, "dim": shape.dim, "ffn_dim": shape.ffn_dim, "params": shape.num_params()},
+        "transitions": transitions,
+        "loadavg_before": load,
+        "loadavg_after": os.getloadavg()[0],
+        "bandwidth": job["bandwidth"],
+        "state_bytes_per_rank": job["state_bytes_per_rank"],
+        "in_process": job["rows"],
+        "checkpoint_restart": restart,
+    }
 
 
 def finalise(result: dict) -> dict:
     """Summaries per model and the synthetic fit, from the raw rows."""
     for m in result["models"].values():
-        job = {"rows": m["in_process"], "bandwidth": m["bandwidth"],
-               "state_bytes_per_rank": m["state_bytes_per_rank"]}
-        m["summary"] = summarise_model(job, m["checkpoint_restart"], m["transitions"],
-                                       result["nproc"])
+        job = {"rows": m["in_process"], "bandwidth": m["bandwidth"], "state_bytes_per_rank": m["state_bytes_per_rank"]}
+        m["summary"] = summarise_model(job, m["checkpoint_restart"], m["transitions"], result["nproc"])
     result["floor_fit"] = fit_floor(result["models"])
     return result
 
@@ -399,8 +432,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="switches per transition and path")
     ap.add_argument("--restart-repeats", type=int, default=2)
     ap.add_argument("--no-restart", action="store_true")
-    ap.add_argument("--transitions", default=",".join(TRANSITIONS),
-                    help="chained layout changes, e.g. dp4>dp2tp2,dp2tp2>pp2dp2,pp2dp2>dp4")
+    ap.add_argument(
+        "--transitions",
+        default=",".join(TRANSITIONS),
+        help="chained layout changes, e.g. dp4>dp2tp2,dp2tp2>pp2dp2,pp2dp2>dp4",
+    )
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--from-json", default="", help="re-print a saved result, run nothing")
     ns = ap.parse_args()
@@ -415,19 +451,27 @@ def main() -> None:
             for layout in tr.split(">"):
                 make_plan(layout, ns.batch, ns.nproc)
     t0 = time.perf_counter()
-    result = {"bench": "reconfigure", "nproc": ns.nproc, "batch": ns.batch,
-              "repeats": ns.repeats, "restart_repeats": ns.restart_repeats,
-              "device": "cuda" if _cuda() else "cpu", "backend": "nccl" if _cuda() else "gloo",
-              "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "uptime_before": _uptime()},
-              "target": {"restart_over_direct_min": 40.0, "switch_in_steps_max": 1.0,
-                         "synthetic": "wall <= 3 * floor_s + c, c <= 0.2 s"},
-              "models": {}}
+    result = {
+        "bench": "reconfigure",
+        "nproc": ns.nproc,
+        "batch": ns.batch,
+        "repeats": ns.repeats,
+        "restart_repeats": ns.restart_repeats,
+        "device": "cuda" if _cuda() else "cpu",
+        "backend": "nccl" if _cuda() else "gloo",
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "uptime_before": _uptime()},
+        "target": {
+            "restart_over_direct_min": 40.0,
+            "switch_in_steps_max": 1.0,
+            "synthetic": "wall <= 3 * floor_s + c, c <= 0.2 s",
+        },
+        "models": {},
+    }
     out = Path(ns.out)
     for name in names:
         result["models"][name] = run_model(name, ns, transitions)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")     # raw so far (re-print: --from-json)
+        out.write_text(json.dumps(result, indent=1) + "\n")  # raw so far (re-print: --from-json)
     result["host"]["uptime_after"] = _uptime()
     result["bench_s"] = time.perf_counter() - t0
     report(finalise(result), out)
@@ -448,36 +492,74 @@ def report(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     host = result["host"]
-    print(f"{result['nproc']} {result['backend']} ranks, B={result['batch']}, medians of "
-          f"{result['repeats']} switches per path (restart: {result['restart_repeats']}); "
-          f"{host['cpus']} CPUs\nbefore: {host['uptime_before']}\n"
-          f"after:  {host.get('uptime_after', '?')}")
-    head = ("model/transition", "direct s", "build", "plan", "move", "teardn", "dcp s",
-            "restart s", "rst/dir", "dcp/dir", "step s", "sw/step", "moved MB", "move GB/s",
-            "floor s", "dir/floor", "peak MB", "state MB")
+    print(
+        f"{result['nproc']} {result['backend']} ranks, B={result['batch']}, medians of "
+        f"{result['repeats']} switches per path (restart: {result['restart_repeats']}); "
+        f"{host['cpus']} CPUs\nbefore: {host['uptime_before']}\n"
+        f"after:  {host.get('uptime_after', '?')}"
+    )
+    head = (
+        "model/transition",
+        "direct s",
+        "build",
+        "plan",
+        "move",
+        "teardn",
+        "dcp s",
+        "restart s",
+        "rst/dir",
+        "dcp/dir",
+        "step s",
+        "sw/step",
+        "moved MB",
+        "move GB/s",
+        "floor s",
+        "dir/floor",
+        "peak MB",
+        "state MB",
+    )
     print(" ".join(f"{h:>24}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     for name, m in result["models"].items():
         for r in m["summary"]:
-            vals = (r["direct_s"], r["direct_build_s"], r["direct_plan_s"], r["direct_move_s"],
-                    r["direct_teardown_s"], r["dcp_s"], r.get("restart_s", float("nan")),
-                    r.get("restart_over_direct", float("nan")), r["dcp_over_direct"],
-                    r["step_s"], r["switch_in_steps"], r["moved_mb"],
-                    r["achieved_a2a_Bps"] / 1e9, r["floor_s"],
-                    r["direct_vs_floor"], r["direct_state_peak_mb"], r["direct_state_mb"])
+            vals = (
+                r["direct_s"],
+                r["direct_build_s"],
+                r["direct_plan_s"],
+                r["direct_move_s"],
+                r["direct_teardown_s"],
+                r["dcp_s"],
+                r.get("restart_s", float("nan")),
+                r.get("restart_over_direct", float("nan")),
+                r["dcp_over_direct"],
+                r["step_s"],
+                r["switch_in_steps"],
+                r["moved_mb"],
+                r["achieved_a2a_Bps"] / 1e9,
+                r["floor_s"],
+                r["direct_vs_floor"],
+                r["direct_state_peak_mb"],
+                r["direct_state_mb"],
+            )
             label = f"{name.replace('synthetic:', 'syn')}/{r['transition']}"
             print(f"{label:>24} " + " ".join(f"{v:9.3f}" for v in vals))
         bw = m["bandwidth"]
-        print(f"{'':>24} bandwidth (all ranks): all_to_all {bw['a2a_Bps'] / 1e9:.2f} GB/s, "
-              f"memcpy {bw['copy_Bps'] / 1e9:.2f} GB/s; load {m['loadavg_before']:.1f} -> "
-              f"{m['loadavg_after']:.1f}")
+        print(
+            f"{'':>24} bandwidth (all ranks): all_to_all {bw['a2a_Bps'] / 1e9:.2f} GB/s, "
+            f"memcpy {bw['copy_Bps'] / 1e9:.2f} GB/s; load {m['loadavg_before']:.1f} -> "
+            f"{m['loadavg_after']:.1f}"
+        )
     fit = result.get("floor_fit")
     if fit:
-        print(f"synthetic fit: wall = {fit['constant_s']:.3f} s + {fit['slope']:.2f} x floor_s "
-              f"({fit['points']} switches); max wall / (3 floor + 0.2 s) = "
-              f"{fit['max_wall_over_3floor_plus_0.2']:.2f}")
-    print("rst/dir = checkpoint-restart / direct; floor s = moved/a2a_bw + local/memcpy_bw; "
-          "peak MB = moved state held at once per rank (state MB = max(old, new) per rank)\n"
-          f"wrote {out}")
+        print(
+            f"synthetic fit: wall = {fit['constant_s']:.3f} s + {fit['slope']:.2f} x floor_s "
+            f"({fit['points']} switches); max wall / (3 floor + 0.2 s) = "
+            f"{fit['max_wall_over_3floor_plus_0.2']:.2f}"
+        )
+    print(
+        "rst/dir = checkpoint-restart / direct; floor s = moved/a2a_bw + local/memcpy_bw; "
+        "peak MB = moved state held at once per rank (state MB = max(old, new) per rank)\n"
+        f"wrote {out}"
+    )
 
 
 if __name__ == "__main__":

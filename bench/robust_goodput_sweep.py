@@ -24,18 +24,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ratios", default="0.5,2,8")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--variants", required=True,
-                    help='JSON {name: [settings, controller]} over the default goodput')
+    ap.add_argument("--variants", required=True, help="JSON {name: [settings, controller]} over the default goodput")
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=1, help="cells run in this many processes")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--truths", default="lr-tuned,sqrt-lr")
-    ap.add_argument("--planner-start", action="store_true",
-                    help="goodput runs start on the planner's fastest plan, not the published one")
+    ap.add_argument(
+        "--planner-start",
+        action="store_true",
+        help="goodput runs start on the planner's fastest plan, not the published one",
+    )
     args = ap.parse_args()
-    cells = list(itertools.product(
-        args.presets.split(","), args.truths.split(","),
-        [float(x) for x in args.ratios.split(",")], [int(s) for s in args.seeds.split(",")]))
+    cells = list(
+        itertools.product(
+            args.presets.split(","),
+            args.truths.split(","),
+            [float(x) for x in args.ratios.split(",")],
+            [int(s) for s in args.seeds.split(",")],
+        )
+    )
     jobs = [(c, args.variants, args.planner_start) for c in cells]
     if args.jobs > 1:
         import multiprocessing as mp
@@ -45,10 +52,15 @@ def main() -> int:
     else:
         rows = [_run_cell(j) for j in jobs]
     for name in rows[0]["variants"]:
-        caps = [(r["variants"][name] if r["variants"][name] is not None else -99.0) / r["oracle"]
-                for r in rows if r["oracle"] >= 2.0]
-        print(f"{name}: median capture {statistics.median(caps):.2f}, min {min(caps):.2f} "
-              f"({len(caps)} cells with ceiling >= 2 %)")
+        caps = [
+            (r["variants"][name] if r["variants"][name] is not None else -99.0) / r["oracle"]
+            for r in rows
+            if r["oracle"] >= 2.0
+        ]
+        print(
+            f"{name}: median capture {statistics.median(caps):.2f}, min {min(caps):.2f} "
+            f"({len(caps)} cells with ceiling >= 2 %)"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -74,8 +86,14 @@ def _variants(spec: str, ratio: float, budget: float = 0.0):
         sets, ctl = (parts + [{}, {}])[:2]
         sets = {k: value(v) for k, v in sets.items()}
         ctl = {k: value(v) for k, v in ctl.items()}
-        out.append(replace(base, name=name, settings=tuple(dict(base.settings, **sets).items()),
-                           controller=tuple(dict(base.controller, **ctl).items())))
+        out.append(
+            replace(
+                base,
+                name=name,
+                settings=tuple(dict(base.settings, **sets).items()),
+                controller=tuple(dict(base.controller, **ctl).items()),
+            )
+        )
     return tuple(out)
 
 
@@ -86,19 +104,30 @@ def _run_cell(job) -> dict:
 
     (pname, truth, ratio, seed), spec, planner_start = job
     preset = PRESETS[pname]
-    sc = preset_scenario(preset, seed=seed, variants=_variants(spec, ratio, preset.token_budget),
-                         trajectory=preset.truth(truth).with_(gns_calibration=ratio))
+    sc = preset_scenario(
+        preset,
+        seed=seed,
+        variants=_variants(spec, ratio, preset.token_budget),
+        trajectory=preset.truth(truth).with_(gns_calibration=ratio),
+    )
     if planner_start:
         sc = replace(sc, start_layout=None)
     t0 = time.perf_counter()
     cmp_ = compare_policies(sc, ("static", "cbs", "goodput"))
-    row = {"preset": pname, "truth": truth, "crit_ratio": ratio, "seed": seed,
-           "oracle": _mean(oracle_speedups(cmp_)),
-           "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()}}
-    print(f"{pname:12s} {truth:9s} R={ratio:<4g} s{seed} oracle {row['oracle']:+5.1f}  "
-          + "  ".join(f"{n} {_f(v)} ({_f(v, row['oracle'])})"
-                      for n, v in row["variants"].items())
-          + f"  {time.perf_counter() - t0:.0f}s", flush=True)
+    row = {
+        "preset": pname,
+        "truth": truth,
+        "crit_ratio": ratio,
+        "seed": seed,
+        "oracle": _mean(oracle_speedups(cmp_)),
+        "variants": {n: cmp_.average_speedup_pct(n) for n in cmp_.goodput_runs()},
+    }
+    print(
+        f"{pname:12s} {truth:9s} R={ratio:<4g} s{seed} oracle {row['oracle']:+5.1f}  "
+        + "  ".join(f"{n} {_f(v)} ({_f(v, row['oracle'])})" for n, v in row["variants"].items())
+        + f"  {time.perf_counter() - t0:.0f}s",
+        flush=True,
+    )
     return row
 
 

@@ -31,10 +31,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--nproc", "2", "--max-steps", "400", "--policy", "constant",
-        "--set", "data.max_chars=200000", "--set", "eval.interval_steps=0",
-        "--set", "checkpoint.interval_steps=0", "--set", "log.tensorboard=false",
-        "--set", "log.progress=false"]
+ARGS = [
+    "--nproc",
+    "2",
+    "--max-steps",
+    "400",
+    "--policy",
+    "constant",
+    "--set",
+    "data.max_chars=200000",
+    "--set",
+    "eval.interval_steps=0",
+    "--set",
+    "checkpoint.interval_steps=0",
+    "--set",
+    "log.tensorboard=false",
+    "--set",
+    "log.progress=false",
+]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -49,9 +63,14 @@ def trial(root: Path, sig: int, after: int) -> dict:
 
     run = root / f"run-{signal.Signals(sig).name}-{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "copus", "train", "--run-dir", str(run),
-                             *ARGS], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "copus", "train", "--run-dir", str(run), *ARGS],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while len(_rows(run / "metrics.jsonl")) < after:
         if proc.poll() is not None:
             raise RuntimeError(f"run ended early: {proc.stderr.read()[-2000:]}")
@@ -61,21 +80,26 @@ def trial(root: Path, sig: int, after: int) -> dict:
     proc.send_signal(sig)
     to_ckpt = None
     while proc.poll() is None:
-        if to_ckpt is None and any(p.name.startswith("step-")
-                                   for p in (run / "checkpoints").glob("step-*")):
+        if to_ckpt is None and any(p.name.startswith("step-") for p in (run / "checkpoints").glob("step-*")):
             to_ckpt = time.monotonic() - t0
         time.sleep(0.005)
     to_exit = time.monotonic() - t0
     err = proc.stderr.read()
     latest = ckpt.find_latest(run / "checkpoints", log=lambda _: None)
     stopped_at = _rows(run / "metrics.jsonl")[-1]["step"]
-    return {"signal": signal.Signals(sig).name, "exit_code": proc.returncode,
-            "expected_exit_code": 128 + sig, "to_checkpoint_s": to_ckpt, "to_exit_s": to_exit,
-            "step_s": step_s, "signalled_after_steps": after, "stopped_at": stopped_at,
-            "checkpoint": latest.name if latest else None,
-            "checkpoint_ok": latest is not None and latest.name == f"step-{stopped_at}"
-            and ckpt.verify(latest) is None,
-            "last_line": err.strip().splitlines()[-1] if err.strip() else ""}
+    return {
+        "signal": signal.Signals(sig).name,
+        "exit_code": proc.returncode,
+        "expected_exit_code": 128 + sig,
+        "to_checkpoint_s": to_ckpt,
+        "to_exit_s": to_exit,
+        "step_s": step_s,
+        "signalled_after_steps": after,
+        "stopped_at": stopped_at,
+        "checkpoint": latest.name if latest else None,
+        "checkpoint_ok": latest is not None and latest.name == f"step-{stopped_at}" and ckpt.verify(latest) is None,
+        "last_line": err.strip().splitlines()[-1] if err.strip() else "",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     trials = []
     with tempfile.TemporaryDirectory(prefix="copus-stop-") as tmp:
         for _ in range(args.repeats):
-            for sig in (signal.SIGINT, signal.SIGTERM):   # interleaved: the same load for both
+            for sig in (signal.SIGINT, signal.SIGTERM):  # interleaved: the same load for both
                 trials.append(trial(Path(tmp), sig, args.after))
-                print(f"  {trials[-1]['signal']}: exit {trials[-1]['exit_code']}, checkpoint "
-                      f"{trials[-1]['to_checkpoint_s']:.2f} s, exit {trials[-1]['to_exit_s']:.2f} s",
-                      flush=True)
+                print(
+                    f"  {trials[-1]['signal']}: exit {trials[-1]['exit_code']}, checkpoint "
+                    f"{trials[-1]['to_checkpoint_s']:.2f} s, exit {trials[-1]['to_exit_s']:.2f} s",
+                    flush=True,
+                )
     summary = {}
     for name in ("SIGINT", "SIGTERM"):
         ts = [t for t in trials if t["signal"] == name]
@@ -100,27 +126,36 @@ def main(argv: list[str] | None = None) -> int:
             "trials": len(ts),
             "exit_codes_ok": all(t["exit_code"] == t["expected_exit_code"] for t in ts),
             "checkpoints_ok": all(t["checkpoint_ok"] for t in ts),
-            "median_to_checkpoint_s": statistics.median(t["to_checkpoint_s"] or float("nan")
-                                                        for t in ts),
+            "median_to_checkpoint_s": statistics.median(t["to_checkpoint_s"] or float("nan") for t in ts),
             "median_to_exit_s": statistics.median(t["to_exit_s"] for t in ts),
             "median_step_s": statistics.median(t["step_s"] for t in ts),
         }
-    report = {"machine": {"cpus": os.cpu_count(), "loadavg_start": load_start,
-                          "loadavg_end": os.getloadavg(),
-                          "note": "shared machine, loaded by other work while measured"},
-              "args": vars(args), "summary": summary, "trials": trials}
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "note": "shared machine, loaded by other work while measured",
+        },
+        "args": vars(args),
+        "summary": summary,
+        "trials": trials,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nstop latency, 2-rank tiny run, median of {args.repeats} (load average "
-          f"{load_start[0]:.1f} -> {report['machine']['loadavg_end'][0]:.1f} on "
-          f"{os.cpu_count()} CPUs)")
-    print(f"{'signal':8s} {'exit ok':>7s} {'ckpt ok':>7s} {'->ckpt s':>9s} {'->exit s':>9s} "
-          f"{'step s':>7s}")
+    print(
+        f"\nstop latency, 2-rank tiny run, median of {args.repeats} (load average "
+        f"{load_start[0]:.1f} -> {report['machine']['loadavg_end'][0]:.1f} on "
+        f"{os.cpu_count()} CPUs)"
+    )
+    print(f"{'signal':8s} {'exit ok':>7s} {'ckpt ok':>7s} {'->ckpt s':>9s} {'->exit s':>9s} {'step s':>7s}")
     for name, s in summary.items():
-        print(f"{name:8s} {str(s['exit_codes_ok']):>7s} {str(s['checkpoints_ok']):>7s} "
-              f"{s['median_to_checkpoint_s']:9.2f} {s['median_to_exit_s']:9.2f} "
-              f"{s['median_step_s']:7.3f}")
+        print(
+            f"{name:8s} {str(s['exit_codes_ok']):>7s} {str(s['checkpoints_ok']):>7s} "
+            f"{s['median_to_checkpoint_s']:9.2f} {s['median_to_exit_s']:9.2f} "
+            f"{s['median_step_s']:7.3f}"
+        )
     print(f"wrote {out}")
     return 0
 

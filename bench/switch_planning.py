@@ -74,15 +74,17 @@ def parameters(s: Shape) -> list[tuple[str, tuple[int, ...], str, int]]:
     out = [("tok_embeddings.weight", (s.vocab, s.dim), COL, -1)]
     for i in range(s.layers):
         p = f"layers.{i}."
-        out += [(p + "attention.wq.weight", (s.heads * hd, s.dim), COL, i),
-                (p + "attention.wk.weight", (s.kv_heads * hd, s.dim), COL, i),
-                (p + "attention.wv.weight", (s.kv_heads * hd, s.dim), COL, i),
-                (p + "attention.wo.weight", (s.dim, s.heads * hd), ROW, i),
-                (p + "feed_forward.w1.weight", (s.ffn, s.dim), COL, i),
-                (p + "feed_forward.w2.weight", (s.dim, s.ffn), ROW, i),
-                (p + "feed_forward.w3.weight", (s.ffn, s.dim), COL, i),
-                (p + "attention_norm.weight", (s.dim,), NORM, i),
-                (p + "ffn_norm.weight", (s.dim,), NORM, i)]
+        out += [
+            (p + "attention.wq.weight", (s.heads * hd, s.dim), COL, i),
+            (p + "attention.wk.weight", (s.kv_heads * hd, s.dim), COL, i),
+            (p + "attention.wv.weight", (s.kv_heads * hd, s.dim), COL, i),
+            (p + "attention.wo.weight", (s.dim, s.heads * hd), ROW, i),
+            (p + "feed_forward.w1.weight", (s.ffn, s.dim), COL, i),
+            (p + "feed_forward.w2.weight", (s.dim, s.ffn), ROW, i),
+            (p + "feed_forward.w3.weight", (s.ffn, s.dim), COL, i),
+            (p + "attention_norm.weight", (s.dim,), NORM, i),
+            (p + "ffn_norm.weight", (s.dim,), NORM, i),
+        ]
     return out + [("norm.weight", (s.dim,), NORM, -2), ("output.weight", (s.vocab, s.dim), COL, -2)]
 
 
@@ -97,8 +99,7 @@ def stage_of(layer: int, layers: int, pp: int) -> int:
 def placements(kind: str, tp: int) -> tuple:
     if tp == 1:
         return (("S", 0),)
-    return {COL: (("SS", 0, tp), ("S", 0)), ROW: (("S", 0), ("S", 1)),
-            NORM: (("S", 0), ("R",))}[kind]
+    return {COL: (("SS", 0, tp), ("S", 0)), ROW: (("S", 0), ("S", 1)), NORM: (("S", 0), ("R",))}[kind]
 
 
 def stage_meshes(pp: int, dp: int, tp: int) -> list[Mesh]:
@@ -122,11 +123,18 @@ def new_descriptions(s: Shape, layout: tuple[int, int, int], with_optim: bool) -
     for name, shape, kind, layer in parameters(s):
         st = stage_of(layer, s.layers, pp)
         for j in range(tp):
-            lay = (Layout(shape, subs[st, j], (("S", 0),)) if kind == NORM and tp > 1 else
-                   Layout(shape, meshes[st], placements(kind, tp)))
-            out[st * tp + j]["params"][name] = (lay, "torch.float32", MOVED if with_optim else (),
-                                                SCALARS if with_optim else {},
-                                                KEYS if with_optim else ())
+            lay = (
+                Layout(shape, subs[st, j], (("S", 0),))
+                if kind == NORM and tp > 1
+                else Layout(shape, meshes[st], placements(kind, tp))
+            )
+            out[st * tp + j]["params"][name] = (
+                lay,
+                "torch.float32",
+                MOVED if with_optim else (),
+                SCALARS if with_optim else {},
+                KEYS if with_optim else (),
+            )
     return out
 
 
@@ -140,14 +148,19 @@ def old_descriptions(s: Shape, layout: tuple[int, int, int], with_optim: bool) -
         mesh, place = meshes[st], placements(kind, tp)
         for rank in mesh.ranks:
             box = local_box(shape, mesh.shape, mesh.coord(rank), place)
-            per_rank[rank]["params"][name] = (shape, box, "torch.float32",
-                                              MOVED if with_optim else (),
-                                              SCALARS if with_optim else {},
-                                              KEYS if with_optim else ())
+            per_rank[rank]["params"][name] = (
+                shape,
+                box,
+                "torch.float32",
+                MOVED if with_optim else (),
+                SCALARS if with_optim else {},
+                KEYS if with_optim else (),
+            )
     return per_rank
 
 
 # ------------------------------------------------------------- the previous algorithm (verbatim)
+
 
 def old_memory_order(deltas):
     d = np.asarray(deltas, dtype=np.float64).reshape(len(deltas), -1)
@@ -200,19 +213,29 @@ def _vol(boxes, rank):
 
 # ------------------------------------------------------------------------------------ measure
 
+
 def time_before(model: str, old_l, new_l) -> dict:
     s = SHAPES[model]
     world = int(np.prod(old_l))
-    blobs = [pickle.dumps((o, n)) for o, n in zip(old_descriptions(s, old_l, True),
-                                                  old_descriptions(s, new_l, False), strict=True)]
+    blobs = [
+        pickle.dumps((o, n))
+        for o, n in zip(old_descriptions(s, old_l, True), old_descriptions(s, new_l, False), strict=True)
+    ]
     t0 = time.perf_counter()
     gathered = [pickle.loads(b) for b in blobs]
     t1 = time.perf_counter()
     order, pieces, _, _, groups = old_make_plan([g[0] for g in gathered], [g[1] for g in gathered], None)
     t2 = time.perf_counter()
-    return {"unpickle_s": t1 - t0, "plan_s": t2 - t1, "total_s": t2 - t0,
-            "bytes_received": sum(len(b) for b in blobs), "world": world,
-            "order": order, "groups": groups, "pieces": pieces}
+    return {
+        "unpickle_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "total_s": t2 - t0,
+        "bytes_received": sum(len(b) for b in blobs),
+        "world": world,
+        "order": order,
+        "groups": groups,
+        "pieces": pieces,
+    }
 
 
 def time_after(model: str, old_l, new_l, ranks: list[int]) -> dict:
@@ -220,21 +243,26 @@ def time_after(model: str, old_l, new_l, ranks: list[int]) -> dict:
     world = int(np.prod(old_l))
     olds, news = new_descriptions(s, old_l, True), new_descriptions(s, new_l, False)
     blobs = [pickle.dumps(d) for d in olds + news]
-    digests = world * 2 * (64 + 40)       # (digest, digest, "", "") per rank, pickled
+    digests = world * 2 * (64 + 40)  # (digest, digest, "", "") per rank, pickled
     per_rank = []
     plans = {}
     for me in ranks:
         t0 = time.perf_counter()
         descs = [pickle.loads(b) for b in blobs]
         t1 = time.perf_counter()
-        plan = rd.make_plan(descs[:len(olds)], descs[len(olds):], me, world, None)
+        plan = rd.make_plan(descs[: len(olds)], descs[len(olds) :], me, world, None)
         t2 = time.perf_counter()
         assert not isinstance(plan, str), plan
         plans[me] = plan
         per_rank.append({"rank": me, "unpickle_s": t1 - t0, "plan_s": t2 - t1, "total_s": t2 - t0})
     worst = max(per_rank, key=lambda r: r["total_s"])
-    return {**{k: worst[k] for k in ("unpickle_s", "plan_s", "total_s")}, "ranks": per_rank,
-            "bytes_received": sum(len(b) for b in blobs) + digests, "world": world, "plans": plans}
+    return {
+        **{k: worst[k] for k in ("unpickle_s", "plan_s", "total_s")},
+        "ranks": per_rank,
+        "bytes_received": sum(len(b) for b in blobs) + digests,
+        "world": world,
+        "plans": plans,
+    }
 
 
 def same_plan(before: dict, after: dict) -> bool:
@@ -255,8 +283,12 @@ def label(model: str, layout) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before-max-world", type=int, default=256,
-                    help="measure the previous algorithm up to this world (it grows as world²)")
+    ap.add_argument(
+        "--before-max-world",
+        type=int,
+        default=256,
+        help="measure the previous algorithm up to this world (it grows as world²)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     rows = []
@@ -266,7 +298,7 @@ def main() -> None:
         afters, befores = [], []
         for rep in range(args.repeats):
             do_before = world <= args.before_max_world and (rep == 0 or world <= 64)
-            first_after = rep % 2 == 0          # interleaved order
+            first_after = rep % 2 == 0  # interleaved order
             if first_after:
                 afters.append(time_after(model, old_l, new_l, ranks))
             if do_before:
@@ -275,29 +307,43 @@ def main() -> None:
                 afters.append(time_after(model, old_l, new_l, ranks))
         after = sorted(afters, key=lambda r: r["total_s"])[len(afters) // 2]
         before = sorted(befores, key=lambda r: r["total_s"])[len(befores) // 2] if befores else None
-        row = {"model": model, "world": world, "old_layout": label(model, old_l),
-               "new_layout": label(model, new_l), "tensors": len(parameters(SHAPES[model])),
-               "after": {k: v for k, v in after.items() if k != "plans"},
-               "after_repeats": [a["total_s"] for a in afters],
-               "before": None if before is None else
-               {k: before[k] for k in ("unpickle_s", "plan_s", "total_s", "bytes_received")},
-               "before_repeats": [b["total_s"] for b in befores],
-               "equal_to_before": None if before is None else same_plan(before, after)}
+        row = {
+            "model": model,
+            "world": world,
+            "old_layout": label(model, old_l),
+            "new_layout": label(model, new_l),
+            "tensors": len(parameters(SHAPES[model])),
+            "after": {k: v for k, v in after.items() if k != "plans"},
+            "after_repeats": [a["total_s"] for a in afters],
+            "before": None
+            if before is None
+            else {k: before[k] for k in ("unpickle_s", "plan_s", "total_s", "bytes_received")},
+            "before_repeats": [b["total_s"] for b in befores],
+            "equal_to_before": None if before is None else same_plan(before, after),
+        }
         rows.append(row)
         b = row["before"]["total_s"] if row["before"] else float("nan")
-        print(f"{model}/{world} {row['old_layout']}>{row['new_layout']}: before {b:.2f} s, "
-              f"after {row['after']['total_s']:.3f} s, equal={row['equal_to_before']}", flush=True)
+        print(
+            f"{model}/{world} {row['old_layout']}>{row['new_layout']}: before {b:.2f} s, "
+            f"after {row['after']['total_s']:.3f} s, equal={row['equal_to_before']}",
+            flush=True,
+        )
     by = {(r["model"], r["world"]): r for r in rows}
     growth_after = by[("70B", 256)]["after"]["total_s"] / by[("70B", 64)]["after"]["total_s"]
     b64, b256 = by[("70B", 64)]["before"], by[("70B", 256)]["before"]
     growth_before = b256["total_s"] / b64["total_s"] if b64 and b256 else None
-    result = {"machine": platform.processor() or platform.machine(),
-              "note": "2 CPU cores shared with other jobs; medians over repeats, interleaved order",
-              "command": "python bench/switch_planning.py", "cases": rows,
-              "growth_70B_64_to_256": {"before": growth_before, "after": growth_after},
-              "goals": {"405B_512_after_s": by[("405B", 512)]["after"]["total_s"],
-                        "405B_512_ok": by[("405B", 512)]["after"]["total_s"] <= 5.0,
-                        "growth_ok": growth_after <= 4.5}}
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "note": "2 CPU cores shared with other jobs; medians over repeats, interleaved order",
+        "command": "python bench/switch_planning.py",
+        "cases": rows,
+        "growth_70B_64_to_256": {"before": growth_before, "after": growth_after},
+        "goals": {
+            "405B_512_after_s": by[("405B", 512)]["after"]["total_s"],
+            "405B_512_ok": by[("405B", 512)]["after"]["total_s"] <= 5.0,
+            "growth_ok": growth_after <= 4.5,
+        },
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     OUT.with_suffix(".md").write_text(table(result))
@@ -305,21 +351,28 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
-    lines = ["| model / world | switch | tensors | before s/rank | after s/rank (plan + unpickle) "
-             "| bytes received before | after | equal |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model / world | switch | tensors | before s/rank | after s/rank (plan + unpickle) "
+        "| bytes received before | after | equal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["cases"]:
         b = r["before"]
-        lines.append(f"| {r['model']} / {r['world']} | {r['old_layout']} → {r['new_layout']} | "
-                     f"{r['tensors']} | {'%.2f' % b['total_s'] if b else 'not run'} | "
-                     f"{r['after']['total_s']:.3f} ({r['after']['plan_s']:.3f} + "
-                     f"{r['after']['unpickle_s']:.3f}) | "
-                     f"{'%.3g' % b['bytes_received'] if b else '—'} | "
-                     f"{r['after']['bytes_received']:.3g} | {r['equal_to_before']} |")
+        lines.append(
+            f"| {r['model']} / {r['world']} | {r['old_layout']} → {r['new_layout']} | "
+            f"{r['tensors']} | {'%.2f' % b['total_s'] if b else 'not run'} | "
+            f"{r['after']['total_s']:.3f} ({r['after']['plan_s']:.3f} + "
+            f"{r['after']['unpickle_s']:.3f}) | "
+            f"{'%.3g' % b['bytes_received'] if b else '—'} | "
+            f"{r['after']['bytes_received']:.3g} | {r['equal_to_before']} |"
+        )
     g = result["growth_70B_64_to_256"]
     lines.append("")
-    lines.append(f"70B 64 → 256 ranks: before ×{g['before']:.1f}, after ×{g['after']:.2f}"
-                 if g["before"] else f"70B 64 → 256 ranks: after ×{g['after']:.2f}")
+    lines.append(
+        f"70B 64 → 256 ranks: before ×{g['before']:.1f}, after ×{g['after']:.2f}"
+        if g["before"]
+        else f"70B 64 → 256 ranks: after ×{g['after']:.2f}"
+    )
     lines.append(f"({result['note']})")
     return "\n".join(lines) + "\n"
 

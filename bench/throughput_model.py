@@ -44,10 +44,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def profile(args) -> Path:
-    out = RESULTS.parent.parent / "runs" / "bench" / "throughput_model_profile"   # raw: git-ignored
-    cmd = [sys.executable, "-m", "copus", "profile", "--nproc", str(args.nproc), "--model", args.model,
-           "--global-batch", args.global_batch, "--micro-batch-sizes", args.micro_batch_sizes,
-           "--steps", str(args.steps), "--warmup", "1", "--out", str(out)]
+    out = RESULTS.parent.parent / "runs" / "bench" / "throughput_model_profile"  # raw: git-ignored
+    cmd = [
+        sys.executable,
+        "-m",
+        "copus",
+        "profile",
+        "--nproc",
+        str(args.nproc),
+        "--model",
+        args.model,
+        "--global-batch",
+        args.global_batch,
+        "--micro-batch-sizes",
+        args.micro_batch_sizes,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return out / "profile.json"
@@ -94,18 +111,21 @@ def score(base, rows: list[dict], fit_fraction: float, splits: int) -> dict:
         rhos.append(float(spearmanr(pred, [r["step_s"] for r in test_rows]).statistic))
         slow += best_plan_slowdowns(pred, test_rows)
     full = fit_model([(ParallelPlan(**{k: r[k] for k in FIELDS}), r["step_s"]) for r in rows], base)
-    return {"mape_heldout_median_pct": statistics.median(errors),
-            "mape_heldout_min_pct": min(errors), "mape_heldout_max_pct": max(errors),
-            "mape_fit_median_pct": statistics.median(fit_errors),
-            "mape_fit_all_plans_pct": mape(full, rows),
-            "spearman_heldout_median": statistics.median(rhos),
-            "spearman_heldout_min": min(rhos),
-            "best_plan_slowdown_median_pct": 100 * statistics.median(slow),
-            "best_plan_slowdown_mean_pct": 100 * statistics.fmean(slow),
-            "best_plan_slowdown_max_pct": 100 * max(slow),
-            "best_plan_within_5pct_share": sum(x <= 0.05 for x in slow) / len(slow),
-            "prior_mape_pct": mape(base, rows),
-            "per_layout_error_pct": per_layout_errors(full, rows)}
+    return {
+        "mape_heldout_median_pct": statistics.median(errors),
+        "mape_heldout_min_pct": min(errors),
+        "mape_heldout_max_pct": max(errors),
+        "mape_fit_median_pct": statistics.median(fit_errors),
+        "mape_fit_all_plans_pct": mape(full, rows),
+        "spearman_heldout_median": statistics.median(rhos),
+        "spearman_heldout_min": min(rhos),
+        "best_plan_slowdown_median_pct": 100 * statistics.median(slow),
+        "best_plan_slowdown_mean_pct": 100 * statistics.fmean(slow),
+        "best_plan_slowdown_max_pct": 100 * max(slow),
+        "best_plan_within_5pct_share": sum(x <= 0.05 for x in slow) / len(slow),
+        "prior_mape_pct": mape(base, rows),
+        "per_layout_error_pct": per_layout_errors(full, rows),
+    }
 
 
 def per_layout_errors(model, rows: list[dict]) -> dict[str, float]:
@@ -146,18 +166,26 @@ def per_layout_affine_mape_pct(rows: list[dict]) -> float:
     return 100 * float(np.mean(errors))
 
 
-METRICS = ("mape_heldout_median_pct", "mape_heldout_max_pct", "mape_fit_median_pct",
-           "mape_fit_all_plans_pct", "spearman_heldout_median", "spearman_heldout_min",
-           "best_plan_slowdown_median_pct", "best_plan_slowdown_mean_pct",
-           "best_plan_slowdown_max_pct", "best_plan_within_5pct_share", "prior_mape_pct")
+METRICS = (
+    "mape_heldout_median_pct",
+    "mape_heldout_max_pct",
+    "mape_fit_median_pct",
+    "mape_fit_all_plans_pct",
+    "spearman_heldout_median",
+    "spearman_heldout_min",
+    "best_plan_slowdown_median_pct",
+    "best_plan_slowdown_mean_pct",
+    "best_plan_slowdown_max_pct",
+    "best_plan_within_5pct_share",
+    "prior_mape_pct",
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="existing profile.json (skip profiling)")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--cores", type=int, default=os.cpu_count(),
-                    help="cores of the machine that measured the profile")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="cores of the machine that measured the profile")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--global-batch", default="8,16,32,64")
     ap.add_argument("--micro-batch-sizes", default="1,2,4,8,16")
@@ -172,34 +200,48 @@ def main() -> None:
     shape = get_model_shape(args.model)
     world = rows[0]["dp"] * rows[0]["tp"] * rows[0]["pp"]
     base = prior_model(shape, None, world)
-    shared = SharedCoreStepTimeModel(base.params, shape, None, cores=args.cores, world_size=world,
-                                     dtype_bytes=base.dtype_bytes)
-    gloo = GlooCpuStepTimeModel(base.params, shape, None, cores=args.cores, world_size=world,
-                                dtype_bytes=base.dtype_bytes)
-    models = {"one core per rank": score(base, rows, args.fit_fraction, args.splits),
-              f"shared cores ({world} ranks, {args.cores} cores)":
-                  score(shared, rows, args.fit_fraction, args.splits),
-              f"gloo calls, shared cores ({world} ranks, {args.cores} cores)":
-                  score(gloo, rows, args.fit_fraction, args.splits)}
+    shared = SharedCoreStepTimeModel(
+        base.params, shape, None, cores=args.cores, world_size=world, dtype_bytes=base.dtype_bytes
+    )
+    gloo = GlooCpuStepTimeModel(
+        base.params, shape, None, cores=args.cores, world_size=world, dtype_bytes=base.dtype_bytes
+    )
+    models = {
+        "one core per rank": score(base, rows, args.fit_fraction, args.splits),
+        f"shared cores ({world} ranks, {args.cores} cores)": score(shared, rows, args.fit_fraction, args.splits),
+        f"gloo calls, shared cores ({world} ranks, {args.cores} cores)": score(
+            gloo, rows, args.fit_fraction, args.splits
+        ),
+    }
     for name, model in zip(models, (base, shared, gloo)):
-        models[name]["fitted_params"] = sorted(set(model.params.names()) - set(
-            getattr(model, "unused_params", ())))
-    result = {"profile": str(path), "num_plans": len(rows), "world_size": world,
-              "cores": args.cores, "fit_fraction": args.fit_fraction, "splits": args.splits,
-              "targets": {"mape_pct": 5.0, "best_plan_slowdown_pct": 5.0}, "models": models,
-              "measurement_noise_pct": measurement_noise_pct(rows),
-              "per_layout_affine_fit_mape_pct": per_layout_affine_mape_pct(rows),
-              "command": "python " + " ".join(["bench/throughput_model.py"] + sys.argv[1:]),
-              "load_average": list(os.getloadavg())}
+        models[name]["fitted_params"] = sorted(set(model.params.names()) - set(getattr(model, "unused_params", ())))
+    result = {
+        "profile": str(path),
+        "num_plans": len(rows),
+        "world_size": world,
+        "cores": args.cores,
+        "fit_fraction": args.fit_fraction,
+        "splits": args.splits,
+        "targets": {"mape_pct": 5.0, "best_plan_slowdown_pct": 5.0},
+        "models": models,
+        "measurement_noise_pct": measurement_noise_pct(rows),
+        "per_layout_affine_fit_mape_pct": per_layout_affine_mape_pct(rows),
+        "command": "python " + " ".join(["bench/throughput_model.py"] + sys.argv[1:]),
+        "load_average": list(os.getloadavg()),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     names = list(models)
-    print(f"\nplans {len(rows)}, fitted on {args.fit_fraction:.0%}, {args.splits} random splits; "
-          f"world {world}, cores {args.cores}")
+    print(
+        f"\nplans {len(rows)}, fitted on {args.fit_fraction:.0%}, {args.splits} random splits; "
+        f"world {world}, cores {args.cores}"
+    )
     print("| metric | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for k in METRICS:
         print(f"| {k} | " + " | ".join(f"{models[n][k]:.3f}" for n in names) + " |")
-    print(f"references: measurement noise of a plan's median {result['measurement_noise_pct']:.1f} %, "
-          f"per-layout affine fit (15 parameters, in-sample) {result['per_layout_affine_fit_mape_pct']:.1f} %")
+    print(
+        f"references: measurement noise of a plan's median {result['measurement_noise_pct']:.1f} %, "
+        f"per-layout affine fit (15 parameters, in-sample) {result['per_layout_affine_fit_mape_pct']:.1f} %"
+    )
     print("per-layout mean error (fit on all plans), %:")
     for n in names:
         print(f"  {n}: " + ", ".join(f"{k} {v:+.1f}" for k, v in models[n]["per_layout_error_pct"].items()))

@@ -22,18 +22,20 @@ def _f(x: float | None, fmt: str = "+.1f") -> str:
 
 
 def _short(name: str) -> str:
-    return (name.replace(" (best of full menu)", "*").replace("schedule ", "")
-            .replace(" tuned", " (tuned)"))
+    return name.replace(" (best of full menu)", "*").replace("schedule ", "").replace(" tuned", " (tuned)")
 
 
 def table(result: dict, name: str = "goodput", paper: str = "goodput-copus") -> str:
-    rows = [f"Metric: {result.get('metric', 'time to the final target loss')}; seeds "
-            f"{', '.join(map(str, result['seeds']))}. * = best static of the full menu "
-            "(deterministic).", "",
-            "| preset | truth | R | honest ceiling | ≥ 2 % | best baseline | goodput (default) per "
-            "seed | mean | spread | capture | vs median static | vs best published schedule "
-            "as published | goodput-copus | capture |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"Metric: {result.get('metric', 'time to the final target loss')}; seeds "
+        f"{', '.join(map(str, result['seeds']))}. * = best static of the full menu "
+        "(deterministic).",
+        "",
+        "| preset | truth | R | honest ceiling | ≥ 2 % | best baseline | goodput (default) per "
+        "seed | mean | spread | capture | vs median static | vs best published schedule "
+        "as published | goodput-copus | capture |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in result["cells"]:
         g, p = c["variants"][name], c["variants"].get(paper, {})
         untuned = g.get("vs_untuned_pct", {})
@@ -45,18 +47,21 @@ def table(result: dict, name: str = "goodput", paper: str = "goodput-copus") -> 
             f"{_short(c['best_baseline'][0] or '–')} | "
             + " / ".join(_f(x) for x in g["per_seed_pct"])
             + f" | {_f(g['speedup_pct'])} | {_f(g.get('seed_spread_pct'), '.1f')} | "
-              f"{_f(g['capture'], '.2f')} | {_f(median)} | "
-              f"{_f(min(sched) if sched else None)} | "
-              f"{_f(p.get('speedup_pct'))} | {_f(p.get('capture'), '.2f')} |")
+            f"{_f(g['capture'], '.2f')} | {_f(median)} | "
+            f"{_f(min(sched) if sched else None)} | "
+            f"{_f(p.get('speedup_pct'))} | {_f(p.get('capture'), '.2f')} |"
+        )
     rows.append("")
     for variant, goals in result["goals"].items():
-        rows.append(f"- {variant}: median capture {_f(goals['median_capture'], '.2f')} over "
-                    f"{goals['cells_counted']} of {goals['cells']} cells with honest ceiling ≥ 2 %, "
-                    f"min {_f(goals['min_capture'], '.2f')}, "
-                    f"{goals['cells_counted'] - len(goals['cells_below_0.5'])} of "
-                    f"{goals['cells_counted']} counted cells ≥ 0.5; "
-                    f"{len(goals['cells_behind_1pct'])} of {goals['cells']} cells more than 1 % "
-                    f"behind the best baseline: {', '.join(goals['cells_behind_1pct']) or 'none'}")
+        rows.append(
+            f"- {variant}: median capture {_f(goals['median_capture'], '.2f')} over "
+            f"{goals['cells_counted']} of {goals['cells']} cells with honest ceiling ≥ 2 %, "
+            f"min {_f(goals['min_capture'], '.2f')}, "
+            f"{goals['cells_counted'] - len(goals['cells_below_0.5'])} of "
+            f"{goals['cells_counted']} counted cells ≥ 0.5; "
+            f"{len(goals['cells_behind_1pct'])} of {goals['cells']} cells more than 1 % "
+            f"behind the best baseline: {', '.join(goals['cells_behind_1pct']) or 'none'}"
+        )
     return "\n".join(rows) + "\n"
 
 

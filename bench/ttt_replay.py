@@ -79,8 +79,7 @@ def replay_curve(run_dir: Path, medians: dict[tuple[int, ...], float]) -> dict:
             switch_at[int(d["step"])] = switch_at.get(int(d["step"]), 0.0) + float(d["switch_s"])
     probe_at: dict[int, float] = {}
     for p in read_jsonl(run_dir / "probes.jsonl"):
-        probe_at[int(p.get("step", 0))] = probe_at.get(int(p.get("step", 0)), 0.0) + \
-            float(p.get("cost_s") or 0.0)
+        probe_at[int(p.get("step", 0))] = probe_at.get(int(p.get("step", 0)), 0.0) + float(p.get("cost_s") or 0.0)
     total, cum, unprofiled, interpolated = 0.0, {}, 0, 0
     for r in steps:
         k, step = plan_key(r), int(r["step"])
@@ -94,10 +93,15 @@ def replay_curve(run_dir: Path, medians: dict[tuple[int, ...], float]) -> dict:
             unprofiled += 1
         total += switch_at.get(step, 0.0) + probe_at.get(step, 0.0)
         cum[step] = total
-    return {"replay_s_at_step": cum, "replay_s": total, "unprofiled_steps": unprofiled,
-            "interpolated_steps": interpolated,
-            "switch_s": sum(switch_at.values()), "probe_s": sum(probe_at.values()),
-            "steps": len(steps)}
+    return {
+        "replay_s_at_step": cum,
+        "replay_s": total,
+        "unprofiled_steps": unprofiled,
+        "interpolated_steps": interpolated,
+        "switch_s": sum(switch_at.values()),
+        "probe_s": sum(probe_at.values()),
+        "steps": len(steps),
+    }
 
 
 def replay_eval_curve(run_dir: Path, medians: dict) -> tuple[list[float], list[float]]:
@@ -113,19 +117,24 @@ def replay_eval_curve(run_dir: Path, medians: dict) -> tuple[list[float], list[f
     return times, losses
 
 
-def median_speedup(tt: dict[str, dict[int, float]], seeds: list[int], policy: str,
-                   baselines: list[str]) -> dict:
+def median_speedup(tt: dict[str, dict[int, float]], seeds: list[int], policy: str, baselines: list[str]) -> dict:
     """(T_base − T_policy)/T_base per seed against the baseline with the lowest median time
     among `baselines` that reached the target in every seed; the median of those."""
-    reached = {b: statistics.median(tt[b][s] for s in seeds) for b in baselines
-               if b in tt and all(not math.isnan(tt[b].get(s, math.nan)) for s in seeds)}
+    reached = {
+        b: statistics.median(tt[b][s] for s in seeds)
+        for b in baselines
+        if b in tt and all(not math.isnan(tt[b].get(s, math.nan)) for s in seeds)
+    }
     if not reached or policy not in tt:
         return {"baseline": None, "median": math.nan, "per_seed": []}
     best = min(reached, key=reached.get)
     per = [(tt[best][s] - tt[policy].get(s, math.nan)) / tt[best][s] for s in seeds]
     ok = [x for x in per if not math.isnan(x)]
-    return {"baseline": best, "per_seed": per,
-            "median": statistics.median(ok) if len(ok) == len(per) and ok else math.nan}
+    return {
+        "baseline": best,
+        "per_seed": per,
+        "median": statistics.median(ok) if len(ok) == len(per) and ok else math.nan,
+    }
 
 
 def goal_check(res: dict, policy: str = "goodput") -> dict:
@@ -143,6 +152,10 @@ def goal_check(res: dict, policy: str = "goodput") -> dict:
         cbs = [p for p in tt if p.startswith("gns-")]
         vs_static = median_speedup(tt, seeds, policy, static)
         vs_cbs = median_speedup(tt, seeds, policy, cbs)
-        out[clock] = {"target": last, "vs_static": vs_static, "vs_cbs": vs_cbs,
-                      "met": bool(vs_static["median"] >= 0.12 and vs_cbs["median"] >= 0.05)}
+        out[clock] = {
+            "target": last,
+            "vs_static": vs_static,
+            "vs_cbs": vs_cbs,
+            "met": bool(vs_static["median"] >= 0.12 and vs_cbs["median"] >= 0.05),
+        }
     return out

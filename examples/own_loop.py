@@ -1,7 +1,8 @@
 """A plain PyTorch FSDP2 training loop that lets copus choose the global batch size.
 
-    torchrun --nproc_per_node 2 examples/own_loop.py --policy norm-test --steps 60
+torchrun --nproc_per_node 2 examples/own_loop.py --policy norm-test --steps 60
 """
+
 import argparse
 import json
 
@@ -25,7 +26,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 shape = get_model_shape("tiny")
-model = materialize(build_model(shape), "cpu", seed=0)            # your model here
+model = materialize(build_model(shape), "cpu", seed=0)  # your model here
 for block in model.layers.values():
     fully_shard(block)
 fully_shard(model)
@@ -33,8 +34,9 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
 
 data = TokenDataset(ByteCodec().encode(load_text("embedded", max_chars=2_000_000)), shape.seq_len)
 sampler, offset = GlobalSampler(len(data), seed=0), 0
-adapt = AdaptiveBatch(model, policy=args.policy, initial_batch=8, micro_batch_size=2,
-                      max_batch=128, seq_len=shape.seq_len)
+adapt = AdaptiveBatch(
+    model, policy=args.policy, initial_batch=8, micro_batch_size=2, max_batch=128, seq_len=shape.seq_len
+)
 
 for step in range(args.steps):
     ids = local_slice(sampler.ids(offset, adapt.global_batch_size), rank, world)
@@ -48,7 +50,7 @@ for step in range(args.steps):
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
         (loss / adapt.num_microbatches).backward()
         total += loss.item() / adapt.num_microbatches
-    decision = adapt.end_step(total)                               # stats before clipping
+    decision = adapt.end_step(total)  # stats before clipping
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     for group in optimizer.param_groups:
         group["lr"] = args.lr * adapt.lr_factor
@@ -56,8 +58,17 @@ for step in range(args.steps):
     optimizer.zero_grad()
     r = adapt.last_record
     if rank == 0:
-        print(json.dumps({"step": step + 1, "loss": round(r.loss, 4), "global_batch_size":
-                          r.global_batch_size, "b_noise": r.b_noise,
-                          "decision": decision.reason if decision else None}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step + 1,
+                    "loss": round(r.loss, 4),
+                    "global_batch_size": r.global_batch_size,
+                    "b_noise": r.b_noise,
+                    "decision": decision.reason if decision else None,
+                }
+            ),
+            flush=True,
+        )
 dist.barrier()
 dist.destroy_process_group()

@@ -35,8 +35,7 @@ def _absolute(node: ast.ImportFrom, path: Path) -> str:
 
 
 def _files() -> list[Path]:
-    return sorted([*(SRC / "copus").rglob("*.py"), *(ROOT / "examples").glob("*.py"),
-                   *(ROOT / "bench").glob("*.py")])
+    return sorted([*(SRC / "copus").rglob("*.py"), *(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")])
 
 
 @functools.cache
@@ -52,14 +51,13 @@ def copus_imports() -> tuple[tuple[str, int, str, str | None], ...]:
                 if module.split(".")[0] == "copus":
                     found += [(where, node.lineno, module, a.name) for a in node.names]
             elif isinstance(node, ast.Import):
-                found += [(where, node.lineno, a.name, None) for a in node.names
-                          if a.name.split(".")[0] == "copus"]
+                found += [(where, node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "copus"]
     return tuple(found)
 
 
 def test_the_walk_finds_the_lazy_imports_of_the_commands():
     lazy = {(m, n) for f, _, m, n in copus_imports() if f == "src/copus/commands/calibrate.py"}
-    assert ("copus.runtime.train", "launch") in lazy            # inside run()
+    assert ("copus.runtime.train", "launch") in lazy  # inside run()
     assert ("copus.runtime.train.launch", "calibrate_worker") in lazy
     assert len(copus_imports()) > 300
 
@@ -81,8 +79,9 @@ def test_every_copus_import_resolves():
     assert not stale, "\n".join(stale)
 
 
-@pytest.mark.parametrize("command", ["train", "plan", "profile", "simulate", "report", "prepare",
-                                     "export", "calibrate"])
+@pytest.mark.parametrize(
+    "command", ["train", "plan", "profile", "simulate", "report", "prepare", "export", "calibrate"]
+)
 def test_every_subcommand_module_has_add_arguments_and_run(command):
     from copus.cli import SUBCOMMANDS
 

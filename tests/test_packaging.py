@@ -78,10 +78,26 @@ def test_pip_install_keeps_an_installed_torch_2_13_or_newer(tmp_path, installed,
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PYTHONPATH=str(_fake_torch(tmp_path, installed)))
     report = tmp_path / "report.json"
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
-                          "--no-build-isolation", "--disable-pip-version-check", "--quiet",
-                          "--report", str(report), str(tree)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--report",
+            str(report),
+            str(tree),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if kept:
         assert out.returncode == 0, out.stderr[-2000:]
         would = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
@@ -116,8 +132,11 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, tree / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
-                          str(tree)], check=True, timeout=300)
+    subprocess.run(
+        pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(tree)],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("copus-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "copus/py.typed" in names
@@ -126,9 +145,11 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     site = tmp_path / "site"
     subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300)
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
-    code = ("import copus, importlib.resources as r, sys; from copus.cli import main; "
-            "print(copus.__file__); assert (r.files('copus') / 'py.typed').is_file(); "
-            "sys.exit(main(['plan', '--model', 'tiny', '--gpus', '2', '--top', '1']))")
+    code = (
+        "import copus, importlib.resources as r, sys; from copus.cli import main; "
+        "print(copus.__file__); assert (r.files('copus') / 'py.typed').is_file(); "
+        "sys.exit(main(['plan', '--model', 'tiny', '--gpus', '2', '--top', '1']))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(str(site))

@@ -18,14 +18,21 @@ MODULES = {
 
 def _members(mod, names):
     if names is None:
-        names = [n for n, v in vars(mod).items() if not n.startswith("_") and inspect.isfunction(v)
-                 and v.__module__ == mod.__name__]
+        names = [
+            n
+            for n, v in vars(mod).items()
+            if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == mod.__name__
+        ]
     return [(n, getattr(mod, n)) for n in names if hasattr(mod, n)]
 
 
 def render() -> str:
-    out = ["# copus API reference", "",
-           "Generated from the docstrings by `python tools/gen_api_docs.py > docs/api.md`.", ""]
+    out = [
+        "# copus API reference",
+        "",
+        "Generated from the docstrings by `python tools/gen_api_docs.py > docs/api.md`.",
+        "",
+    ]
     for mod_name, names in MODULES.items():
         mod = importlib.import_module(mod_name)
         out += [f"## `{mod_name}`", "", inspect.cleandoc(mod.__doc__ or ""), ""]

@@ -46,7 +46,7 @@ def build(root: Path = SRC) -> Graph:
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
         ext: set[str] = set()
-        aliases: dict[str, str] = {}           # local name -> copus module it is bound to
+        aliases: dict[str, str] = {}  # local name -> copus module it is bound to
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
@@ -71,10 +71,14 @@ def build(root: Path = SRC) -> Graph:
                         deps.add(a.name)
                         if a.asname:
                             aliases[a.asname] = a.name
-        for node in ast.walk(tree):          # module._private through an imported copus module
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases and _is_private(node.attr)
-                    and aliases[node.value.id] != name):
+        for node in ast.walk(tree):  # module._private through an imported copus module
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and _is_private(node.attr)
+                and aliases[node.value.id] != name
+            ):
                 g.private.append((name, aliases[node.value.id], node.attr))
         g.edges[name] = deps - {name}
         g.external[name] = ext

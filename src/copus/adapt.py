@@ -76,35 +76,48 @@ class AdaptiveBatch:
             among them `norm_test_form`: "per-sample", "micro-batch" or "paper".
     """
 
-    def __init__(self, model: nn.Module, *, policy: str = "norm-test", initial_batch: int = 8,
-                 micro_batch_size: int = 1, min_batch: int | None = None, max_batch: int = 256,
-                 lr_rule: str | None = None, seq_len: int = 1,
-                 settings: PolicySettings | None = None,
-                 decay: DecaySchedule | float | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        policy: str = "norm-test",
+        initial_batch: int = 8,
+        micro_batch_size: int = 1,
+        min_batch: int | None = None,
+        max_batch: int = 256,
+        lr_rule: str | None = None,
+        seq_len: int = 1,
+        settings: PolicySettings | None = None,
+        decay: DecaySchedule | float | None = None,
+    ) -> None:
         if policy.startswith("goodput"):
-            raise ValueError("policy='goodput' is invalid here; allowed: constant, ramp, norm-test, "
-                             "inner-product-test, gns (goodput needs `copus train`)")
+            raise ValueError(
+                "policy='goodput' is invalid here; allowed: constant, ramp, norm-test, "
+                "inner-product-test, gns (goodput needs `copus train`)"
+            )
         self.rank, world = _world()
         per_step = world * micro_batch_size
         if initial_batch % per_step:
-            raise ValueError(f"initial_batch={initial_batch} is invalid; allowed: a multiple of "
-                             f"world_size*micro_batch_size={per_step}")
+            raise ValueError(
+                f"initial_batch={initial_batch} is invalid; allowed: a multiple of "
+                f"world_size*micro_batch_size={per_step}"
+            )
         preset = POLICY_PRESETS.get(policy, {})
         if lr_rule is None:
             lr_rule = preset.get("train", {}).get("lr_rule", "sqrt")
         lr_scale(lr_rule, 1.0, 1.0)  # validates the rule name
         base = settings or PolicySettings(**preset.get("batch", {}))
-        self.settings = replace(base, initial=initial_batch,
-                                min=initial_batch if min_batch is None else min_batch,
-                                max=max_batch)
-        self.plan = ParallelPlan(dp=world, tp=1, pp=1, micro_batch_size=micro_batch_size,
-                                 num_microbatches=initial_batch // per_step)
+        self.settings = replace(
+            base, initial=initial_batch, min=initial_batch if min_batch is None else min_batch, max=max_batch
+        )
+        self.plan = ParallelPlan(
+            dp=world, tp=1, pp=1, micro_batch_size=micro_batch_size, num_microbatches=initial_batch // per_step
+        )
         self.policy = make_policy(policy, self.settings, self.plan, world_size=world)
         self.gns = GnsEstimator(decay)
         self.per_worker = self.settings.norm_test_form == "paper" and policy.startswith("norm-test")
         self.dots = policy == "inner-product-test"
-        self.stats = GradStats(model, tp=1, mode="microbatch",
-                               keep_grads=self.dots or self.per_worker)
+        self.stats = GradStats(model, tp=1, mode="microbatch", keep_grads=self.dots or self.per_worker)
         self.model, self.lr_rule, self.seq_len = model, lr_rule, seq_len
         self.step, self.samples = 0, 0
         self._t0 = time.perf_counter()
@@ -125,8 +138,15 @@ class AdaptiveBatch:
     @property
     def lr_factor(self) -> float:
         """Multiplier of the base learning rate for the current batch (the LR rule)."""
-        return float(lr_scale(self.lr_rule, self.global_batch_size, self.settings.initial,
-                              self.gns.grad_sqnorm, self.gns.grad_trace_cov))
+        return float(
+            lr_scale(
+                self.lr_rule,
+                self.global_batch_size,
+                self.settings.initial,
+                self.gns.grad_sqnorm,
+                self.gns.grad_trace_cov,
+            )
+        )
 
     def is_last_microbatch(self, k: int) -> bool:
         return k == self.num_microbatches - 1
@@ -156,14 +176,14 @@ class AdaptiveBatch:
         vec = torch.cat([vec, self._extras().to(vec.device, torch.float64)])
         if world > 1:
             dist.all_reduce(vec)
-        host = vec.tolist()                              # the step's one host read
+        host = vec.tolist()  # the step's one host read
         mean_loss, small_sum, big_sq = host[:3]
         extras = host[3:]
         num_small = world * p.num_microbatches
         ip_sq_mean = sum(x * x for x in extras) / len(extras) if self.dots else None
         small_batch = p.micro_batch_size
-        gns_small_sqnorm = small_sum / num_small     # the GNS keeps micro-batch gradients
-        if self.per_worker:                          # Lau eq. 5: J = world per-worker gradients
+        gns_small_sqnorm = small_sum / num_small  # the GNS keeps micro-batch gradients
+        if self.per_worker:  # Lau eq. 5: J = world per-worker gradients
             small_sum, num_small = float(extras[0]), world
             small_batch = p.micro_batch_size * p.num_microbatches
         self.stats.kept.clear()
@@ -171,24 +191,36 @@ class AdaptiveBatch:
         self.samples += p.global_batch_size
         finite = all(math.isfinite(x) for x in (mean_loss, small_sum, big_sq))
         if finite:
-            self.gns.update(gns_small_sqnorm, p.micro_batch_size, big_sq, p.global_batch_size,
-                            tokens=self.samples * self.seq_len)
+            self.gns.update(
+                gns_small_sqnorm, p.micro_batch_size, big_sq, p.global_batch_size, tokens=self.samples * self.seq_len
+            )
         record = StepRecord(
-            step=self.step, samples=self.samples, tokens=self.samples * self.seq_len, plan=p,
+            step=self.step,
+            samples=self.samples,
+            tokens=self.samples * self.seq_len,
+            plan=p,
             step_s=step_s if step_s is not None else time.perf_counter() - self._t0,
-            loss=mean_loss, small_sqnorm=small_sum / num_small, small_batch=small_batch,
-            num_small=num_small, big_sqnorm=big_sq, ip_sq_mean=ip_sq_mean,
+            loss=mean_loss,
+            small_sqnorm=small_sum / num_small,
+            small_batch=small_batch,
+            num_small=num_small,
+            big_sqnorm=big_sq,
+            ip_sq_mean=ip_sq_mean,
             grad_sqnorm=self.gns.grad_sqnorm,
-            grad_trace_cov=self.gns.grad_trace_cov, b_noise=self.gns.b_noise,
-            b_noise_rel_err=self.gns.rel_err, skipped=not finite)
+            grad_trace_cov=self.gns.grad_trace_cov,
+            b_noise=self.gns.b_noise,
+            b_noise_rel_err=self.gns.rel_err,
+            skipped=not finite,
+        )
         self.last_record = record
         decision = self.policy.observe(record)
         new_batch = self._agree(decision.plan.global_batch_size if decision else p.global_batch_size)
         if new_batch != p.global_batch_size:
             self.plan = p.with_batch(new_batch)
             if decision is None or decision.plan != self.plan:
-                decision = Decision(kind="batch", plan=self.plan, step=self.step,
-                                    reason="rank 0's decision", b_noise=self.gns.b_noise)
+                decision = Decision(
+                    kind="batch", plan=self.plan, step=self.step, reason="rank 0's decision", b_noise=self.gns.b_noise
+                )
             return decision
         return None
 
@@ -221,8 +253,7 @@ class AdaptiveBatch:
             loss_t = loss.detach().reshape(()).to(device, torch.float64)
         else:
             loss_t = torch.tensor(float(loss), dtype=torch.float64, device=device)
-        return torch.stack([loss_t / self.plan.dp, small.to(device, torch.float64),
-                            big.to(device, torch.float64)])
+        return torch.stack([loss_t / self.plan.dp, small.to(device, torch.float64), big.to(device, torch.float64)])
 
     def _device(self, stats_device: torch.device | None = None) -> torch.device:
         """The collectives' device: the current CUDA device under NCCL, else the statistics'
@@ -245,18 +276,22 @@ class AdaptiveBatch:
     def state_dict(self) -> dict:
         """Plain JSON-able state: save it with your checkpoint (e.g. inside DCP's `extra`)."""
         p = self.plan
-        return {"step": self.step, "samples": self.samples, "gns": self.gns.state_dict(),
-                "policy": self.policy.state_dict(),
-                "plan": {"micro_batch_size": p.micro_batch_size,
-                         "num_microbatches": p.num_microbatches}}
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "gns": self.gns.state_dict(),
+            "policy": self.policy.state_dict(),
+            "plan": {"micro_batch_size": p.micro_batch_size, "num_microbatches": p.num_microbatches},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples = int(state["step"]), int(state["samples"])
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])
         plan = state["plan"]
-        self.plan = replace(self.plan, micro_batch_size=int(plan["micro_batch_size"]),
-                            num_microbatches=int(plan["num_microbatches"]))
+        self.plan = replace(
+            self.plan, micro_batch_size=int(plan["micro_batch_size"]), num_microbatches=int(plan["num_microbatches"])
+        )
 
     def close(self) -> None:
         """Remove the gradient hooks."""

@@ -68,8 +68,8 @@ def atomic_write_text(path: str | Path, text: str, *, fsync: bool = True) -> Non
         fh.write(text)
 
 
-def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1, sort_keys: bool = True,
-                      fsync: bool = True) -> None:
+def atomic_write_json(
+    path: str | Path, obj: Any, *, indent: int | None = 1, sort_keys: bool = True, fsync: bool = True
+) -> None:
     """Replace `path` with `json.dumps(obj)` + newline atomically (NaN/inf allowed, as Python writes)."""
-    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=True) + "\n",
-                      fsync=fsync)
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=True) + "\n", fsync=fsync)

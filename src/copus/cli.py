@@ -39,9 +39,14 @@ class _DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or default is None or default is False
-                or default in ("", [], argparse.SUPPRESS)
-                or action.option_strings == [] or isinstance(action, argparse._HelpAction)):
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default in ("", [], argparse.SUPPRESS)
+            or action.option_strings == []
+            or isinstance(action, argparse._HelpAction)
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -50,10 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="copus", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"copus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    parser.subcommand_parsers = {}          # name -> parser: main() reports unknown flags on it
+    parser.subcommand_parsers = {}  # name -> parser: main() reports unknown flags on it
     for name, help_text in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=_DefaultsFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_DefaultsFormatter)
         parser.subcommand_parsers[name] = p
         module = _command_module(name)
         if module is not None:
@@ -74,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # `copus plan --gpu-count 8`: one line naming the subcommand and the flag, exit 2
-        parser.subcommand_parsers.get(args.command, parser).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+        parser.subcommand_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0

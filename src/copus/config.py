@@ -23,8 +23,18 @@ from copus.core.plan.layout_map import SYNTAX, LayoutMapError, parse_layout_map
 from copus.core.specs.models import MODELS
 from copus.core.control.policy_presets import apply_policy_preset
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
-                "goodput", "goodput-copus", "doubling", "schedule")
+POLICY_NAMES = (
+    "constant",
+    "ramp",
+    "norm-test",
+    "norm-test-lau",
+    "inner-product-test",
+    "gns",
+    "goodput",
+    "goodput-copus",
+    "doubling",
+    "schedule",
+)
 
 # A check returns None when the value is allowed, else a short "what is allowed" text.
 Check = Callable[[Any], str | None]
@@ -43,8 +53,7 @@ def _int(lo: int, hi: int | None = None) -> Check:
     return lambda v: None if _is_int(v) and v >= lo and (hi is None or v <= hi) else text
 
 
-def _real(lo: float, hi: float | None = None, *, lo_open: bool = False,
-          hi_open: bool = False) -> Check:
+def _real(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> Check:
     """A finite number in the interval; open/closed ends as given."""
     left = "(" if lo_open else "["
     right = ")" if hi_open or hi is None else "]"
@@ -90,8 +99,7 @@ def _real_or_auto() -> Check:
     around batch changes, core.stats.calibration_posterior) or "probe" (measured by branch
     probes, runtime/train/probe.py)."""
     real = _real(0.0, lo_open=True)
-    return lambda v: None if v in ("auto", "probe") or real(v) is None else \
-        "a number > 0, 'auto' or 'probe'"
+    return lambda v: None if v in ("auto", "probe") or real(v) is None else "a number > 0, 'auto' or 'probe'"
 
 
 def _probe_multipliers() -> Check:
@@ -110,6 +118,7 @@ def _probe_multipliers() -> Check:
 
 def _layout_map() -> Check:
     """`parallel.layouts` (core.layout_map syntax); "" = no map."""
+
     def check(v: Any) -> str | None:
         if not isinstance(v, str):
             return f"a string: {SYNTAX}"
@@ -127,9 +136,11 @@ def _tokenizer_setting() -> Check:
     start), a path ending in .json (a Hugging Face tokenizer.json) or a folder holding one (a
     Hugging Face model folder); checked when loaded."""
     text = "'auto', 'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder"
-    return lambda v: (None if isinstance(v, str) and (v in ("auto", "byte", "bpe")
-                                                      or v.endswith(".json") or os.path.isdir(v))
-                      else text)
+    return lambda v: (
+        None
+        if isinstance(v, str) and (v in ("auto", "byte", "bpe") or v.endswith(".json") or os.path.isdir(v))
+        else text
+    )
 
 
 def _opt(default: Any, check: Check, convert: Callable[[Any], Any] | None = None) -> Any:
@@ -143,35 +154,40 @@ _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
 def _model_name() -> Check:
     """A named shape or a readable Hugging Face config.json (core/specs/hf_config.py)."""
+
     def check(v: Any) -> str | None:
         if not isinstance(v, str) or not (v in MODELS or v.endswith(".json")):
             return "one of " + ", ".join(repr(n) for n in MODELS) + " or a config.json path"
         if v.endswith(".json"):
             from copus.core.specs.hf_config import load_shape
+
             try:
                 load_shape(v)
             except ValueError as err:
                 return str(err)
         return None
+
     return check
 
 
 def _hf_folder() -> Check:
     """`model.init_from`: "" (random init) or a Hugging Face folder with config.json."""
+
     def check(v: Any) -> str | None:
         if v == "":
             return None
         if not isinstance(v, str) or not os.path.isfile(os.path.join(v, "config.json")):
             return "'' or a Hugging Face model folder (config.json + safetensors weights)"
         return None
+
     return check
 
 
 @dataclass(**_FROZEN)
 class ModelConfig:
     name: str = _opt("tiny", _model_name())
-    seq_len: int = _opt(0, _int(0, 1_048_576))   # 0 = the shape's own (2048 for a config.json)
-    init_from: str = _opt("", _hf_folder())      # a Hugging Face folder: start from its weights
+    seq_len: int = _opt(0, _int(0, 1_048_576))  # 0 = the shape's own (2048 for a config.json)
+    init_from: str = _opt("", _hf_folder())  # a Hugging Face folder: start from its weights
 
 
 @dataclass(**_FROZEN)
@@ -231,8 +247,14 @@ class BatchConfig:
     initial: int = _opt(8, _int(1))
     min: int = _opt(8, _int(1))
     max: int = _opt(256, _int(1))
-    max_growth: float = _opt(2.0, lambda v: None if isinstance(v, int | float) and not isinstance(
-        v, bool) and v >= 1 else "a number >= 1, or inf (no growth cap)")
+    max_growth: float = _opt(
+        2.0,
+        lambda v: (
+            None
+            if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1
+            else "a number >= 1, or inf (no growth cap)"
+        ),
+    )
     interval_steps: int = _opt(10, _int(1))
     warmup_steps: int = _opt(10, _int(0))
     ramp_kind: str = _opt("linear", _choice("linear", "stepwise"))
@@ -246,8 +268,7 @@ class BatchConfig:
     gns_c: float = _opt(2.0, _real(0.0, lo_open=True))
     # batch.policy = "schedule": "0:768,250B:1536,500B:3072" (token thresholds, K/M/B/T
     # suffixes; batches in schedule_unit; docs/yardstick.md §schedules)
-    schedule: str = _opt("", lambda v: None if isinstance(v, str) else
-                         "a string such as '0:8,1M:16,4M:32' ('' = none)")
+    schedule: str = _opt("", lambda v: None if isinstance(v, str) else "a string such as '0:8,1M:16,4M:32' ('' = none)")
     schedule_unit: str = _opt("samples", _choice("samples", "tokens"))
 
 
@@ -259,8 +280,8 @@ class GnsConfig:
     decay_switch_tokens: int = _opt(8_000_000, _int(0))
     calibration: float | str = _opt("auto", _real_or_auto())
     max_rel_err: float = _opt(0.5, _real(0.0, lo_open=True))
-    probe_tokens: int = _opt(16384, _int(1))                  # with calibration = "probe"
-    probe_interval_tokens: int = _opt(500_000, _int(0))       # 0: only the first probe
+    probe_tokens: int = _opt(16384, _int(1))  # with calibration = "probe"
+    probe_interval_tokens: int = _opt(500_000, _int(0))  # 0: only the first probe
     probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
     estimator: str = _opt("tracking", _choice("tracking", "ema"))
     confidence: float = _opt(1.645, _real(0.0))
@@ -269,11 +290,12 @@ class GnsConfig:
 
 @dataclass(**_FROZEN)
 class ControllerConfig:
-    margin: float = _opt(0.10, _real(0.0))       # batch.policy = "goodput-copus" only
+    margin: float = _opt(0.10, _real(0.0))  # batch.policy = "goodput-copus" only
     lr_aware: bool = _opt(False, _bool())
     # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
-    reconfig_cost_s: float = _opt(-1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0)
-                                  else "-1 (auto) or a number >= 0")
+    reconfig_cost_s: float = _opt(
+        -1.0, lambda v: None if _is_real(v) and (v == -1 or v >= 0) else "-1 (auto) or a number >= 0"
+    )
     allow_reconfigure: bool = _opt(True, _bool())
     # the goodput run's first plan: "planned" = the controller's fastest plan at batch.initial
     # (its step-time model); "initial" = [parallel] as configured (pure FSDP when unset)
@@ -285,10 +307,10 @@ class ControllerConfig:
 @dataclass(**_FROZEN)
 class CheckpointConfig:
     interval_steps: int = _opt(100, _int(0))
-    interval_s: float = _opt(0.0, _real(0.0))   # also save when this much wall time passed
+    interval_s: float = _opt(0.0, _real(0.0))  # also save when this much wall time passed
     keep: int = _opt(2, _int(1))
     max_failed_saves: int = _opt(3, _int(1))
-    background: bool = _opt(False, _bool())     # interval saves written asynchronously (DCP async_save)
+    background: bool = _opt(False, _bool())  # interval saves written asynchronously (DCP async_save)
 
 
 @dataclass(**_FROZEN)
@@ -298,8 +320,11 @@ class EvalConfig:
 
 
 def _str_list() -> Check:
-    return lambda v: (None if isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
-                      else "a list of non-empty strings, e.g. ['baseline', 'tp2']")
+    return lambda v: (
+        None
+        if isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
+        else "a list of non-empty strings, e.g. ['baseline', 'tp2']"
+    )
 
 
 def _any_str() -> Check:
@@ -309,15 +334,15 @@ def _any_str() -> Check:
 @dataclass(**_FROZEN)
 class LogConfig:
     progress: bool = _opt(True, _bool())
-    progress_interval_s: float = _opt(30.0, _real(0.0))   # plain progress line without a tty
+    progress_interval_s: float = _opt(30.0, _real(0.0))  # plain progress line without a tty
     tensorboard: bool = _opt(True, _bool())
     # experiment trackers (runtime/state/trackers.py), optional extras copus[wandb] / copus[mlflow]
     wandb: bool = _opt(False, _bool())
     wandb_project: str = _opt("copus", _nonempty_str())
-    wandb_name: str = _opt("", _any_str())            # "" = the run folder's name (W&B and MLflow)
+    wandb_name: str = _opt("", _any_str())  # "" = the run folder's name (W&B and MLflow)
     wandb_tags: tuple[str, ...] = _opt((), _str_list())
-    wandb_mode: str = _opt("", _choice("", "online", "offline"))   # "" = WANDB_MODE, else online
-    mlflow: str = _opt("", _any_str())                 # a tracking URI, e.g. "sqlite:///mlflow.db"; "" = off
+    wandb_mode: str = _opt("", _choice("", "online", "offline"))  # "" = WANDB_MODE, else online
+    mlflow: str = _opt("", _any_str())  # a tracking URI, e.g. "sqlite:///mlflow.db"; "" = off
     mlflow_experiment: str = _opt("copus", _nonempty_str())
 
 
@@ -375,8 +400,10 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in by_name:
-            raise ValueError(f"unknown config key {section}.{key}{did_you_mean(key, by_name, section)}; "
-                             f"allowed in [{section}]: {', '.join(by_name)}")
+            raise ValueError(
+                f"unknown config key {section}.{key}{did_you_mean(key, by_name, section)}; "
+                f"allowed in [{section}]: {', '.join(by_name)}"
+            )
         problem = by_name[key].metadata["check"](value)
         if problem is not None:
             raise _bad(section, key, value, f"allowed: {problem}")
@@ -385,7 +412,7 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
         if by_name[key].metadata.get("convert") is not None:
             value = by_name[key].metadata["convert"](value)
         if isinstance(value, list):
-            value = tuple(value)   # frozen sections hold tuples
+            value = tuple(value)  # frozen sections hold tuples
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -396,11 +423,11 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     data = apply_policy_preset(data)
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown config section [{section}]{did_you_mean(section, SECTIONS)}; "
-                             f"allowed: {', '.join(SECTIONS)}")
+            raise ValueError(
+                f"unknown config section [{section}]{did_you_mean(section, SECTIONS)}; allowed: {', '.join(SECTIONS)}"
+            )
         if not isinstance(values, Mapping):
-            raise ValueError(f"{section}={values!r}: allowed: a table of keys "
-                             f"({', '.join(allowed_keys(section))})")
+            raise ValueError(f"{section}={values!r}: allowed: a table of keys ({', '.join(allowed_keys(section))})")
         sections[section] = _build_section(section, values)
     cfg = Config(**sections)
     check_consistency(cfg)
@@ -415,21 +442,29 @@ def _check_schedule(cfg: Config) -> None:
     b = cfg.batch
     if not b.schedule.strip():
         if b.policy == "schedule":
-            raise _bad("batch", "schedule", b.schedule, "allowed: with batch.policy='schedule', "
-                       "a schedule such as '0:8,1M:16,4M:32' (tokens:batch)")
+            raise _bad(
+                "batch",
+                "schedule",
+                b.schedule,
+                "allowed: with batch.policy='schedule', a schedule such as '0:8,1M:16,4M:32' (tokens:batch)",
+            )
         return
     if b.policy != "schedule":
-        raise _bad("batch", "schedule", b.schedule,
-                   f"allowed: only with batch.policy='schedule' (got {b.policy!r})")
-    sched = parse_step_schedule(b.schedule, unit=b.schedule_unit,
-                                seq_len=model_shape(cfg).seq_len)
+        raise _bad("batch", "schedule", b.schedule, f"allowed: only with batch.policy='schedule' (got {b.policy!r})")
+    sched = parse_step_schedule(b.schedule, unit=b.schedule_unit, seq_len=model_shape(cfg).seq_len)
     if sched.entries[0][1] != b.initial:
-        raise _bad("batch", "initial", b.initial, f"allowed: batch.initial = the schedule's first "
-                   f"batch {sched.entries[0][1]} ({sched.describe()})")
+        raise _bad(
+            "batch",
+            "initial",
+            b.initial,
+            f"allowed: batch.initial = the schedule's first batch {sched.entries[0][1]} ({sched.describe()})",
+        )
     for entry, (_, batch) in zip(sched.describe().split(","), sched.entries):
         if not b.min <= batch <= b.max:
-            raise ValueError(f"batch.schedule entry '{entry}' is invalid: batch {batch} is outside "
-                             f"[batch.min={b.min}, batch.max={b.max}]; allowed: batches in that range")
+            raise ValueError(
+                f"batch.schedule entry '{entry}' is invalid: batch {batch} is outside "
+                f"[batch.min={b.min}, batch.max={b.max}]; allowed: batches in that range"
+            )
 
 
 def check_consistency(cfg: Config) -> None:
@@ -438,32 +473,44 @@ def check_consistency(cfg: Config) -> None:
     if b.min > b.max:
         raise _bad("batch", "min", b.min, f"allowed: an integer <= batch.max={b.max}")
     if not b.min <= b.initial <= b.max:
-        raise _bad("batch", "initial", b.initial,
-                   f"allowed: batch.min={b.min} <= batch.initial <= batch.max={b.max}")
+        raise _bad("batch", "initial", b.initial, f"allowed: batch.min={b.min} <= batch.initial <= batch.max={b.max}")
     if not b.min <= b.ramp_to <= b.max:
-        raise _bad("batch", "ramp_to", b.ramp_to,
-                   f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
+        raise _bad("batch", "ramp_to", b.ramp_to, f"allowed: batch.min={b.min} <= batch.ramp_to <= batch.max={b.max}")
     _check_schedule(cfg)
-    vocab = model_shape(cfg).vocab_size   # 256: a byte-level shape follows the tokenizer
+    vocab = model_shape(cfg).vocab_size  # 256: a byte-level shape follows the tokenizer
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > vocab != 256:
-        raise _bad("data", "bpe_vocab_size", cfg.data.bpe_vocab_size,
-                   f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}")
+        raise _bad(
+            "data",
+            "bpe_vocab_size",
+            cfg.data.bpe_vocab_size,
+            f"allowed: at most vocab_size={vocab} of model {cfg.model.name!r}",
+        )
     _check_init_from(cfg)
     p = cfg.parallel
     if p.layouts.strip():
         fixed = [f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp") if getattr(p, k)]
         if fixed:
-            raise _bad("parallel", "layouts", p.layouts,
-                       f"allowed: a layout map only with parallel.dp/tp/pp unset (got {fixed[0]})")
+            raise _bad(
+                "parallel",
+                "layouts",
+                p.layouts,
+                f"allowed: a layout map only with parallel.dp/tp/pp unset (got {fixed[0]})",
+            )
         if b.policy.startswith("goodput"):
-            raise _bad("parallel", "layouts", p.layouts,
-                       "allowed: a layout map only with a batch-only policy (batch.policy="
-                       "'goodput' chooses layouts itself)")
+            raise _bad(
+                "parallel",
+                "layouts",
+                p.layouts,
+                "allowed: a layout map only with a batch-only policy (batch.policy='goodput' chooses layouts itself)",
+            )
     check_norm_test_form(cfg)
     if cfg.eval.interval_steps > 0 and cfg.data.val_fraction == 0:
-        raise _bad("data", "val_fraction", 0.0,
-                   "allowed: a number in (0, 0.5] while eval.interval_steps > 0 "
-                   "(or set eval.interval_steps=0)")
+        raise _bad(
+            "data",
+            "val_fraction",
+            0.0,
+            "allowed: a number in (0, 0.5] while eval.interval_steps > 0 (or set eval.interval_steps=0)",
+        )
 
 
 def check_norm_test_form(cfg: Config) -> None:
@@ -473,8 +520,9 @@ def check_norm_test_form(cfg: Config) -> None:
     form, small = cfg.batch.norm_test_form, cfg.gns.small
     need = {"paper": "rank", "micro-batch": "microbatch"}.get(form)
     if cfg.batch.policy.startswith("norm-test") and need is not None and small != need:
-        raise _bad("gns", "small", small, f"allowed: {need!r} with batch.norm_test_form="
-                   f"{form!r} (or another norm_test_form)")
+        raise _bad(
+            "gns", "small", small, f"allowed: {need!r} with batch.norm_test_form={form!r} (or another norm_test_form)"
+        )
 
 
 def _check_init_from(cfg: Config) -> None:
@@ -487,9 +535,13 @@ def _check_init_from(cfg: Config) -> None:
     ours = model_shape(cfg)
     for f in dataclasses.fields(ours):
         if f.name != "name" and getattr(ours, f.name) != getattr(theirs, f.name):
-            raise _bad("model", "init_from", cfg.model.init_from,
-                       f"allowed: a folder whose config.json has {f.name}={getattr(ours, f.name)!r} like "
-                       f"model.name={cfg.model.name!r} (it has {getattr(theirs, f.name)!r})")
+            raise _bad(
+                "model",
+                "init_from",
+                cfg.model.init_from,
+                f"allowed: a folder whose config.json has {f.name}={getattr(ours, f.name)!r} like "
+                f"model.name={cfg.model.name!r} (it has {getattr(theirs, f.name)!r})",
+            )
 
 
 def check_run_length(cfg: Config) -> None:
@@ -500,12 +552,15 @@ def check_run_length(cfg: Config) -> None:
     """
     t = cfg.train
     if t.max_steps == 0 and t.max_tokens == 0:
-        raise _bad("train", "max_tokens", 0,
-                   "allowed: an integer > 0 when train.max_steps=0 (set one of them)")
+        raise _bad("train", "max_tokens", 0, "allowed: an integer > 0 when train.max_steps=0 (set one of them)")
     if t.lr_schedule != "constant" and t.max_tokens == 0:
-        raise _bad("train", "max_tokens", 0,
-                   f"allowed: an integer > 0 with train.lr_schedule={t.lr_schedule!r} "
-                   "(it decays over max_tokens), or train.lr_schedule='constant'")
+        raise _bad(
+            "train",
+            "max_tokens",
+            0,
+            f"allowed: an integer > 0 with train.lr_schedule={t.lr_schedule!r} "
+            "(it decays over max_tokens), or train.lr_schedule='constant'",
+        )
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -31,14 +31,19 @@ def test_the_recorded_command_on_the_archive_rewrites_the_committed_table(tmp_pa
     argv = shlex.split(json.loads((RESULTS / f"{result}.json").read_text())["command"])
     assert argv[:2] == ["python", "bench/time_to_target.py"] and "--from" in argv
     out = tmp_path / f"{result}.json"
-    argv = [str(ROOT / a) if a.startswith("bench/results/time_to_target_long_profile") else a
-            for a in argv[2:]]
+    argv = [str(ROOT / a) if a.startswith("bench/results/time_to_target_long_profile") else a for a in argv[2:]]
     argv[argv.index("--out") + 1] = str(out)
     if "--plot" in argv:
-        del argv[argv.index("--plot"):argv.index("--plot") + 2]
+        del argv[argv.index("--plot") : argv.index("--plot") + 2]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_target.py"), *argv],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "time_to_target.py"), *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert out.with_suffix(".md").read_text() == (RESULTS / f"{result}.md").read_text()
     fresh, committed = json.loads(out.read_text()), json.loads((RESULTS / f"{result}.json").read_text())
@@ -46,9 +51,8 @@ def test_the_recorded_command_on_the_archive_rewrites_the_committed_table(tmp_pa
 
 
 def test_no_run_folders_are_committed():
-    listed = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True,
-                            text=True)
+    listed = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True)
     if listed.returncode != 0:
-        pytest.skip("not a git checkout")     # an sdist or a copied tree: nothing to check
+        pytest.skip("not a git checkout")  # an sdist or a copied tree: nothing to check
     names = listed.stdout.split()
     assert not [n for n in names if n.endswith(("metrics.jsonl", "eval.jsonl", "decisions.jsonl"))]

@@ -8,8 +8,9 @@ import pytest
 from copus.core.stats.calibration_posterior import CalibrationPosterior
 
 
-def _run(c_true: float, seed: int, noise: float = 1.0, estimator_bias: float = 1.0,
-         post: CalibrationPosterior | None = None) -> CalibrationPosterior:
+def _run(
+    c_true: float, seed: int, noise: float = 1.0, estimator_bias: float = 1.0, post: CalibrationPosterior | None = None
+) -> CalibrationPosterior:
     """A synthetic run: φ rises linearly, B doubles three times, progress per step
     B·cφ/(cφ + B), loss a power law in effective samples, noise 2.1/sqrt(B·2048)."""
     rng = np.random.default_rng(seed)
@@ -22,8 +23,7 @@ def _run(c_true: float, seed: int, noise: float = 1.0, estimator_bias: float = 1
         bc = c_true * phi
         progress += batch * bc / (bc + batch)
         loss = 1 + 10 * (1 + progress / 50) ** -0.24
-        post.observe(loss + noise * 2.1 / math.sqrt(batch * 2048) * rng.standard_normal(),
-                     batch, phi / estimator_bias)
+        post.observe(loss + noise * 2.1 / math.sqrt(batch * 2048) * rng.standard_normal(), batch, phi / estimator_bias)
     return post
 
 
@@ -33,7 +33,7 @@ def test_recovers_c_within_its_interval(c_true):
         s = _run(c_true, seed).summary()
         assert s["experiments"] == 3
         assert s["p05"] <= c_true <= s["p95"]
-        assert abs(math.log2(s["median"] / c_true)) < 0.5      # within 1.4x
+        assert abs(math.log2(s["median"] / c_true)) < 0.5  # within 1.4x
 
 
 def test_noiseless_maximum_is_the_truth():
@@ -53,7 +53,7 @@ def test_no_change_no_evidence():
     for t in range(500):
         assert post.observe(5.0 - t * 1e-3, 16, 10.0 + t) is None
     assert post.experiments == []
-    assert post.value() == pytest.approx(2.0, rel=0.03)   # the grid truncates the prior
+    assert post.value() == pytest.approx(2.0, rel=0.03)  # the grid truncates the prior
 
 
 def test_state_round_trip_and_bad_values():
@@ -105,4 +105,4 @@ def test_only_moves_of_min_ratio_are_experiments():
         rows.append(post.observe(loss, batch, 20.0))
     closed = [i for i, r in enumerate(rows) if r is not None]
     assert closed == [250 + post.skip_steps + post.window_steps]
-    assert rows[closed[0]]["batches"] == [18.0, 24.0]        # the pre-window: 60 steps
+    assert rows[closed[0]]["batches"] == [18.0, 24.0]  # the pre-window: 60 steps

@@ -20,8 +20,9 @@ HW = "h100-nvlink-pairs"
 INIT = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)  # COPUS 3B start
 # COPUS's rule (point estimate once rel_err <= max_rel_err, c = 2, no recovery hold); the
 # lower-bound and recovery rules have their own tests below
-SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10,
-                          calibration=2.0, confidence=0.0, recovery_steps=0)
+SETTINGS = PolicySettings(
+    initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0, confidence=0.0, recovery_steps=0
+)
 TRUE = StepTimeModel.analytic(SHAPE, HW, 8)  # the "machine" the synthetic trainer runs on
 
 
@@ -34,12 +35,32 @@ def _controller(**kw):
 
 
 def _record(step, plan, step_s, b_noise, rel_err=0.1, skipped=False):
-    return StepRecord(step=step, samples=0, tokens=0, plan=plan, step_s=step_s, loss=1.0,
-                      b_noise=b_noise, b_noise_rel_err=rel_err, skipped=skipped)
+    return StepRecord(
+        step=step,
+        samples=0,
+        tokens=0,
+        plan=plan,
+        step_s=step_s,
+        loss=1.0,
+        b_noise=b_noise,
+        b_noise_rel_err=rel_err,
+        skipped=skipped,
+    )
 
 
-def _drive(ctrl, steps, *, seed=0, start=1, plan=INIT, b_noise=lambda s: 200.0, step_noise=0.05,
-           gns_noise=0.3, slowdown=1.0, switch_cost_s=30.0):
+def _drive(
+    ctrl,
+    steps,
+    *,
+    seed=0,
+    start=1,
+    plan=INIT,
+    b_noise=lambda s: 200.0,
+    step_noise=0.05,
+    gns_noise=0.3,
+    slowdown=1.0,
+    switch_cost_s=30.0,
+):
     """Run a synthetic trainer; returns (decisions, final plan)."""
     rng = np.random.default_rng(seed)
     out = []
@@ -79,8 +100,7 @@ def test_decisions_are_feasible_capped_and_explained():
     prev = INIT
     for d in decisions:
         assert not plan_problems(d.plan, 8, SHAPE)
-        assert float(mem.bytes_per_rank(*d.plan.layout, d.plan.micro_batch_size,
-                                        d.plan.num_microbatches)) <= 80e9
+        assert float(mem.bytes_per_rank(*d.plan.layout, d.plan.micro_batch_size, d.plan.num_microbatches)) <= 80e9
         assert 16 <= d.plan.global_batch_size <= min(512, 2 * prev.global_batch_size)
         assert d.kind == ("batch" if d.plan.layout == prev.layout else "reconfigure")
         assert "margin 10%" in d.reason and d.candidates
@@ -94,8 +114,7 @@ def test_no_flapping_under_noisy_statistics(seed):
     """Constant true b_noise, 40% log-normal noise on it and 10% on step times: the controller
     converges, never returns to a plan it left and never shrinks the batch."""
     ctrl = _controller()
-    decisions, _ = _drive(ctrl, 400, seed=seed, b_noise=lambda s: 300.0, gns_noise=0.4,
-                          step_noise=0.10)
+    decisions, _ = _drive(ctrl, 400, seed=seed, b_noise=lambda s: 300.0, gns_noise=0.4, step_noise=0.10)
     plans = [INIT] + [d.plan for d in decisions]
     assert len(decisions) <= 8
     assert len(set(plans)) == len(plans), [p.describe() for p in plans]
@@ -141,9 +160,12 @@ def test_refits_the_step_time_model_from_measurements():
 
 
 def test_profile_table_prior():
-    plans = [INIT, ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
-             ParallelPlan(dp=4, tp=2, pp=1, micro_batch_size=4, num_microbatches=1),
-             ParallelPlan(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=4)]
+    plans = [
+        INIT,
+        ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
+        ParallelPlan(dp=4, tp=2, pp=1, micro_batch_size=4, num_microbatches=1),
+        ParallelPlan(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=4),
+    ]
     table = [(p, 2.0 * TRUE.predict_plan(p)) for p in plans]
     ctrl = _controller(profile_observations=table)
     for p, s in table:

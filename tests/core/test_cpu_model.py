@@ -14,18 +14,15 @@ from copus.core.cost.throughput import StepTimeParams, plan_columns
 
 SHAPE = get_model_shape("tiny")
 BASE = prior_model(SHAPE, None, 4)
-LAYOUTS = {"dp4": (4, 1, 1), "pp4": (1, 1, 4), "dp2.pp2": (2, 1, 2), "tp2.pp2": (1, 2, 2),
-           "dp2.tp2": (2, 2, 1)}
+LAYOUTS = {"dp4": (4, 1, 1), "pp4": (1, 1, 4), "dp2.pp2": (2, 1, 2), "tp2.pp2": (1, 2, 2), "dp2.tp2": (2, 2, 1)}
 
 
 def _shared(cores):
-    return SharedCoreStepTimeModel(BASE.params, SHAPE, None, cores=cores, world_size=4,
-                                   dtype_bytes=BASE.dtype_bytes)
+    return SharedCoreStepTimeModel(BASE.params, SHAPE, None, cores=cores, world_size=4, dtype_bytes=BASE.dtype_bytes)
 
 
 def _gloo(params=BASE.params, cores=2, **options):
-    return GlooCpuStepTimeModel(params, SHAPE, None, cores=cores, world_size=4,
-                                dtype_bytes=BASE.dtype_bytes, **options)
+    return GlooCpuStepTimeModel(params, SHAPE, None, cores=cores, world_size=4, dtype_bytes=BASE.dtype_bytes, **options)
 
 
 def _only(**nonzero) -> StepTimeParams:
@@ -40,14 +37,16 @@ def test_enough_cores_is_the_base_model_and_too_few_spread_the_work():
     two = _shared(2).breakdown(*cols)
     busy = base["step_s"] - base["bubble_s"]
     assert np.allclose(two["step_s"], np.maximum(base["step_s"], 2 * busy), rtol=1e-12)
-    assert two["step_s"][0] == pytest.approx(2 * base["step_s"][0], rel=1e-12)   # dp4: 2x
+    assert two["step_s"][0] == pytest.approx(2 * base["step_s"][0], rel=1e-12)  # dp4: 2x
     # pp4 with 8 micro-batches: its 3 bubble stage-times are absorbed by the shared cores
     assert two["step_s"][1] < 2 * base["step_s"][1]
 
 
 def test_fit_keeps_the_shared_core_structure_and_prior_model_picks_the_gloo_model():
-    plans = [ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
-             ParallelPlan(dp=1, tp=1, pp=4, micro_batch_size=2, num_microbatches=4)]
+    plans = [
+        ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
+        ParallelPlan(dp=1, tp=1, pp=4, micro_batch_size=2, num_microbatches=4),
+    ]
     truth = _shared(2).with_params(BASE.params.scaled_time(3.0))
     fitted = fit_model([(p, truth.predict_plan(p)) for p in plans], _shared(2))
     assert isinstance(fitted, SharedCoreStepTimeModel) and fitted.cores == 2
@@ -69,9 +68,9 @@ def test_collective_calls_per_microbatch_are_copus_runtime_counts():
     # tiny: 4 blocks; pp2: 2 blocks + head on the last stage, pp4: 1 block + head
     assert n_ar.tolist() == [0, 7 * 4 + 2, 7 * 2 + 1, 7 * 1 + 1] and n_ag.tolist() == [0, 1, 1, 1]
     ar_ac, _ = _gloo(activation_checkpointing=True).tp_calls(2, 1)
-    assert float(ar_ac) == 9 * 4 + 2        # the recompute repeats the 2 forward all-reduces
+    assert float(ar_ac) == 9 * 4 + 2  # the recompute repeats the 2 forward all-reduces
     parts = m.breakdown([4, 2, 2, 1], [1, 2, 1, 1], [1, 1, 2, 4], 2, 4)
-    assert parts["fsdp_calls"].tolist() == [10, 10, 3, 0]      # units: 5, 5, 3, 2
+    assert parts["fsdp_calls"].tolist() == [10, 10, 3, 0]  # units: 5, 5, 3, 2
     assert parts["tp_calls"].tolist() == [0, 31, 0, 0]
     # reshard_after_forward=False: gathered once per step, with the gradient reduce-scatter
     gathered = _gloo(reshard_after_forward=False).breakdown(2, 1, 1, 2, 4)
@@ -113,10 +112,21 @@ def test_fit_recovers_gloo_coefficients_from_noisy_synthetic_steps():
     fitted on 30 % of the plans, the per-call latencies and β_c come back within 10 %, held-out
     plans within 10 %, every layout within 3 % on average; the old model fitted to the same
     steps is off by more than 4 % on a tensor-parallel layout (it counts 4 TP calls per block)."""
-    truth = _gloo(StepTimeParams(
-        layer_overhead_s=8e-4, s_per_flop=2.2e-11, tp_latency_s=3.4e-3, tp_s_per_byte=2.6e-9,
-        dp_latency_s=5.9e-3, dp_s_per_byte=1e-9, pp_latency_s=2.4e-3, pp_s_per_byte=1e-9,
-        optimizer_s_per_param=3.4e-9, step_overhead_s=0.028, gamma=1.0))
+    truth = _gloo(
+        StepTimeParams(
+            layer_overhead_s=8e-4,
+            s_per_flop=2.2e-11,
+            tp_latency_s=3.4e-3,
+            tp_s_per_byte=2.6e-9,
+            dp_latency_s=5.9e-3,
+            dp_s_per_byte=1e-9,
+            pp_latency_s=2.4e-3,
+            pp_s_per_byte=1e-9,
+            optimizer_s_per_param=3.4e-9,
+            step_overhead_s=0.028,
+            gamma=1.0,
+        )
+    )
     plans = list(enumerate_plans(4, [8, 16, 32, 64], [1, 2, 4, 8, 16], SHAPE))
     assert {p.layout for p in plans} == set(LAYOUTS.values())
     rng = np.random.default_rng(0)
@@ -127,7 +137,7 @@ def test_fit_recovers_gloo_coefficients_from_noisy_synthetic_steps():
     obs = [(plans[i], float(measured[i])) for i in fit_idx]
     prior = _gloo(replace(BASE.params, gamma=2.0))
     fitted = fit_model(obs, prior)
-    assert fitted.params.gamma == 2.0            # unused by the equation: pinned, not fitted
+    assert fitted.params.gamma == 2.0  # unused by the equation: pinned, not fitted
     for name in ("tp_latency_s", "dp_latency_s", "s_per_flop"):
         assert getattr(fitted.params, name) == pytest.approx(getattr(truth.params, name), rel=0.10), name
     held = [plans[i] for i in test_idx]

@@ -109,13 +109,12 @@ def test_least_squares_fit_noisy_is_close():
 
     rng = np.random.default_rng(0)
     B, b_noise, C = 8.0, 30.0, 2.0
-    drops = {k * B: C / (k * B + b_noise) * (1 + 0.01 * rng.standard_normal())
-             for k in (0.5, 1, 2, 4, 8)}
+    drops = {k * B: C / (k * B + b_noise) * (1 + 0.01 * rng.standard_normal()) for k in (0.5, 1, 2, 4, 8)}
     assert fit_b_noise(drops).b_noise == pytest.approx(b_noise, rel=0.25)
 
 
 def test_least_squares_fit_degenerate():
-    assert math.isnan(fit_b_noise({8: 0.1}).b_noise)           # one point
+    assert math.isnan(fit_b_noise({8: 0.1}).b_noise)  # one point
     assert math.isnan(fit_b_noise({8: 0.1, 16: 0.2}).b_noise)  # bigger batch, more progress
     assert math.isnan(fit_b_noise({8: -0.1, 16: 0.2}).b_noise)  # only one point with progress
 
@@ -131,8 +130,7 @@ def test_summarize_branches_known_answer():
 
     B, b_noise, C, start = 8.0, 24.0, 2.0, 3.0
     # two repeats: the model's losses ± 0.005 (gap 0.01 → ε = 0.02)
-    losses = {k * B: [start - C / (k * B + b_noise) + d for d in (-0.005, 0.005)]
-              for k in (1, 2, 4, 8)}
+    losses = {k * B: [start - C / (k * B + b_noise) + d for d in (-0.005, 0.005)] for k in (1, 2, 4, 8)}
     s = summarize_branches(base_batch=B, losses=losses, start_loss=start, b_noise_online=12.0)
     assert s["epsilon"] == pytest.approx(0.02)
     assert s["b_noise_fit"] == pytest.approx(b_noise, rel=1e-6)
@@ -152,10 +150,10 @@ def test_probe_multipliers_and_auto_calibration_config():
     for bad in ("2,4", "1", "1,-2", "1,x"):
         with pytest.raises(ValueError, match="probe_multipliers"):
             parse_probe_multipliers(bad)
-    cfg = load_config(None, ["gns.calibration='probe'"])      # the branch probe: its prior until measured
+    cfg = load_config(None, ["gns.calibration='probe'"])  # the branch probe: its prior until measured
     assert cfg.gns.calibration == "probe"
     assert PolicySettings.from_config(cfg).calibration == AUTO_CALIBRATION_PRIOR
-    auto = PolicySettings.from_config(load_config(None, ["gns.calibration='auto'"]))   # learnt in the run
+    auto = PolicySettings.from_config(load_config(None, ["gns.calibration='auto'"]))  # learnt in the run
     assert (auto.calibration, auto.calibration_mode) == (POSTERIOR_PRIOR_C, "auto")
     assert load_config(None, ["gns.calibration=2"]).gns.calibration == 2.0
     for bad in ("gns.calibration='sometimes'", "gns.calibration=0", "gns.probe_multipliers='2,4'"):

@@ -48,8 +48,8 @@ def test_adascale_gain_values_and_pollux_identity():
     mu2, tr, b0, b = 0.5, 40.0, 4.0, 64.0
     r = adascale_gain(mu2, tr, b / b0, b0)
     assert r / (b / b0) == pytest.approx(statistical_efficiency(tr / mu2, b, b0))
-    assert adascale_gain(0.0, 1.0, 8.0) == 8.0       # no signal: full linear gain
-    assert adascale_gain(1.0, 0.0, 8.0) == 1.0       # no noise: no gain
+    assert adascale_gain(0.0, 1.0, 8.0) == 8.0  # no signal: full linear gain
+    assert adascale_gain(1.0, 0.0, 8.0) == 1.0  # no noise: no gain
     assert math.isnan(adascale_gain(math.nan, 1.0, 8.0))
 
 
@@ -77,13 +77,11 @@ def test_sqrt_gain_rule_is_bounded_and_follows_sqrt_below_b_noise():
     """AdaptDL AdamScale: η ∝ sqrt(AdaScale gain). With φ' = b_noise/B0 = trΣ/(B0·|G|²):
     ≈ sqrt(B/B0) while B ≪ b_noise, saturating at sqrt(1 + φ') (plain sqrt keeps growing)."""
     g2, ref = 1.0, 8
-    trace = 1000.0 * ref                              # b_noise = 8000 samples, φ' = 1000
+    trace = 1000.0 * ref  # b_noise = 8000 samples, φ' = 1000
     assert lr_scale("sqrt-gain", 32, ref, g2, trace) == pytest.approx(2.0, rel=0.01)
     big = lr_scale("sqrt-gain", 8 * 10**6, ref, g2, trace)
-    assert big == pytest.approx(math.sqrt(1 + 1000), rel=0.01) and big < lr_scale(
-        "sqrt", 8 * 10**6, ref)
-    assert lr_scale("sqrt-gain", 64, ref, g2, trace) == pytest.approx(
-        math.sqrt(adascale_gain(g2, trace, 8, ref)))
-    assert lr_scale("sqrt-gain", 64, ref, math.nan, math.nan) == 1.0   # no statistics yet
+    assert big == pytest.approx(math.sqrt(1 + 1000), rel=0.01) and big < lr_scale("sqrt", 8 * 10**6, ref)
+    assert lr_scale("sqrt-gain", 64, ref, g2, trace) == pytest.approx(math.sqrt(adascale_gain(g2, trace, 8, ref)))
+    assert lr_scale("sqrt-gain", 64, ref, math.nan, math.nan) == 1.0  # no statistics yet
     with pytest.raises(ValueError, match="sqrt-gain"):
         lr_scale("sqrt-gain", 64, ref)

@@ -47,8 +47,21 @@ def test_fit_recovers_parameters_from_noisy_synthetic_steps(seed):
     # from the Jacobian of log step time in log coefficients) is recovered within 10 % (3 s.e.)
     names = [n for n in StepTimeParams.names() if n != "gamma"]
     base_log = np.log(truth.predict_plans(train))
-    jac = np.stack([(np.log(truth.with_params(replace(truth.params, **{n: 1.01 * getattr(truth.params, n)}))
-                            .predict_plans(train)) - base_log) / np.log(1.01) for n in names], axis=1)
+    jac = np.stack(
+        [
+            (
+                np.log(
+                    truth.with_params(replace(truth.params, **{n: 1.01 * getattr(truth.params, n)})).predict_plans(
+                        train
+                    )
+                )
+                - base_log
+            )
+            / np.log(1.01)
+            for n in names
+        ],
+        axis=1,
+    )
     std_err = 0.05 * np.sqrt(np.diag(np.linalg.pinv(jac.T @ jac)))
     identified = [n for n, se in zip(names, std_err) if se < 0.033]
     for name in identified:
@@ -71,8 +84,9 @@ def test_fit_without_hardware_rescales_the_prior():
 
 def test_unexercised_terms_stay_pinned_at_the_rescaled_prior():
     base = StepTimeModel.analytic(SEVEN_B, "h100-sxm", 8)
-    plans = [ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=b, num_microbatches=m)
-             for b in (1, 2, 4) for m in (1, 2, 8)]
+    plans = [
+        ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=b, num_microbatches=m) for b in (1, 2, 4) for m in (1, 2, 8)
+    ]
     assert pinned_names(plans) == {"tp_latency_s", "tp_s_per_byte", "pp_latency_s", "pp_s_per_byte"}
     obs = list(zip(plans, 2.0 * base.predict_plans(plans)))
     fitted = fit_model(obs, base)
@@ -83,18 +97,25 @@ def test_unexercised_terms_stay_pinned_at_the_rescaled_prior():
 
 # cpu-notes.md §g: 4 ranks on 2 cores, gloo, tiny Llama (4 layers, dim 128, seq 64), global batch
 # 32, ms per step at micro-batch 1, 2, 4, 8 (median of 4 steps; ±20 % noise between repeats).
-CPU_TINY = ModelShape(name="cpu-notes-tiny", n_layers=4, dim=128, n_heads=4, n_kv_heads=4,
-                      ffn_dim=384, vocab_size=256, seq_len=64)
+CPU_TINY = ModelShape(
+    name="cpu-notes-tiny", n_layers=4, dim=128, n_heads=4, n_kv_heads=4, ffn_dim=384, vocab_size=256, seq_len=64
+)
 CPU_TABLE = {  # (pp, dp, tp): ms at mb 1, 2, 4, 8
-    (1, 4, 1): [590, 366, 257, 195], (1, 2, 2): [2281, 1258, 732, 460],
-    (1, 1, 4): [7067, 2894, 1542, 862], (2, 2, 1): [355, 237, 178, 151],
-    (2, 1, 2): [1802, 960, 601, 369], (4, 1, 1): [294, 222, 165, 149],
+    (1, 4, 1): [590, 366, 257, 195],
+    (1, 2, 2): [2281, 1258, 732, 460],
+    (1, 1, 4): [7067, 2894, 1542, 862],
+    (2, 2, 1): [355, 237, 178, 151],
+    (2, 1, 2): [1802, 960, 601, 369],
+    (4, 1, 1): [294, 222, 165, 149],
 }
 
 
 def test_fit_reproduces_measured_cpu_step_times():
-    obs = [(ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, num_microbatches=32 // (dp * mb)), ms / 1e3)
-           for (pp, dp, tp), row in CPU_TABLE.items() for mb, ms in zip((1, 2, 4, 8), row)]
+    obs = [
+        (ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, num_microbatches=32 // (dp * mb)), ms / 1e3)
+        for (pp, dp, tp), row in CPU_TABLE.items()
+        for mb, ms in zip((1, 2, 4, 8), row)
+    ]
     model = prior_model(CPU_TINY, "cpu").with_params(fit_step_time(obs, CPU_TINY, "cpu", 4))
     pred = model.predict_plans([p for p, _ in obs])
     measured = np.array([s for _, s in obs])
@@ -102,7 +123,7 @@ def test_fit_reproduces_measured_cpu_step_times():
     assert np.median(rel) < 0.12 and np.max(rel) < 0.40
     # it ranks like the measurements: the fastest measured plan is predicted within 10 % of the best
     assert pred[np.argmin(measured)] <= 1.10 * pred.min()
-    assert np.argmax(pred) == np.argmax(measured)       # TP-only at micro-batch 1
+    assert np.argmax(pred) == np.argmax(measured)  # TP-only at micro-batch 1
 
 
 def test_online_fitter_medians_refits_and_roundtrips():
@@ -118,7 +139,7 @@ def test_online_fitter_medians_refits_and_roundtrips():
     assert refits == 4 and fitter.num_fits == 4
     assert not fitter.observe(plans[0], float("nan")) and not fitter.observe(plans[0], -1.0)
     medians = dict(fitter.observations())
-    assert medians[plans[1]] == pytest.approx(truth.predict_plan(plans[1]))   # median ignores the slow one
+    assert medians[plans[1]] == pytest.approx(truth.predict_plan(plans[1]))  # median ignores the slow one
     np.testing.assert_allclose(fitter.model.predict_plans(plans), truth.predict_plans(plans), rtol=0.05)
     state = json.loads(json.dumps(fitter.state_dict()))
     clone = OnlineFitter(shape, "cpu", 4, refit_every=5)
@@ -146,7 +167,7 @@ def test_profiled_table_uses_measurements_and_falls_back_to_the_model():
     expect[3], expect[10] = 1.5, 2.5
     np.testing.assert_allclose(out, expect)
     assert list(np.flatnonzero(table.measured(*cols))) == [3, 10]
-    p = plans[3]    # scalars work too
+    p = plans[3]  # scalars work too
     assert float(table.predict(p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches)) == 1.5
     empty = ProfiledStepTime(base, [])
     np.testing.assert_allclose(empty.predict(*cols), base.predict(*cols))

@@ -20,10 +20,10 @@ def _draw_stats(rng, G, Sigma, num_small, small_batch, reps):
     """(s̄, q) per repetition: J small gradients, each the mean of b per-sample gradients."""
     L = np.linalg.cholesky(Sigma / small_batch)
     z = rng.normal(size=(reps, num_small, G.size))
-    g = G + z @ L.T                          # small gradients ~ N(G, Σ/b)
-    small = (g * g).sum(-1).mean(-1)         # s̄ = mean_j ‖g_j‖²
+    g = G + z @ L.T  # small gradients ~ N(G, Σ/b)
+    small = (g * g).sum(-1).mean(-1)  # s̄ = mean_j ‖g_j‖²
     gbar = g.mean(1)
-    big = (gbar * gbar).sum(-1)              # q = ‖ḡ‖²
+    big = (gbar * gbar).sum(-1)  # q = ‖ḡ‖²
     return small, big
 
 
@@ -33,8 +33,7 @@ def test_two_batch_estimate_is_unbiased(num_small, small_batch):
     rng = np.random.default_rng(1)
     reps = 6000
     small, big = _draw_stats(rng, G, Sigma, num_small, small_batch, reps)
-    est = np.array([two_batch_estimate(s, small_batch, q, num_small * small_batch)
-                    for s, q in zip(small, big)])
+    est = np.array([two_batch_estimate(s, small_batch, q, num_small * small_batch) for s, q in zip(small, big)])
     for col, truth in ((0, G @ G), (1, np.trace(Sigma))):
         mean = est[:, col].mean()
         se = est[:, col].std(ddof=1) / math.sqrt(reps)
@@ -75,8 +74,9 @@ def test_first_update_equals_the_sample_and_bias_correction():
     assert est.grad_sqnorm == pytest.approx((a * g2 + g2b) / (a + 1))
 
 
-@pytest.mark.parametrize("bad", [(math.nan, 2, 1.0, 8), (1.0, 2, math.inf, 8),
-                                 (1.0, 8, 1.0, 8), (1.0, math.nan, 1.0, 8), (None, 2, 1.0, 8)])
+@pytest.mark.parametrize(
+    "bad", [(math.nan, 2, 1.0, 8), (1.0, 2, math.inf, 8), (1.0, 8, 1.0, 8), (1.0, math.nan, 1.0, 8), (None, 2, 1.0, 8)]
+)
 def test_non_finite_or_single_gradient_is_skipped(bad):
     est = GnsEstimator()
     est.update(5.0, 2, 2.0, 8)

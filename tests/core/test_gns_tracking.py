@@ -34,7 +34,7 @@ def _lagged_error(estimator, seed):
         truth.append(true)
         est.append(estimator.b_noise)
     truth, est = np.array(truth), np.array(est)
-    return max(np.min(np.abs(est[t] / truth[t - 20:t + 1] - 1)) for t in range(20, len(truth)))
+    return max(np.min(np.abs(est[t] / truth[t - 20 : t + 1] - 1)) for t in range(20, len(truth)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -49,9 +49,9 @@ def test_tracking_uses_a_long_window_while_steady():
     est, steady, falling = TrackingGnsEstimator(64), [], []
     for t, _, s, b, q, big in _falling_stream(0, cv=0.3):
         est.update(s, b, q, big)
-        if 40 <= t < 100:                     # steady: long levels agree with short ones
+        if 40 <= t < 100:  # steady: long levels agree with short ones
             steady.append(est.timescale_samples / 64)
-        elif 130 <= t < 200:                  # falling: the long levels are left behind
+        elif 130 <= t < 200:  # falling: the long levels are left behind
             falling.append(est.timescale_samples / 64)
     assert np.median(steady) == 256 and np.mean(np.array(steady) >= 64) >= 0.8
     assert max(falling) <= 16 and est.num_updates == 300
@@ -66,7 +66,7 @@ def test_decay_is_tied_to_samples():
         for _ in range(4000 // (big // 64)):
             est.update(2.0, 8, 1.2, big)
         held[big] = [lv.num_effective * big for lv in est.levels]
-    for k in range(3, 9):                      # τ ≥ 8 B0: the continuous-time limit
+    for k in range(3, 9):  # τ ≥ 8 B0: the continuous-time limit
         assert held[128][k] == pytest.approx(held[64][k], rel=0.15)
     assert held[64][8] > 100 * held[64][0] / 2
 
@@ -109,8 +109,8 @@ def test_tracking_state_round_trip_and_errors():
 def test_lower_bound():
     assert lower_bound(100.0, 0.0, 1.645) == 100.0
     assert lower_bound(100.0, 0.5, 1.645) == pytest.approx(100 * math.exp(-0.8225))
-    assert lower_bound(100.0, math.inf, 1.645) == 0.0       # unknown error: nothing to act on
-    assert lower_bound(100.0, math.inf, 0.0) == 100.0       # z = 0: the point estimate
+    assert lower_bound(100.0, math.inf, 1.645) == 0.0  # unknown error: nothing to act on
+    assert lower_bound(100.0, math.inf, 0.0) == 100.0  # z = 0: the point estimate
     assert math.isnan(lower_bound(math.nan, 0.1, 1.645))
     assert lower_bound(math.inf, 0.3, 1.645) == math.inf
 
@@ -140,11 +140,22 @@ class GradientFeed:
         self.samples += p.global_batch_size
         s, q = float((g * g).sum(1).mean()), float(gbar @ gbar)
         self.est.update(s, b, q, p.global_batch_size)
-        return StepRecord(step=self.step, samples=self.samples, tokens=self.samples * 16, plan=p,
-                          step_s=1.0, loss=3.0, small_sqnorm=s, small_batch=float(b),
-                          num_small=J, big_sqnorm=q, grad_sqnorm=self.est.grad_sqnorm,
-                          grad_trace_cov=self.est.grad_trace_cov, b_noise=self.est.b_noise,
-                          b_noise_rel_err=self.est.rel_err)
+        return StepRecord(
+            step=self.step,
+            samples=self.samples,
+            tokens=self.samples * 16,
+            plan=p,
+            step_s=1.0,
+            loss=3.0,
+            small_sqnorm=s,
+            small_batch=float(b),
+            num_small=J,
+            big_sqnorm=q,
+            grad_sqnorm=self.est.grad_sqnorm,
+            grad_trace_cov=self.est.grad_trace_cov,
+            b_noise=self.est.b_noise,
+            b_noise_rel_err=self.est.rel_err,
+        )
 
     def run(self, policy, steps):
         out = []
@@ -166,15 +177,25 @@ def _settings(**kw):
 
 
 def _records(plan, steps, b_noise, rel_err):
-    return [StepRecord(step=k, samples=8 * k, tokens=128 * k, plan=plan, step_s=1.0, loss=3.0,
-                       b_noise=b_noise, b_noise_rel_err=rel_err) for k in range(1, steps + 1)]
+    return [
+        StepRecord(
+            step=k,
+            samples=8 * k,
+            tokens=128 * k,
+            plan=plan,
+            step_s=1.0,
+            loss=3.0,
+            b_noise=b_noise,
+            b_noise_rel_err=rel_err,
+        )
+        for k in range(1, steps + 1)
+    ]
 
 
 def _sizes(policy, records):
     out, plan = [], records[0].plan
     for r in records:
-        d = policy.observe(StepRecord(**{**{f: getattr(r, f) for f in r.__slots__},
-                                          "plan": plan}))
+        d = policy.observe(StepRecord(**{**{f: getattr(r, f) for f in r.__slots__}, "plan": plan}))
         if d is not None:
             plan = d.plan
             out.append(plan.global_batch_size)
@@ -201,8 +222,7 @@ def test_lower_bound_rarely_grows_past_the_truth(seed):
     start = _plan(nmb=4, mbs=4)
     point = GradientFeed(start, TrackingGnsEstimator(16), trace=12.0, seed=seed)
     bound = GradientFeed(start, TrackingGnsEstimator(16), trace=12.0, seed=seed)
-    n_point = len(point.run(GnsPolicy(_settings(initial=16, min=16, confidence=0.0,
-                                                max_rel_err=10.0), start), 400))
+    n_point = len(point.run(GnsPolicy(_settings(initial=16, min=16, confidence=0.0, max_rel_err=10.0), start), 400))
     n_bound = len(bound.run(GnsPolicy(_settings(initial=16, min=16), start), 400))
     assert n_bound == 0 and n_bound <= n_point
 
@@ -212,6 +232,7 @@ def test_a_doubling_alone_does_not_trigger_growth():
     the change brings a 10-step transient (tr Σ × 4: the loss bump of COPUS App. E). The
     recovery hold plus the lower bound keep the batch; COPUS's rule (point estimate, no hold,
     one per-step EMA) grows on the transient."""
+
     def bump(step):
         return 96.0 if 200 < step <= 210 else None
 
@@ -219,14 +240,16 @@ def test_a_doubling_alone_does_not_trigger_growth():
         start = _plan(nmb=8)
         feed = GradientFeed(start, estimator, trace=24.0, seed=5, trace_at=bump)
         before = feed.run(policy, 200)
-        feed.plan = _plan(nmb=16)          # the doubling, decided elsewhere
+        feed.plan = _plan(nmb=16)  # the doubling, decided elsewhere
         return before, feed.run(policy, 200)
 
-    before, after = run(GnsPolicy(_settings(initial=16, min=16, max_growth=4.0),
-                                  _plan(nmb=8)), TrackingGnsEstimator(16))
+    before, after = run(
+        GnsPolicy(_settings(initial=16, min=16, max_growth=4.0), _plan(nmb=8)), TrackingGnsEstimator(16)
+    )
     assert all(d.plan.global_batch_size <= 24 for d in before)
     assert after == []
-    copus = GnsPolicy(_settings(initial=16, min=16, max_growth=4.0, confidence=0.0,
-                                recovery_steps=0, max_rel_err=10.0), _plan(nmb=8))
+    copus = GnsPolicy(
+        _settings(initial=16, min=16, max_growth=4.0, confidence=0.0, recovery_steps=0, max_rel_err=10.0), _plan(nmb=8)
+    )
     _, after_copus = run(copus, GnsEstimator(DecaySchedule()))
     assert after_copus and after_copus[0].step <= 220

@@ -18,19 +18,19 @@ class ToyMemory:
 
 
 def _plans(cands):
-    return {(p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches)
-            for p in cands.plans(range(len(cands)))}
+    return {(p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches) for p in cands.plans(range(len(cands)))}
 
 
 @pytest.mark.parametrize("world", [1, 4, 8, 12])
 def test_candidates_match_the_scalar_enumeration(world):
     shape = get_model_shape("llama-3.2-3b")
     cands = build_candidates(world, shape, min_batch=8, max_batch=96, micro_batch_sizes=[1, 2, 4])
-    expected = {(p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches)
-                for p in enumerate_plans(world, range(8, 97), [1, 2, 4], shape)}
+    expected = {
+        (p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches)
+        for p in enumerate_plans(world, range(8, 97), [1, 2, 4], shape)
+    }
     assert _plans(cands) == expected
-    assert np.array_equal(cands.global_batch_size,
-                          cands.dp * cands.micro_batch_size * cands.num_microbatches)
+    assert np.array_equal(cands.global_batch_size, cands.dp * cands.micro_batch_size * cands.num_microbatches)
     for i in range(0, len(cands), 7):
         assert not plan_problems(cands.plan(i), world, shape)
 
@@ -56,19 +56,21 @@ def test_memory_pruning_drops_exactly_the_plans_over_capacity():
     shape = get_model_shape("llama-3.2-3b")
     full = build_candidates(8, shape, min_batch=16, max_batch=64, memory_model=ToyMemory())
     cap = 6e9
-    pruned = build_candidates(8, shape, min_batch=16, max_batch=64, memory_model=ToyMemory(),
-                              memory_capacity_bytes=cap)
+    pruned = build_candidates(8, shape, min_batch=16, max_batch=64, memory_model=ToyMemory(), memory_capacity_bytes=cap)
     assert 0 < len(pruned) < len(full)
     assert np.all(pruned.memory_bytes <= cap)
     assert len(pruned) == int(np.sum(full.memory_bytes <= cap))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(min_batch=0, max_batch=4), "batch range"),
-    (dict(min_batch=8, max_batch=4), "batch range"),
-    (dict(min_batch=1, max_batch=4, micro_batch_sizes=[0]), "micro_batch_sizes"),
-    (dict(min_batch=1, max_batch=4, memory_capacity_bytes=1e9), "memory_model"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(min_batch=0, max_batch=4), "batch range"),
+        (dict(min_batch=8, max_batch=4), "batch range"),
+        (dict(min_batch=1, max_batch=4, micro_batch_sizes=[0]), "micro_batch_sizes"),
+        (dict(min_batch=1, max_batch=4, memory_capacity_bytes=1e9), "memory_model"),
+    ],
+)
 def test_bad_arguments_raise_value_error(kw, match):
     with pytest.raises(ValueError, match=match):
         build_candidates(4, get_model_shape("tiny"), **kw)
@@ -80,10 +82,10 @@ def test_goodput_formula():
     b_noise = 32.0
     eff = (b_noise + 1) / (b_noise + batch)
     np.testing.assert_allclose(goodput(step, batch, b_noise, lr_aware=False), batch / step * eff)
-    np.testing.assert_allclose(goodput(step, batch, b_noise),
-                               batch / step * eff * np.sqrt(batch))
-    np.testing.assert_allclose(goodput(step, batch, b_noise, lr_ref_batch=16.0),
-                               batch / step * eff * np.sqrt(batch / 16))
+    np.testing.assert_allclose(goodput(step, batch, b_noise), batch / step * eff * np.sqrt(batch))
+    np.testing.assert_allclose(
+        goodput(step, batch, b_noise, lr_ref_batch=16.0), batch / step * eff * np.sqrt(batch / 16)
+    )
     # b_noise unknown (inf): pure throughput
     np.testing.assert_allclose(goodput(step, batch, float("inf"), lr_aware=False), batch / step)
     # broken step times never win
@@ -109,8 +111,11 @@ def test_rank_sorts_best_first_and_breaks_ties_by_step_time():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 2.5, np.nan]), min_size=1, max_size=30),
-       st.integers(1, 35), st.randoms(use_true_random=False))
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, 2.5, np.nan]), min_size=1, max_size=30),
+    st.integers(1, 35),
+    st.randoms(use_true_random=False),
+)
 def test_rank_top_is_the_prefix_of_the_full_ranking(scores, top, rnd):
     scores = np.array(scores)
     step = np.array([rnd.choice([1.0, 2.0]) for _ in scores])

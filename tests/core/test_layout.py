@@ -80,4 +80,5 @@ def test_api_reference_matches_the_docstrings():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert (ROOT / "docs" / "api.md").read_text().strip() == mod.render().strip(), (
-        "docs/api.md is stale: python tools/gen_api_docs.py > docs/api.md")
+        "docs/api.md is stale: python tools/gen_api_docs.py > docs/api.md"
+    )

@@ -18,19 +18,28 @@ def test_layouts_and_plans_are_written_one_way_in_ascii():
     assert single.describe() == "dp1.tp1.pp1 mb4x2 (B=8)"
 
 
-@pytest.mark.parametrize("text,want", [
-    ("dp2.tp1.pp2", (2, 1, 2)), ("dp2.pp2", (2, 1, 2)), ("pp4", (1, 1, 4)),
-    ("4x1x1", (4, 1, 1)), ("2x2x1", (2, 2, 1)), ("2×1×2", (2, 1, 2)),
-    ("dp2·tp1·pp1", (2, 1, 1)), ("DP2,TP1,PP1", (2, 1, 1)), ("tp2.dp2", (2, 2, 1)),
-    ("single", (1, 1, 1)), (" Dp8 ", (8, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("dp2.tp1.pp2", (2, 1, 2)),
+        ("dp2.pp2", (2, 1, 2)),
+        ("pp4", (1, 1, 4)),
+        ("4x1x1", (4, 1, 1)),
+        ("2x2x1", (2, 2, 1)),
+        ("2×1×2", (2, 1, 2)),
+        ("dp2·tp1·pp1", (2, 1, 1)),
+        ("DP2,TP1,PP1", (2, 1, 1)),
+        ("tp2.dp2", (2, 2, 1)),
+        ("single", (1, 1, 1)),
+        (" Dp8 ", (8, 1, 1)),
+    ],
+)
 def test_every_spelling_parses(text, want):
     assert parse_layout(text) == want
-    assert parse_layout(layout_name(*want)) == want          # the canonical form round-trips
+    assert parse_layout(layout_name(*want)) == want  # the canonical form round-trips
 
 
-@pytest.mark.parametrize("text", ["", "dp0", "dp2.dp2", "2x1", "0x1x1", "dp2 mb4", "fsdp2",
-                                  "dp2.tp"])
+@pytest.mark.parametrize("text", ["", "dp0", "dp2.dp2", "2x1", "0x1x1", "dp2 mb4", "fsdp2", "dp2.tp"])
 def test_bad_spellings_name_the_text_and_the_syntax(text):
     with pytest.raises(ValueError, match="is invalid; allowed: dpX.tpY.ppZ"):
         parse_layout(text)
@@ -43,10 +52,10 @@ def test_the_layout_map_and_profile_take_any_spelling():
     from copus.core.plan.layout_map import parse_layout_map
     from copus.core.specs.resolve import get_model_shape
 
-    assert parse_layout_map("1x1x4@8, dp2·pp2@32, dp4.tp1.pp1@64") == \
-        parse_layout_map("pp4@8,dp2.pp2@32,dp4@64")
-    args = argparse.Namespace(nproc=4, global_batch="8", micro_batch_sizes="2",
-                              layouts="4x1x1, dp2.pp2", sample=0, seed=0, model="tiny")
+    assert parse_layout_map("1x1x4@8, dp2·pp2@32, dp4.tp1.pp1@64") == parse_layout_map("pp4@8,dp2.pp2@32,dp4@64")
+    args = argparse.Namespace(
+        nproc=4, global_batch="8", micro_batch_sizes="2", layouts="4x1x1, dp2.pp2", sample=0, seed=0, model="tiny"
+    )
     plans = select_plans(args, get_model_shape("tiny"))
     assert {p.layout for p in plans} == {(4, 1, 1), (2, 1, 2)}
     args.layouts = "4x1x1,dp2.dp2"

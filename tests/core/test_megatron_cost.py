@@ -10,14 +10,14 @@ from copus.core.cost.memory import MemoryModel
 from copus.core.specs.resolve import get_model_shape
 from copus.core.cost.throughput import StepTimeModel
 
-SHAPE = get_model_shape("llama-3.2-3b")   # tied embeddings
+SHAPE = get_model_shape("llama-3.2-3b")  # tied embeddings
 HW = get_hardware("h100-nvlink-pairs")
 
 
 def test_fp32_gradient_all_reduce_once_per_step():
     model = StepTimeModel.analytic(SHAPE, HW, 8)
     p = model.params
-    parts = model.breakdown(2, 1, 4, 1, 8)          # dp pair = one NVLink pair (tier 0)
+    parts = model.breakdown(2, 1, 4, 1, 8)  # dp pair = one NVLink pair (tier 0)
     local = float(model.stage_params(4))
     buckets = np.ceil(local / 4e7)
     expected = 2 * buckets * p.dp_latency_s + 2 * 0.5 * local * 4 * p.dp_s_per_byte
@@ -37,7 +37,7 @@ def test_distributed_optimizer_moves_three_quarters_and_shards_the_step():
     assert opt(b) == pytest.approx(opt(a) / 8)
     mem_rep = MemoryModel(shape=SHAPE, stack="megatron").breakdown(8, 1, 1, 1, 4)["states"]
     mem_dist = MemoryModel(shape=SHAPE, stack="megatron", distributed_optimizer=True).breakdown(8, 1, 1, 1, 4)["states"]
-    assert float(mem_rep) == pytest.approx(18 * SHAPE.num_params())         # Megatron README
+    assert float(mem_rep) == pytest.approx(18 * SHAPE.num_params())  # Megatron README
     assert float(mem_dist) == pytest.approx((6 + 12 / 8) * SHAPE.num_params())
 
 
@@ -68,5 +68,6 @@ def test_tensor_parallel_efficiency_and_unsplit_elementwise_work():
     assert float(two["elementwise_s"]) == pytest.approx(float(one["elementwise_s"]))  # not split
     flops = lambda m, x: float(x["compute_s"]) - m.params.layer_overhead_s * 15  # noqa: E731
     assert flops(model, two) / flops(model, one) == pytest.approx(0.5 / flat.tp_efficiency)
-    assert flops(ideal, ideal.breakdown(2, 2, 2, 1, 8)) / flops(ideal, ideal.breakdown(4, 1, 2, 1, 4)) \
-        == pytest.approx(0.5)
+    assert flops(ideal, ideal.breakdown(2, 2, 2, 1, 8)) / flops(ideal, ideal.breakdown(4, 1, 2, 1, 4)) == pytest.approx(
+        0.5
+    )

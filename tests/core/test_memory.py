@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from copus.core.cost.memory import MemoryModel
 from copus.core.specs.resolve import get_model_shape
 
-TINY = get_model_shape("tiny")          # L=4, h=192, a=6, kv=2 (head_dim 32), ffn=512, V=256, s=128
+TINY = get_model_shape("tiny")  # L=4, h=192, a=6, kv=2 (head_dim 32), ffn=512, V=256, s=128
 SEVEN_B = get_model_shape("llama-2-7b")
 
 
@@ -18,12 +18,12 @@ def test_hand_computed_fp32_data_parallel():
     """dp=2, tp=pp=1, micro-batch 2, fp32 AdamW, no checkpointing, FSDP2 resharding, the paper's
     activation count (activation_factor=1)."""
     mm = MemoryModel(TINY, mixed_precision=False, activation_factor=1.0)
-    layer = 2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192          # 393,600
-    params = 4 * layer + 2 * 256 * 192 + 192                                # 1,672,896
-    states = params / 2 * (4 + 4 + 0 + 8)                                   # param+grad+moments: 13,383,168
-    buffers = 3 * layer * 4                                                 # 2 gathered + 1 grad unit: 4,723,200
+    layer = 2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192  # 393,600
+    params = 4 * layer + 2 * 256 * 192 + 192  # 1,672,896
+    states = params / 2 * (4 + 4 + 0 + 8)  # param+grad+moments: 13,383,168
+    buffers = 3 * layer * 4  # 2 gathered + 1 grad unit: 4,723,200
     sbh = 128 * 2 * 192
-    acts = 4 * sbh * (10 + 24) * (4 / 2) + 128 * 2 * 256 * (4 + 4)          # 13,369,344 + 524,288
+    acts = 4 * sbh * (10 + 24) * (4 / 2) + 128 * 2 * 256 * (4 + 4)  # 13,369,344 + 524,288
     assert states + buffers + acts == 32_000_000
     assert float(mm.bytes_per_rank(2, 1, 1, 2, 1)) == pytest.approx(32_000_000, abs=1)
     parts = mm.breakdown(2, 1, 1, 2, 1)
@@ -35,8 +35,7 @@ def test_hand_computed_fp32_data_parallel():
     acc = replace(mm, unsharded_accumulation=True).breakdown(2, 1, 1, 2, 4)
     assert float(acc["grads_unsharded"]) == 4 * params
     # (the sharded gradient is created after the peak, by the last micro-batch's reduce-scatter)
-    assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params - params / 2 * 4,
-                                                abs=1)
+    assert float(acc["total"]) == pytest.approx(32_000_000 - layer * 4 + 4 * params - params / 2 * 4, abs=1)
     # at dp = 1 the engine falls back to per-micro-batch statistics and syncs every micro-batch
     solo = replace(mm, unsharded_accumulation=True).breakdown(1, 1, 1, 2, 4)
     assert float(solo["grads_unsharded"]) == layer * 4
@@ -48,11 +47,11 @@ def test_hand_computed_bf16_pipeline_and_tensor_parallel():
     and its gradients unsharded in fp32 (torch.distributed.pipelining; issue 25)."""
     mm = MemoryModel(TINY, autocast=False, activation_factor=1.0)
     layer = 393_600
-    first = (2 * layer + 256 * 192) / 2 * (2 + 4 + 8)                      # 5,854,464 (no sharded grad
+    first = (2 * layer + 256 * 192) / 2 * (2 + 4 + 8)  # 5,854,464 (no sharded grad
     #                                                                        before the last reduce)
-    buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)                         # 2,509,056
-    per_block = 128 * 1 * 192 * (10 + 24 / 2)                               # 540,672 (16-bit)
-    first_acts = 2 * 2 * per_block                                          # min(pp, m)=2 in flight, 2 blocks
+    buffers = (2 * layer + 256 * 192) / 2 * (2 + 4)  # 2,509,056
+    per_block = 128 * 1 * 192 * (10 + 24 / 2)  # 540,672 (16-bit)
+    first_acts = 2 * 2 * per_block  # min(pp, m)=2 in flight, 2 blocks
     last = (2 * layer + 256 * 192 + 192) / 2 * (14 + 6) + 1 * 2 * per_block + 128 * 256 * (2 + 4)
     expected = first + buffers + first_acts
     assert expected == 10_526_208 and last == 9_643_392
@@ -71,7 +70,7 @@ def test_hand_computed_bf16_autocast_is_copus_runtime_default():
     mm = MemoryModel(TINY)
     layer, params = 393_600, 1_672_896
     states = params / 2 * (4 + 4 + 8)
-    buffers = 2 * layer * 4 + layer * 4 + 2 * params * 1                   # + bf16 copies, 1 in flight
+    buffers = 2 * layer * 4 + layer * 4 + 2 * params * 1  # + bf16 copies, 1 in flight
     sbh = 128 * 1 * 192
     acts = 4 * sbh * 53.4 + 128 * 256 * (2 + 4)
     assert float(mm.bytes_per_rank(2, 1, 1, 1, 2)) == pytest.approx(states + buffers + acts)
@@ -80,8 +79,13 @@ def test_hand_computed_bf16_autocast_is_copus_runtime_default():
 def test_vectorised_equals_scalar_loop():
     mm = MemoryModel(shape=SEVEN_B, activation_checkpointing=True, pp_schedule="gpipe")
     rng = np.random.default_rng(0)
-    cols = [rng.choice([1, 2, 4, 8], 200), rng.choice([1, 2, 4], 200), rng.choice([1, 2, 4, 8], 200),
-            rng.integers(1, 9, 200), rng.integers(1, 33, 200)]
+    cols = [
+        rng.choice([1, 2, 4, 8], 200),
+        rng.choice([1, 2, 4], 200),
+        rng.choice([1, 2, 4, 8], 200),
+        rng.integers(1, 9, 200),
+        rng.integers(1, 33, 200),
+    ]
     vec = mm.bytes_per_rank(*cols)
     loop = [float(mm.bytes_per_rank(*(int(c[i]) for c in cols))) for i in range(200)]
     np.testing.assert_allclose(vec, loop, rtol=1e-12)
@@ -121,8 +125,8 @@ def test_pipeline_schedules_micro_batches_in_flight():
     m = np.array([4, 8, 16, 32])
     a1 = one_f.breakdown(1, 1, 4, 1, m)["activations"]
     ag = gpipe.breakdown(1, 1, 4, 1, m)["activations"]
-    assert np.all(a1 == a1[0])              # 1F1B: the first stage holds pp micro-batches
-    assert np.all(np.diff(ag) > 0)          # GPipe: every micro-batch until the backward starts
+    assert np.all(a1 == a1[0])  # 1F1B: the first stage holds pp micro-batches
+    assert np.all(np.diff(ag) > 0)  # GPipe: every micro-batch until the backward starts
     assert ag[-1] == pytest.approx(8 * a1[0], rel=0.05)
     # no pipeline: gradient accumulation frees each micro-batch's activations, so m ≥ 2 does not
     # matter; each micro-batch is reduce-scattered, so neither does m = 1 → 2; without gradient
@@ -141,7 +145,7 @@ def test_stored_attention_scores_add_korthikanti_term():
     flash = MemoryModel(TINY, activation_factor=1.0)
     eager = MemoryModel(TINY, activation_factor=1.0, flash_attention=False)
     diff = eager.activation_bytes_per_block(2, 4) - flash.activation_bytes_per_block(2, 4)
-    assert float(diff) == pytest.approx(5 * 6 * 128 * 128 * 4 / 2)    # 5·a·s²·b / t
+    assert float(diff) == pytest.approx(5 * 6 * 128 * 128 * 4 / 2)  # 5·a·s²·b / t
 
 
 def test_reshard_after_forward_trades_memory():
@@ -165,17 +169,24 @@ def test_fits_mask_and_validation():
 
 
 @settings(max_examples=60, deadline=None)
-@given(dp=st.sampled_from([1, 2, 4, 8]), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4, 8]),
-       mbs=st.integers(1, 16), m=st.integers(1, 64), ac=st.booleans(), mixed=st.booleans(),
-       schedule=st.sampled_from(["1f1b", "gpipe"]))
+@given(
+    dp=st.sampled_from([1, 2, 4, 8]),
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2, 4, 8]),
+    mbs=st.integers(1, 16),
+    m=st.integers(1, 64),
+    ac=st.booleans(),
+    mixed=st.booleans(),
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+)
 def test_memory_monotone_in_batch_and_sharding(dp, tp, pp, mbs, m, ac, mixed, schedule):
     mm = MemoryModel(SEVEN_B, activation_checkpointing=ac, mixed_precision=mixed, pp_schedule=schedule)
     b = float(mm.bytes_per_rank(dp, tp, pp, mbs, m))
     assert b > 0
-    assert float(mm.bytes_per_rank(dp, tp, pp, mbs + 1, m)) > b          # bigger micro-batch
-    assert float(mm.bytes_per_rank(dp, tp, pp, mbs, m + 1)) >= b         # more micro-batches
-    assert float(mm.bytes_per_rank(2 * dp, tp, pp, mbs, m)) < b          # more data-parallel sharding
-    assert float(mm.bytes_per_rank(dp, 2 * tp, pp, mbs, m)) < b          # more tensor-parallel sharding
+    assert float(mm.bytes_per_rank(dp, tp, pp, mbs + 1, m)) > b  # bigger micro-batch
+    assert float(mm.bytes_per_rank(dp, tp, pp, mbs, m + 1)) >= b  # more micro-batches
+    assert float(mm.bytes_per_rank(2 * dp, tp, pp, mbs, m)) < b  # more data-parallel sharding
+    assert float(mm.bytes_per_rank(dp, 2 * tp, pp, mbs, m)) < b  # more tensor-parallel sharding
 
 
 def _saved_bytes(block, x, rope, autocast: bool) -> int:
@@ -203,8 +214,10 @@ def test_activation_bytes_match_what_the_runtime_block_saves(mixed):
     shape = get_model_shape("small")
     model = build_model(shape, "cpu")
     block = model.layers["0"]
-    saved = [_saved_bytes(block, torch.randn(b, shape.seq_len, shape.dim, requires_grad=True), model.rope, mixed)
-             for b in (1, 3)]
+    saved = [
+        _saved_bytes(block, torch.randn(b, shape.seq_len, shape.dim, requires_grad=True), model.rope, mixed)
+        for b in (1, 3)
+    ]
     mm = MemoryModel(shape, mixed_precision=mixed)
     per_sample = (saved[1] - saved[0]) / 2
     assert per_sample == pytest.approx(float(mm.activation_bytes_per_block(1, 1)), rel=0.03)
@@ -223,8 +236,10 @@ def test_selective_count_matches_the_op_policy_on_the_runtime_block(mixed):
 
     from copus.runtime.engine.model import build_model
 
-    sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    sdpa = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    }
 
     class Kept(TorchDispatchMode):
         def __init__(self):
@@ -252,7 +267,7 @@ def test_selective_count_matches_the_op_policy_on_the_runtime_block(mixed):
         assert mode.mm == 7
         kept.append(mode.bytes + x.numel() * x.element_size())
     per_sample = (kept[1] - kept[0]) / 2
-    assert kept[0] == pytest.approx(per_sample)          # nothing independent of the batch
+    assert kept[0] == pytest.approx(per_sample)  # nothing independent of the batch
     mm = MemoryModel(shape, mixed_precision=mixed)
     assert per_sample == float(mm.selective_bytes_per_block(1, 1))
 
@@ -269,15 +284,18 @@ def test_bf16_parameter_activations_match_the_runtime_block(name):
     shape = get_model_shape(name)
     model = materialize(build_model(shape, "meta"), "cpu", seed=0)
     block = model.layers["0"].to(torch.bfloat16)
-    block.attention.rope = model.rope                 # the fp32 table, as under FSDP2
-    saved = [_saved_bytes(block, torch.randn(b, shape.seq_len, shape.dim, dtype=torch.bfloat16,
-                                             requires_grad=True), None, False) for b in (1, 3)]
+    block.attention.rope = model.rope  # the fp32 table, as under FSDP2
+    saved = [
+        _saved_bytes(
+            block, torch.randn(b, shape.seq_len, shape.dim, dtype=torch.bfloat16, requires_grad=True), None, False
+        )
+        for b in (1, 3)
+    ]
     per_sample = (saved[1] - saved[0]) / 2
     h, kv, f, a = shape.dim, shape.n_kv_heads * shape.head_dim, shape.ffn_dim, shape.n_heads
     assert per_sample == shape.seq_len * (20 * h + 4 * kv + 8 * f + 4 * a + 8)
     mm = MemoryModel(shape, mixed_precision=True, autocast=False)
     assert mm.regime == "bf16"
     assert per_sample == pytest.approx(float(mm.activation_bytes_per_block(1, 1)), rel=0.03)
-    fp32_ratio = MemoryModel(shape, mixed_precision=True, autocast=False,
-                             activation_factor=78.8 / 68.0)
+    fp32_ratio = MemoryModel(shape, mixed_precision=True, autocast=False, activation_factor=78.8 / 68.0)
     assert float(fp32_ratio.activation_bytes_per_block(1, 1)) < 0.93 * per_sample

@@ -28,8 +28,7 @@ def test_core_modules_import_without_torch():
 
 
 def test_cli_help_and_version_do_not_need_torch_at_import():
-    out = subprocess.run([sys.executable, "-m", "copus", "--version"], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-m", "copus", "--version"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("copus ")
     out = subprocess.run([sys.executable, "-m", "copus", "--help"], capture_output=True, text=True)

@@ -15,8 +15,7 @@ def test_global_batch_and_world():
         p.dp = 3  # frozen
 
 
-@pytest.mark.parametrize("field,value", [("dp", 0), ("tp", -1), ("micro_batch_size", 1.5),
-                                         ("num_microbatches", True)])
+@pytest.mark.parametrize("field,value", [("dp", 0), ("tp", -1), ("micro_batch_size", 1.5), ("num_microbatches", True)])
 def test_bad_degrees_name_the_field(field, value):
     kw = dict(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=1)
     kw[field] = value
@@ -48,13 +47,16 @@ def test_with_batch():
 
 def test_layouts_of_tiny_at_4():
     assert sorted(layouts(4, get_model_shape("tiny"))) == sorted(
-        [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)])
+        [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+    )
 
 
-@given(world=st.sampled_from([1, 2, 4, 6, 8, 16]),
-       model=st.sampled_from(sorted(MODELS)),
-       batches=st.lists(st.integers(1, 256), min_size=1, max_size=5),
-       mbs=st.lists(st.integers(1, 16), min_size=1, max_size=4))
+@given(
+    world=st.sampled_from([1, 2, 4, 6, 8, 16]),
+    model=st.sampled_from(sorted(MODELS)),
+    batches=st.lists(st.integers(1, 256), min_size=1, max_size=5),
+    mbs=st.lists(st.integers(1, 16), min_size=1, max_size=4),
+)
 def test_enumeration_yields_only_valid_plans(world, model, batches, mbs):
     shape = MODELS[model]
     plans = list(enumerate_plans(world, batches, mbs, shape))

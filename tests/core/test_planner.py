@@ -18,8 +18,7 @@ from copus.core.specs.resolve import get_model_shape
 SHAPE = get_model_shape("llama-3.2-3b")
 HW = "h100-nvlink-pairs"
 INIT = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)  # COPUS 3B start
-SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10,
-                          calibration=2.0)
+SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0)
 TRUE = StepTimeModel.analytic(SHAPE, HW, 8)
 SEQ = SHAPE.seq_len
 
@@ -39,8 +38,18 @@ class _Fixed:
         return TRUE.predict(*args)
 
 
-def _drive(ctrl, steps, *, bcrit=lambda e: 5.0 + e ** 0.7, seed=0, start=None, plan=INIT,
-           switch_cost_s=30.0, gns_noise=0.2, c=2.0):
+def _drive(
+    ctrl,
+    steps,
+    *,
+    bcrit=lambda e: 5.0 + e**0.7,
+    seed=0,
+    start=None,
+    plan=INIT,
+    switch_cost_s=30.0,
+    gns_noise=0.2,
+    c=2.0,
+):
     """A synthetic run whose noise scale φ = B_crit(E)/c grows with its effective samples E
     (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from."""
     rng = np.random.default_rng(seed)
@@ -53,9 +62,16 @@ def _drive(ctrl, steps, *, bcrit=lambda e: 5.0 + e ** 0.7, seed=0, start=None, p
         bc = bcrit(e)
         e += b * bc / (bc + b)
         t = TRUE.predict_plan(plan) * (1 + 0.03 * rng.standard_normal())
-        rec = StepRecord(step=step, samples=samples, tokens=samples * SEQ, plan=plan, step_s=t,
-                         loss=1.0, b_noise=bcrit(e) / c * math.exp(gns_noise * rng.standard_normal()),
-                         b_noise_rel_err=0.1)
+        rec = StepRecord(
+            step=step,
+            samples=samples,
+            tokens=samples * SEQ,
+            plan=plan,
+            step_s=t,
+            loss=1.0,
+            b_noise=bcrit(e) / c * math.exp(gns_noise * rng.standard_normal()),
+            b_noise_rel_err=0.1,
+        )
         d = ctrl.observe(rec)
         if d is not None:
             out.append(d)
@@ -74,8 +90,8 @@ def test_each_decision_point_records_the_plan_and_the_best_moves_refused():
     ctrl = _planner(horizon_tokens=200_000 * SEQ)
     decisions, plan, _ = _drive(ctrl, 400)
     rows = [r for r in ctrl.drain_events() if r["event"] == "considered"]
-    assert len(rows) == 40                                # steps 10, 20, ..., 400
-    assert decisions and plan.global_batch_size > 16      # the batch grew with φ
+    assert len(rows) == 40  # steps 10, 20, ..., 400
+    assert decisions and plan.global_batch_size > 16  # the batch grew with φ
     for d in decisions:
         assert not plan_problems(d.plan, 8, SHAPE) and 16 <= d.plan.global_batch_size <= 512
         assert d.purpose == "decide" and d.reason.startswith("plan: take ")
@@ -86,13 +102,13 @@ def test_each_decision_point_records_the_plan_and_the_best_moves_refused():
         # a refused layout saved less over the rest of the run than the switch it needed
         assert layout[0]["gain_s"] <= layout[0]["needs_s"] + 1e-6
         assert "needs" in layout[0]["why"] and layout[0]["plan"]
-        assert all(x["gain_pct"] <= 1e-9 for x in batch)   # the chosen batch is the best
+        assert all(x["gain_pct"] <= 1e-9 for x in batch)  # the chosen batch is the best
         assert r["expected_s"] > 0 and len(r["c"]) == 1 and r["slope"][0] >= 0
-    json.dumps(rows)                                      # JSON-able
+    json.dumps(rows)  # JSON-able
 
 
 def test_a_switch_is_taken_only_where_the_rest_of_the_run_repays_it():
-    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e ** 0.8)
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
     long_run, _, _ = _drive(_planner(horizon_tokens=2e6 * SEQ), 300, **grow)
     assert any(d.kind == "reconfigure" for d in long_run)
     dear, _, _ = _drive(_planner(horizon_tokens=2e6 * SEQ, reconfig_cost_s=1e7), 300, **grow)
@@ -114,7 +130,7 @@ def test_the_forecast_reads_the_growth_of_the_noise_scale(slope):
     assert phi_now[0] == pytest.approx((1.0 + e_now[0]) ** slope, rel=0.25)
     flat = _planner(settings=PolicySettings(initial=16, min=16, max=16, calibration=2.0))
     _drive(flat, 600, bcrit=lambda e: 40.0, gns_noise=0.05)
-    assert flat.forecast(np.array([2.0]))[2][0] < 0.15        # no growth read, the prior overruled
+    assert flat.forecast(np.array([2.0]))[2][0] < 0.15  # no growth read, the prior overruled
 
 
 def test_the_posterior_over_c_enters_as_equal_mass_quantiles():
@@ -122,19 +138,20 @@ def test_the_posterior_over_c_enters_as_equal_mass_quantiles():
     ctrl = _planner(settings=auto)
     cs, w = ctrl.c_hypotheses()
     assert len(cs) == 5 and w.sum() == pytest.approx(1.0) and np.all(np.diff(cs) > 0)
-    assert cs[2] == pytest.approx(4.0, rel=0.05)             # the prior median
+    assert cs[2] == pytest.approx(4.0, rel=0.05)  # the prior median
 
 
 def test_probes_a_layout_only_when_measuring_it_is_worth_its_cost():
-    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e ** 0.8)
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
     online = dict(step_time_model=None, horizon_tokens=2e6 * SEQ)
     cheap, _, _ = _drive(_planner(reconfig_cost_s=0.5, **online), 60, switch_cost_s=0.5, **grow)
     probes = [d for d in cheap if d.purpose == "probe"]
     assert probes and "value of measuring it" in probes[0].reason
     dear, _, _ = _drive(_planner(reconfig_cost_s=1e6, **online), 60, switch_cost_s=1e6, **grow)
     assert not [d for d in dear if d.purpose == "probe"]
-    off, _, _ = _drive(_planner(reconfig_cost_s=0.5, planner_options={"explore": False}, **online),
-                       60, switch_cost_s=0.5, **grow)
+    off, _, _ = _drive(
+        _planner(reconfig_cost_s=0.5, planner_options={"explore": False}, **online), 60, switch_cost_s=0.5, **grow
+    )
     assert not [d for d in off if d.purpose == "probe"]
 
 
@@ -165,29 +182,48 @@ def test_copus_report_shows_the_moves_weighed_and_refused(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
     (run / "config.toml").write_text('[batch]\npolicy = "goodput"\n')
-    (run / "metrics.jsonl").write_text("".join(json.dumps(dict(
-        step=s, samples=16 * s, tokens=16 * SEQ * s, wall_s=float(s), loss=3.0,
-        global_batch_size=16, dp=2, tp=1, pp=4, b_noise=5.0, tokens_per_s=1000.0)) + "\n"
-        for s in range(1, 121)))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                dict(
+                    step=s,
+                    samples=16 * s,
+                    tokens=16 * SEQ * s,
+                    wall_s=float(s),
+                    loss=3.0,
+                    global_batch_size=16,
+                    dp=2,
+                    tp=1,
+                    pp=4,
+                    b_noise=5.0,
+                    tokens_per_s=1000.0,
+                )
+            )
+            + "\n"
+            for s in range(1, 121)
+        )
+    )
     (run / "decisions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = write_report([load_run(run)], tmp_path / "out", []).read_text()
     assert "## Moves weighed by r" in md
     first = rows[0]
     lay = next(x for x in first["refused"] if x["move"] == "layout")
-    assert (f"| {first['step']} | {first['chosen']} | {first['expected_s']:.0f} | {lay['plan']} "
-            f"| {lay['gain_s']:.1f} | {lay['needs_s']:.1f} |") in md
-    assert md.count("\n| ") >= len(rows)            # one table row per decision point
+    assert (
+        f"| {first['step']} | {first['chosen']} | {first['expected_s']:.0f} | {lay['plan']} "
+        f"| {lay['gain_s']:.1f} | {lay['needs_s']:.1f} |"
+    ) in md
+    assert md.count("\n| ") >= len(rows)  # one table row per decision point
 
 
 def test_measured_step_times_are_shrunk_toward_the_model_by_their_precision():
     ctrl = _planner(step_time_model=None, allow_reconfigure=False)
     model_s = float(ctrl.model.predict_plan(INIT))
     rng = np.random.default_rng(0)
-    for _ in range(4):        # a few noisy steps at twice the model's time
+    for _ in range(4):  # a few noisy steps at twice the model's time
         ctrl.fitter.observe(INIT, 2.0 * model_s * math.exp(0.3 * rng.standard_normal()))
     few = _predicted(ctrl)
     assert model_s < few < 2.0 * model_s * 1.3
-    for _ in range(28):       # many quiet ones: the measurement dominates
+    for _ in range(28):  # many quiet ones: the measurement dominates
         ctrl.fitter.observe(INIT, 2.0 * model_s * (1 + 0.01 * rng.standard_normal()))
     many = _predicted(ctrl)
     assert abs(many / (2.0 * model_s) - 1) < abs(few / (2.0 * model_s) - 1)

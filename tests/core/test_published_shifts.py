@@ -25,10 +25,27 @@ def _args(preset, batch: int):
     # COPUS searched only dp, tp, pp (copus-notes §5: "sequence parallelism and activation
     # checkpointing are not searched"), on Megatron's default 1F1B: its measured layouts are
     # compared under those options (issue 25 added the others as plan dimensions)
-    return p.parse_args(["--model", preset.model, "--gpus", str(preset.world_size), "--hardware",
-                         preset.hardware, "--global-batch", str(batch), "--by-layout", "--top", "100",
-                         "--activation-checkpointing", "none", "--pipeline-schedule", "1f1b",
-                         "--sequence-parallel", "off"])
+    return p.parse_args(
+        [
+            "--model",
+            preset.model,
+            "--gpus",
+            str(preset.world_size),
+            "--hardware",
+            preset.hardware,
+            "--global-batch",
+            str(batch),
+            "--by-layout",
+            "--top",
+            "100",
+            "--activation-checkpointing",
+            "none",
+            "--pipeline-schedule",
+            "1f1b",
+            "--sequence-parallel",
+            "off",
+        ]
+    )
 
 
 def _gap(preset, batch: int, layout: tuple[int, int, int]) -> float:
@@ -74,8 +91,25 @@ def test_7b_on_32_mi210():
 
 
 def test_plan_by_layout_prints_each_layout_once(capsys):
-    assert main(["plan", "--model", "llama-3.2-3b", "--gpus", "8", "--hardware",
-                 "h100-nvlink-pairs", "--global-batch", "16", "--by-layout", "--top", "50"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-3.2-3b",
+                "--gpus",
+                "8",
+                "--hardware",
+                "h100-nvlink-pairs",
+                "--global-batch",
+                "16",
+                "--by-layout",
+                "--top",
+                "50",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()[3:]
     layouts = [tuple(int(x) for x in line.split()[1:4]) for line in lines]
     assert len(layouts) == len(set(layouts)) > 5
@@ -84,10 +118,12 @@ def test_plan_by_layout_prints_each_layout_once(capsys):
 
 # COPUS Table 1 (copus-notes §3.2): a static-batch run still training at the minute it reached
 # its last target had processed at most its token budget, so its throughput ≤ budget / minute.
-BOUNDS = [("3b-8xh100", 328e6, [(16, 102.7), (32, 73.1), (64, 67.3), (128, 55.7)]),
-          ("13b-16xh100", 328e6, [(32, 91.0), (64, 86.7), (128, 105.2)]),
-          ("32b-32xh100", 123e6, [(64, 74.2), (128, 61.2)]),
-          ("7b-32xmi210", 215e6, [(32, 77.2), (64, 57.9), (128, 65.6)])]
+BOUNDS = [
+    ("3b-8xh100", 328e6, [(16, 102.7), (32, 73.1), (64, 67.3), (128, 55.7)]),
+    ("13b-16xh100", 328e6, [(32, 91.0), (64, 86.7), (128, 105.2)]),
+    ("32b-32xh100", 123e6, [(64, 74.2), (128, 61.2)]),
+    ("7b-32xmi210", 215e6, [(32, 77.2), (64, 57.9), (128, 65.6)]),
+]
 
 
 def test_predicted_throughput_never_exceeds_what_the_token_budget_allows():

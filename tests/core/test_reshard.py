@@ -29,7 +29,7 @@ def test_chunk_range_cuts_like_torch_chunk(n, parts):
     expected = [(min(i * size, n), min((i + 1) * size, n)) for i in range(parts)]
     got = [chunk_range(0, n, parts, i) for i in range(parts)]
     assert got == expected
-    assert sum(hi - lo for lo, hi in got) == n                 # the pieces tile [0, n)
+    assert sum(hi - lo for lo, hi in got) == n  # the pieces tile [0, n)
 
 
 def test_fsdp_over_tp_box_follows_the_strided_shard():
@@ -39,9 +39,8 @@ def test_fsdp_over_tp_box_follows_the_strided_shard():
     boxes = {c: local_box((8, 3), (2, 2), c, place) for c in itertools.product(range(2), range(2))}
     assert boxes[(0, 0)] == ((0, 2), (0, 3)) and boxes[(0, 1)] == ((4, 6), (0, 3))
     assert boxes[(1, 0)] == ((2, 4), (0, 3)) and boxes[(1, 1)] == ((6, 8), (0, 3))
-    row_tp = {c: local_box((8, 6), (2, 2), c, [("S", 0), ("S", 1)])
-              for c in itertools.product(range(2), range(2))}
-    assert row_tp[(1, 0)] == ((4, 8), (0, 3))                  # FSDP dim 0, TP dim 1
+    row_tp = {c: local_box((8, 6), (2, 2), c, [("S", 0), ("S", 1)]) for c in itertools.product(range(2), range(2))}
+    assert row_tp[(1, 0)] == ((4, 8), (0, 3))  # FSDP dim 0, TP dim 1
     assert local_box((5,), (2, 2), (0, 1), [("S", 0), ("R",)]) == ((0, 3),)
     with pytest.raises(UnsupportedLayout, match="split factor 4"):
         local_box((8, 3), (2, 2), (0, 0), [("SS", 0, 4), ("S", 0)])
@@ -54,7 +53,7 @@ def _fill(pieces: list[Piece], new: dict) -> dict:
     got: dict = {}
     for pc in pieces:
         for idx in itertools.product(*(range(lo, hi) for lo, hi in pc.box)):
-            assert idx not in got.setdefault(pc.dst, {}), (pc, idx)   # each element once
+            assert idx not in got.setdefault(pc.dst, {}), (pc, idx)  # each element once
             got[pc.dst][idx] = pc.src
     for dst, box in new.items():
         assert len(got.get(dst, {})) == volume(box)
@@ -69,7 +68,7 @@ def test_pieces_cover_each_new_box_once_and_prefer_a_local_replica():
         new[r] = local_box(shape, (2, 2), (r // 2, r % 2), [("S", 0), ("S", 1)])
     pieces = plan_pieces(old, new)
     got = _fill(pieces, new)
-    assert all(src in (0, 1) for src in got[0].values())       # rows 0-3 lived on ranks 0, 1
+    assert all(src in (0, 1) for src in got[0].values())  # rows 0-3 lived on ranks 0, 1
     # a replicated norm weight (tp2: two replicas per dp rank) -> dp4: each rank keeps its own
     old_r = {r: local_box((8,), (2, 2), (r // 2, r % 2), [("S", 0), ("R",)]) for r in range(4)}
     new_r = {r: local_box((8,), (4,), (r,), [("S", 0)]) for r in range(4)}
@@ -119,6 +118,7 @@ def test_direct_switch_cost_prior_grows_with_the_state():
 
 # ---------------------------------------------------------- per-rank planning = global plan restricted
 
+
 def _patterns(ndim: int, tp: int) -> list[tuple]:
     """Placements the engine produces on a (dp, tp) mesh (FSDP dim 0 over TP), plus replicas."""
     if tp == 1:
@@ -134,13 +134,18 @@ def _layouts(draw, world: int, shape: tuple[int, ...]):
     """A random (pp, dp, tp) factorisation of `world`, a stage and a placement pattern."""
     from copus.core.plan.reshard import Layout, Mesh
 
-    splits = [(pp, dp, world // (pp * dp)) for pp in range(1, world + 1) if world % pp == 0
-              for dp in range(1, world // pp + 1) if (world // pp) % dp == 0]
+    splits = [
+        (pp, dp, world // (pp * dp))
+        for pp in range(1, world + 1)
+        if world % pp == 0
+        for dp in range(1, world // pp + 1)
+        if (world // pp) % dp == 0
+    ]
     pp, dp, tp = draw(st.sampled_from(splits))
     stage = draw(st.integers(0, pp - 1))
     perm = draw(st.permutations(range(world)))
     ranks = [perm[stage * dp * tp + i] for i in range(dp * tp)]
-    if tp > 1 and draw(st.booleans()):   # per tp rank, a dp sub-mesh of its own (FSDP'd norms)
+    if tp > 1 and draw(st.booleans()):  # per tp rank, a dp sub-mesh of its own (FSDP'd norms)
         return tuple(Layout(shape, Mesh((dp,), ranks[j::tp]), (("S", 0),)) for j in range(tp))
     place = draw(st.sampled_from(_patterns(len(shape), tp)))
     mesh = Mesh((dp, tp), ranks) if tp > 1 else Mesh((dp,), ranks)
@@ -172,8 +177,7 @@ def test_rank_pieces_are_the_global_plan_restricted_to_each_rank(case):
     for me in range(world):
         assert rank_pieces(old, new, me) == [p for p in everything if me in (p.src, p.dst)]
     for lay, boxes in ((old, old_boxes), (new, new_boxes)):
-        assert placed_volumes(lay, world).tolist() == [volume(boxes[r]) if r in boxes else 0
-                                                       for r in range(world)]
+        assert placed_volumes(lay, world).tolist() == [volume(boxes[r]) if r in boxes else 0 for r in range(world)]
 
 
 def test_rank_pieces_visit_only_the_overlapping_boxes():

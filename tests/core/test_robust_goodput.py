@@ -21,17 +21,37 @@ SHAPE = get_model_shape("llama-3.2-3b")
 # The scenario these tests were designed on: COPUS's 3B cluster priced by plain FLOPs at the
 # profile's mfu (no roofline; core/cost/compute.py) and ε_tp = 0.9, so the simulated batch path
 # stays put.
-HW = with_overrides(get_hardware("h100-nvlink-pairs"), gemm_efficiency=None, attention_efficiency=None,
-                    tp_efficiency=0.9)
+HW = with_overrides(
+    get_hardware("h100-nvlink-pairs"), gemm_efficiency=None, attention_efficiency=None, tp_efficiency=0.9
+)
 INIT = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)
 TRUE = StepTimeModel.analytic(SHAPE, HW, 8)
-AUTO = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10,
-                      calibration=4.0, calibration_mode="auto", confidence=0.0, recovery_steps=0)
+AUTO = PolicySettings(
+    initial=16,
+    min=16,
+    max=512,
+    interval_steps=10,
+    warmup_steps=10,
+    calibration=4.0,
+    calibration_mode="auto",
+    confidence=0.0,
+    recovery_steps=0,
+)
 
 
 def _controller(settings=AUTO, **kw):
-    return make_controller(settings, INIT, 8, SHAPE, hardware=HW, memory_capacity_bytes=80e9,
-                           online_fit=False, allow_reconfigure=False, lr_aware=False, **kw)
+    return make_controller(
+        settings,
+        INIT,
+        8,
+        SHAPE,
+        hardware=HW,
+        memory_capacity_bytes=80e9,
+        online_fit=False,
+        allow_reconfigure=False,
+        lr_aware=False,
+        **kw,
+    )
 
 
 def _run(ctrl, c_true, steps=900, seed=0):
@@ -44,11 +64,16 @@ def _run(ctrl, c_true, steps=900, seed=0):
         b = plan.global_batch_size
         progress += b * c_true * phi / (c_true * phi + b)
         loss = 1 + 10 * (1 + progress / 50) ** -0.24
-        rec = StepRecord(step=step, samples=0, tokens=0, plan=plan,
-                         step_s=TRUE.predict_plan(plan),
-                         loss=loss + 2.1 / math.sqrt(b * SHAPE.seq_len) * rng.standard_normal(),
-                         b_noise=phi * math.exp(0.05 * rng.standard_normal()),
-                         b_noise_rel_err=0.05)
+        rec = StepRecord(
+            step=step,
+            samples=0,
+            tokens=0,
+            plan=plan,
+            step_s=TRUE.predict_plan(plan),
+            loss=loss + 2.1 / math.sqrt(b * SHAPE.seq_len) * rng.standard_normal(),
+            b_noise=phi * math.exp(0.05 * rng.standard_normal()),
+            b_noise_rel_err=0.05,
+        )
         d = ctrl.observe(rec)
         events += ctrl.drain_events()
         if d is not None:
@@ -65,11 +90,10 @@ def test_auto_learns_c_from_its_own_batch_changes():
         decisions, events = _run(ctrl, c_true)
         rows = [e for e in events if e.get("event") == "calibration"]
         assert decisions and rows, "no batch change, no experiment"
-        assert all(d.calibration is not None and d.to_dict()["calibration"]["p05"] > 0
-                   for d in decisions)
+        assert all(d.calibration is not None and d.to_dict()["calibration"]["p05"] > 0 for d in decisions)
         s = ctrl.posterior.summary()
         assert s["p05"] <= c_true <= s["p95"]
-        assert abs(math.log2(ctrl.calibration / c_true)) < 1.0   # within 2x of the truth
+        assert abs(math.log2(ctrl.calibration / c_true)) < 1.0  # within 2x of the truth
         # the state round-trips with the posterior
         other = _controller()
         other.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
@@ -98,28 +122,43 @@ def test_goodput_copus_is_the_papers_algorithm_alone():
 
 def test_truth_grid_capture_and_goals():
     cells = []
-    for cell, oracle, policy in ((tg.Cell("a", "lr-tuned", 1.0), 8.0, 6.0),
-                                 (tg.Cell("a", "sqrt-lr", 1.0), 4.0, 1.0),
-                                 (tg.Cell("b", "lr-tuned", 8.0), 1.0, -2.0)):
-        runs = [{"seed": s, "oracle_avg": oracle, "variants": {"g": policy + d}}
-                for s, d in ((0, -0.5), (1, 0.5))]
+    for cell, oracle, policy in (
+        (tg.Cell("a", "lr-tuned", 1.0), 8.0, 6.0),
+        (tg.Cell("a", "sqrt-lr", 1.0), 4.0, 1.0),
+        (tg.Cell("b", "lr-tuned", 8.0), 1.0, -2.0),
+    ):
+        runs = [{"seed": s, "oracle_avg": oracle, "variants": {"g": policy + d}} for s, d in ((0, -0.5), (1, 0.5))]
         cells.append(tg.summarise_cell(cell, runs))
     assert cells[0]["variants"]["g"]["capture"] == pytest.approx(0.75)
     g = tg.goals(cells, "g")
     assert g["cells_counted"] == 2 and g["median_capture"] == pytest.approx(0.5)
     assert g["cells_below_0.6"] == ["a/sqrt-lr/R=1"] and not g["every_cell_capture_ge_0.6"]
     assert g["cells_behind_1pct"] == ["b/lr-tuned/R=8"]
-    json.dumps(g)       # plain JSON types (numpy floats and bools are not)
-    zero = tg.summarise_cell(tg.Cell("c", "lr-tuned", 2.0),
-                             [{"seed": 0, "oracle_avg": 3.0, "variants": {"g": 0.0}}])
-    assert tg.goals([zero], "g")["never_more_than_1pct_behind"]     # 0.0 is not behind
+    json.dumps(g)  # plain JSON types (numpy floats and bools are not)
+    zero = tg.summarise_cell(tg.Cell("c", "lr-tuned", 2.0), [{"seed": 0, "oracle_avg": 3.0, "variants": {"g": 0.0}}])
+    assert tg.goals([zero], "g")["never_more_than_1pct_behind"]  # 0.0 is not behind
 
 
 def test_simulate_crit_ratio_and_grid_flags(capsys):
     from copus.cli import main
 
-    assert main(["simulate", "--preset", "7b-32xmi210", "--truth", "lr-tuned",
-                 "--crit-ratio", "2", "--policies", "static,goodput", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--preset",
+                "7b-32xmi210",
+                "--truth",
+                "lr-tuned",
+                "--crit-ratio",
+                "2",
+                "--policies",
+                "static,goodput",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["crit_ratio"] == 2.0 and "oracle_speedup_pct" in out
     assert "goodput" in out["variants"] and "goodput-copus" in out["variants"]
@@ -127,11 +166,24 @@ def test_simulate_crit_ratio_and_grid_flags(capsys):
     assert "--crit-ratio=0.0 is invalid" in capsys.readouterr().err
     assert main(["simulate", "--truth-grid", "--crit-ratios", "2,x"]) == 2
     assert "--crit-ratios='2,x' is invalid" in capsys.readouterr().err
-    assert main(["simulate", "--truth-grid", "--preset", "7b-32xmi210", "--crit-ratios", "2",
-                 "--policies", "static,goodput", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--truth-grid",
+                "--preset",
+                "7b-32xmi210",
+                "--crit-ratios",
+                "2",
+                "--policies",
+                "static,goodput",
+                "--json",
+            ]
+        )
+        == 0
+    )
     grid = json.loads(capsys.readouterr().out)
-    assert [(c["truth"], c["crit_ratio"]) for c in grid["cells"]] == [("lr-tuned", 2.0),
-                                                                      ("sqrt-lr", 2.0)]
+    assert [(c["truth"], c["crit_ratio"]) for c in grid["cells"]] == [("lr-tuned", 2.0), ("sqrt-lr", 2.0)]
     assert set(grid["goals"]) == {"goodput-copus", "goodput"}
     assert grid["cells"][0]["variants"]["goodput"]["capture"] is not None
 

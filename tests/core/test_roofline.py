@@ -12,8 +12,16 @@ from copus.core.specs.models import ModelShape
 from copus.core.specs.resolve import get_model_shape
 
 SEVEN_B = get_model_shape("llama-2-7b")
-L70B = ModelShape(name="llama-3.1-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                  vocab_size=128256, seq_len=8192)
+L70B = ModelShape(
+    name="llama-3.1-70b",
+    n_layers=80,
+    dim=8192,
+    n_heads=64,
+    n_kv_heads=8,
+    ffn_dim=28672,
+    vocab_size=128256,
+    seq_len=8192,
+)
 
 
 def test_gemm_time_is_flop_time_plus_byte_time_per_projection():
@@ -25,8 +33,10 @@ def test_gemm_time_is_flop_time_plus_byte_time_per_projection():
     for tp, b in ((1, 1), (4, 2)):
         M = b * s
         dims = [(h, h // tp), (h, h // tp), (h, h // tp), (h // tp, h), (h, f // tp), (h, f // tp), (f // tp, h)]
-        expected = sum(6 * M * k * n / (hw.peak_flops * hw.gemm_efficiency)
-                       + 3 * 2 * (M * k + k * n + M * n) / hw.memory_bw for k, n in dims)
+        expected = sum(
+            6 * M * k * n / (hw.peak_flops * hw.gemm_efficiency) + 3 * 2 * (M * k + k * n + M * n) / hw.memory_bw
+            for k, n in dims
+        )
         assert float(block_terms(model, tp, b)["gemm_s"]) == pytest.approx(expected, rel=1e-12)
 
 
@@ -50,19 +60,22 @@ def test_generations_differ_by_their_own_constants():
     a100, h100 = get_hardware("a100-80gb"), get_hardware("h100-sxm")
     terms = {hw.name: block_terms(StepTimeModel.analytic(L70B, hw), 1, 4) for hw in (a100, h100)}
     gemm_ratio = float(terms["a100-80gb"]["gemm_s"] / terms["h100-sxm"]["gemm_s"])
-    assert gemm_ratio == pytest.approx(h100.peak_flops * h100.gemm_efficiency
-                                       / (a100.peak_flops * a100.gemm_efficiency), rel=0.1)
-    assert float(terms["a100-80gb"]["elementwise_s"] / terms["h100-sxm"]["elementwise_s"]) == \
-        pytest.approx(h100.memory_bw / a100.memory_bw)
-    assert float(terms["a100-80gb"]["attention_s"] / terms["h100-sxm"]["attention_s"]) == \
-        pytest.approx(h100.peak_flops * GPU_GENERATIONS["hopper"][1] / (a100.peak_flops * GPU_GENERATIONS["ampere"][1]))
+    assert gemm_ratio == pytest.approx(
+        h100.peak_flops * h100.gemm_efficiency / (a100.peak_flops * a100.gemm_efficiency), rel=0.1
+    )
+    assert float(terms["a100-80gb"]["elementwise_s"] / terms["h100-sxm"]["elementwise_s"]) == pytest.approx(
+        h100.memory_bw / a100.memory_bw
+    )
+    assert float(terms["a100-80gb"]["attention_s"] / terms["h100-sxm"]["attention_s"]) == pytest.approx(
+        h100.peak_flops * GPU_GENERATIONS["hopper"][1] / (a100.peak_flops * GPU_GENERATIONS["ampere"][1])
+    )
 
 
 def test_analytic_coefficient_is_kappa_times_the_generations_matmul_peak():
     hw = get_hardware("mi210")
     params = StepTimeParams.analytic(hw)
     assert params.s_per_flop == pytest.approx(1.0 / (hw.peak_flops * hw.gemm_efficiency * COMPUTE_EFFICIENCY))
-    cpu = get_hardware("cpu")   # no roofline: the plain FLOP count at the profile's mfu
+    cpu = get_hardware("cpu")  # no roofline: the plain FLOP count at the profile's mfu
     assert StepTimeParams.analytic(cpu).s_per_flop == pytest.approx(1.0 / (cpu.peak_flops * cpu.mfu))
 
 
@@ -95,8 +108,16 @@ def test_time_split_sums_to_the_step(hw):
 
 
 def _torchtitan_memory(**kw) -> MemoryModel:
-    return MemoryModel(L70B, mixed_precision=True, autocast=False, loss_parallel=True, logit_bytes=12.0,
-                       allocator_overhead=ALLOCATOR_OVERHEAD, activation_checkpointing="full", **kw)
+    return MemoryModel(
+        L70B,
+        mixed_precision=True,
+        autocast=False,
+        loss_parallel=True,
+        logit_bytes=12.0,
+        allocator_overhead=ALLOCATOR_OVERHEAD,
+        activation_checkpointing="full",
+        **kw,
+    )
 
 
 def test_torchtitan_70b_fits_at_its_own_micro_batch():
@@ -110,10 +131,10 @@ def test_torchtitan_70b_fits_at_its_own_micro_batch():
 def test_sequence_parallel_gather_is_unsharded_and_grows_with_the_micro_batch():
     mm = _torchtitan_memory(sequence_parallel=True)
     one, four = (mm.breakdown(32, 8, 1, b, 1)["sp_gather"] for b in (1, 4))
-    assert float(one) == pytest.approx(2 * 2 * 8192 * 8192)       # 2 tensors · bf16 · s·h, not split by tp
+    assert float(one) == pytest.approx(2 * 2 * 8192 * 8192)  # 2 tensors · bf16 · s·h, not split by tp
     assert float(four) == pytest.approx(4 * float(one))
     assert float(_torchtitan_memory(sequence_parallel=False).breakdown(32, 8, 1, 4, 1)["sp_gather"]) == 0.0
-    assert float(mm.breakdown(256, 1, 1, 4, 1)["sp_gather"]) == 0.0        # no tensor parallelism
+    assert float(mm.breakdown(256, 1, 1, 4, 1)["sp_gather"]) == 0.0  # no tensor parallelism
 
 
 def test_custom_profile_needs_both_efficiencies():

@@ -20,8 +20,7 @@ class ToyStepTime:
         self.sync_s, self.tp_s, self.scale = sync_s, tp_s, scale
 
     def predict(self, dp, tp, pp, micro_batch_size, num_microbatches):
-        dp, tp, pp, mbs, nmb = (np.asarray(a, float) for a in
-                                (dp, tp, pp, micro_batch_size, num_microbatches))
+        dp, tp, pp, mbs, nmb = (np.asarray(a, float) for a in (dp, tp, pp, micro_batch_size, num_microbatches))
         micro = (0.02 + 0.05 * mbs) / (tp * pp) + self.tp_s * (tp - 1) * mbs
         sync = np.where(dp > 1, self.sync_s / (tp * pp), 0.0)
         return self.scale * ((nmb + pp - 1) * micro + sync)
@@ -39,8 +38,7 @@ class Table:
         self.times = times
 
     def predict(self, dp, tp, pp, micro_batch_size, num_microbatches):
-        keys = zip(*(np.atleast_1d(a).tolist() for a in
-                     (dp, tp, pp, micro_batch_size, num_microbatches)), strict=True)
+        keys = zip(*(np.atleast_1d(a).tolist() for a in (dp, tp, pp, micro_batch_size, num_microbatches)), strict=True)
         return np.array([self.times.get(k, np.inf) for k in keys])
 
 
@@ -48,21 +46,23 @@ def _plan(dp, tp, pp, mbs, nmb):
     return ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=nmb)
 
 
-CANDS = build_candidates(8, SHAPE, min_batch=16, max_batch=512, memory_model=ToyMemory(),
-                         memory_capacity_bytes=40e9)
+CANDS = build_candidates(8, SHAPE, min_batch=16, max_batch=512, memory_model=ToyMemory(), memory_capacity_bytes=40e9)
 
 
 @settings(max_examples=40, deadline=None)
-@given(b_noise=st.floats(1.0, 1e5), idx=st.integers(0, len(CANDS) - 1),
-       elapsed=st.floats(0.0, 1e4), cost=st.floats(0.0, 100.0))
+@given(
+    b_noise=st.floats(1.0, 1e5),
+    idx=st.integers(0, len(CANDS) - 1),
+    elapsed=st.floats(0.0, 1e4),
+    cost=st.floats(0.0, 100.0),
+)
 def test_search_never_returns_an_infeasible_plan(b_noise, idx, elapsed, cost):
     current = CANDS.plan(idx)
     d = search(CANDS, ToyStepTime(), b_noise, current, elapsed_s=elapsed, reconfig_cost_s=cost)
     if d is None:
         return
     assert not plan_problems(d.plan, 8, SHAPE)
-    assert ToyMemory().bytes_per_rank(*d.plan.layout, d.plan.micro_batch_size,
-                                      d.plan.num_microbatches) <= 40e9
+    assert ToyMemory().bytes_per_rank(*d.plan.layout, d.plan.micro_batch_size, d.plan.num_microbatches) <= 40e9
     assert d.plan.global_batch_size <= 2 * current.global_batch_size
     assert d.plan.global_batch_size >= 16
     assert d.kind == ("batch" if d.plan.layout == current.layout else "reconfigure")
@@ -114,8 +114,7 @@ def test_reconfiguration_only_when_gain_repays_cost():
     assert search(CANDS, model, 50.0, a, elapsed_s=0, reconfig_cost_s=1.0) is None  # COPUS: 0/1
     assert search(CANDS, model, 50.0, a, horizon_s=300, reconfig_cost_s=30).plan == b
     assert search(CANDS, model, 50.0, a, horizon_s=10, reconfig_cost_s=30) is None  # 1/4 × 2
-    assert search(CANDS, model, 50.0, a, elapsed_s=600, reconfig_cost_s=30,
-                  allow_reconfigure=False) is None
+    assert search(CANDS, model, 50.0, a, elapsed_s=600, reconfig_cost_s=30, allow_reconfigure=False) is None
 
 
 def test_huge_cost_still_allows_batch_changes():
@@ -163,8 +162,7 @@ def test_precomputed_step_times_give_the_same_result():
     current = _plan(8, 1, 1, 2, 1)
     model = ToyStepTime()
     a = evaluate(CANDS, model, 300.0, current, elapsed_s=500.0)
-    b = evaluate(CANDS, model, 300.0, current, elapsed_s=500.0,
-                 step_s=CANDS.predict_step_s(model))
+    b = evaluate(CANDS, model, 300.0, current, elapsed_s=500.0, step_s=CANDS.predict_step_s(model))
     assert a.decision == b.decision and a.explanation == b.explanation
     with pytest.raises(ValueError, match="step_s has shape"):
         evaluate(CANDS, model, 300.0, current, step_s=np.ones(3))

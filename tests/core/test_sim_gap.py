@@ -11,15 +11,15 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.sim.gap import decompose, run_gap
 from copus.core.sim.oracle import scenario_oracle_minutes
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import (GoodputVariant, Planner, compare_policies,
-                                      preset_scenario, simulate)
+from copus.core.sim.simulator import GoodputVariant, Planner, compare_policies, preset_scenario, simulate
 from copus.core.sim.trajectory import LR_TUNED
 
 
 def _scenario(variants=(), **sim):
     preset = PRESETS["3b-8xh100"]
-    sc = preset_scenario(preset, seed=0, variants=variants,
-                         trajectory=preset.truth(LR_TUNED).with_(gns_calibration=2.0))
+    sc = preset_scenario(
+        preset, seed=0, variants=variants, trajectory=preset.truth(LR_TUNED).with_(gns_calibration=2.0)
+    )
     return replace(sc, sim=replace(sc.sim, keep_records=True, step_time_noise=0.0, **sim))
 
 
@@ -63,17 +63,20 @@ def test_switch_costs_after_the_stop_are_not_counted_and_bad_plans_fail():
     res = simulate(_Fixed(), planner.fastest_plan(32), sc.shape, planner.step_time_model, sc.sim)
     from copus.core.plan.goodput import build_candidates
 
-    cands = build_candidates(sc.world_size, sc.shape, min_batch=16, max_batch=sc.max_batch,
-                             micro_batch_sizes=sc.micro_batch_sizes,
-                             memory_model=planner.memory_model,
-                             memory_capacity_bytes=planner.memory_capacity_bytes)
+    cands = build_candidates(
+        sc.world_size,
+        sc.shape,
+        min_batch=16,
+        max_batch=sc.max_batch,
+        micro_batch_sizes=sc.micro_batch_sizes,
+        memory_model=planner.memory_model,
+        memory_capacity_bytes=planner.memory_capacity_bytes,
+    )
     step_s = np.asarray(cands.predict_step_s(planner.step_time_model), float)
     recs = res.records[:50]
-    g = decompose(recs, [(10, 30.0), (49, 20.0), (60, 99.0)], sc.sim.trajectory,
-                  sc.shape.seq_len, cands, step_s)
+    g = decompose(recs, [(10, 30.0), (49, 20.0), (60, 99.0)], sc.sim.trajectory, sc.shape.seq_len, cands, step_s)
     assert g.switch_s == 50.0 and g.steps == 50
-    alien = replace(recs[0], plan=ParallelPlan(dp=3, tp=1, pp=1, micro_batch_size=1,
-                                               num_microbatches=1))
+    alien = replace(recs[0], plan=ParallelPlan(dp=3, tp=1, pp=1, micro_batch_size=1, num_microbatches=1))
     with pytest.raises(ValueError, match="not a feasible candidate"):
         decompose([alien], [], sc.sim.trajectory, sc.shape.seq_len, cands, step_s)
 
@@ -97,18 +100,32 @@ def test_the_controller_start_plan_is_the_fastest_at_the_initial_batch():
     planner = Planner(sc)
     settings = PolicySettings(initial=16, min=16, max=512)
     slow = ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
-    ctrl = make_controller(settings, slow, 8, sc.shape, hardware=preset.hardware,
-                           step_time_model=planner.step_time_model, online_fit=False,
-                           memory_capacity_bytes=planner.memory_capacity_bytes,
-                           micro_batch_sizes=sc.micro_batch_sizes)
+    ctrl = make_controller(
+        settings,
+        slow,
+        8,
+        sc.shape,
+        hardware=preset.hardware,
+        step_time_model=planner.step_time_model,
+        online_fit=False,
+        memory_capacity_bytes=planner.memory_capacity_bytes,
+        micro_batch_sizes=sc.micro_batch_sizes,
+    )
     start = ctrl.start_plan()
     assert start == planner.fastest_plan(16) and start != slow
     mb = 2 if start.micro_batch_size != 2 else 1
     fixed_mb = ctrl.start_plan(micro_batch_size=mb)
     assert fixed_mb.micro_batch_size == mb and fixed_mb.global_batch_size == 16
-    locked = make_controller(settings, slow, 8, sc.shape, hardware=preset.hardware,
-                             step_time_model=planner.step_time_model, online_fit=False,
-                             allow_reconfigure=False)
+    locked = make_controller(
+        settings,
+        slow,
+        8,
+        sc.shape,
+        hardware=preset.hardware,
+        step_time_model=planner.step_time_model,
+        online_fit=False,
+        allow_reconfigure=False,
+    )
     assert locked.start_plan() == slow
 
 
@@ -118,10 +135,15 @@ def test_the_switch_aware_ceiling_lies_between_the_free_oracle_and_one_layout():
 
     sc = _scenario()
     planner = Planner(sc)
-    cands = build_candidates(sc.world_size, sc.shape, min_batch=16, max_batch=sc.max_batch,
-                             micro_batch_sizes=sc.micro_batch_sizes,
-                             memory_model=planner.memory_model,
-                             memory_capacity_bytes=planner.memory_capacity_bytes)
+    cands = build_candidates(
+        sc.world_size,
+        sc.shape,
+        min_batch=16,
+        max_batch=sc.max_batch,
+        micro_batch_sizes=sc.micro_batch_sizes,
+        memory_model=planner.memory_model,
+        memory_capacity_bytes=planner.memory_capacity_bytes,
+    )
     step_s = np.asarray(cands.predict_step_s(planner.step_time_model), float)
     ok = np.isfinite(step_s) & (step_s > 0)
     b, t = cands.global_batch_size[ok], step_s[ok]
@@ -131,20 +153,21 @@ def test_the_switch_aware_ceiling_lies_between_the_free_oracle_and_one_layout():
     zero = switch_aware_minutes(truth, seq, b, t, ids, targets, 0.0)
     paid = switch_aware_minutes(truth, seq, b, t, ids, targets, 38.0)
     never = switch_aware_minutes(truth, seq, b, t, ids, targets, 1e12)
-    single = min((switch_aware_minutes(truth, seq, b[ids == i], t[ids == i], ids[ids == i],
-                                       targets, 0.0)[-1], i) for i in np.unique(ids))
-    assert zero == pytest.approx(free, rel=0.005)           # the programme = the greedy oracle
+    single = min(
+        (switch_aware_minutes(truth, seq, b[ids == i], t[ids == i], ids[ids == i], targets, 0.0)[-1], i)
+        for i in np.unique(ids)
+    )
+    assert zero == pytest.approx(free, rel=0.005)  # the programme = the greedy oracle
     assert all(z <= p + 1e-9 <= n + 1e-9 for z, p, n in zip(zero, paid, never))
-    assert paid[-1] > zero[-1] + 0.3                         # 3B switches cost ≥ 0.3 min here
-    assert never[-1] == pytest.approx(single[0], rel=1e-6)   # no switch: the best one layout
+    assert paid[-1] > zero[-1] + 0.3  # 3B switches cost ≥ 0.3 min here
+    assert never[-1] == pytest.approx(single[0], rel=1e-6)  # no switch: the best one layout
 
 
 def test_grid_cells_carry_the_switch_aware_capture():
     from copus.core.sim import truth_grid as tg
 
     cell = tg.Cell("p", "lr-tuned", 2.0)
-    runs = [{"seed": s, "oracle_avg": 8.0, "switch_aware_avg": 6.0, "variants": {"g": 3.0}}
-            for s in (0, 1)]
+    runs = [{"seed": s, "oracle_avg": 8.0, "switch_aware_avg": 6.0, "variants": {"g": 3.0}} for s in (0, 1)]
     out = tg.summarise_cell(cell, runs)
     assert out["switch_aware_oracle_avg_pct"] == 6.0
     assert out["variants"]["g"]["capture"] == pytest.approx(3 / 8)

@@ -22,16 +22,22 @@ from copus.core.sim.trajectory import TrajectoryParams
 SHAPE = get_model_shape("llama-3.2-3b")
 # Fixed here (not taken from a preset, whose fit follows the step-time model): B_crit grows
 # from ~1 to ~1,000 samples, so the best layout moves from tp2 to pure dp during the run.
-TRAJ = TrajectoryParams(initial_loss=11.76, progress_scale_samples=265.0, loss_exponent=0.272,
-                        bcrit_star_tokens=1e9)
+TRAJ = TrajectoryParams(initial_loss=11.76, progress_scale_samples=265.0, loss_exponent=0.272, bcrit_star_tokens=1e9)
 
 
 def _scenario(**kw) -> Scenario:
     """3B on 8 H100 (NVLink pairs), short run: two early targets, small budget."""
-    sim = SimSettings(target_losses=(6.0, 4.5), token_budget=60_000_000, seed=kw.pop("seed", 0),
-                      trajectory=TRAJ, reconfig_cost_s=5.0, **kw.pop("sim", {}))
-    return Scenario(shape=SHAPE, hardware="h100-nvlink-pairs", world_size=8, sim=sim,
-                    max_batch=256, static_batches=(16, 64), **kw)
+    sim = SimSettings(
+        target_losses=(6.0, 4.5),
+        token_budget=60_000_000,
+        seed=kw.pop("seed", 0),
+        trajectory=TRAJ,
+        reconfig_cost_s=5.0,
+        **kw.pop("sim", {}),
+    )
+    return Scenario(
+        shape=SHAPE, hardware="h100-nvlink-pairs", world_size=8, sim=sim, max_batch=256, static_batches=(16, 64), **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,7 @@ def _run(policy_name: str, planner: Planner, scenario: Scenario, **sim_kw):
     sim = dataclasses.replace(scenario.sim, **sim_kw)
     plan = planner.fastest_plan(scenario.initial_batch)
     policy = default_policy_factory(scenario)(policy_name, plan, planner)
-    return simulate(policy, plan, scenario.shape, planner.step_time_model, sim,
-                    switch_cost_s=planner.switch_cost_s)
+    return simulate(policy, plan, scenario.shape, planner.step_time_model, sim, switch_cost_s=planner.switch_cost_s)
 
 
 def test_deterministic_for_a_seed(planner):
@@ -86,8 +91,7 @@ def test_replayed_feed_gives_the_same_decisions(planner):
             inside.record_switch_cost(seconds)
 
     sim = dataclasses.replace(sc.sim, token_budget=200_000_000, target_losses=(3.5,))
-    res = simulate(Recorder(), plan, sc.shape, planner.step_time_model, sim,
-                   switch_cost_s=planner.switch_cost_s)
+    res = simulate(Recorder(), plan, sc.shape, planner.step_time_model, sim, switch_cost_s=planner.switch_cost_s)
     assert len(res.decisions) >= 2 and any(d.kind == "reconfigure" for d in res.decisions)
     fresh = factory("goodput", plan, planner)
     replayed = {}
@@ -113,12 +117,16 @@ def test_reconfiguration_cost_is_added_to_wall_time(planner):
     sim = dataclasses.replace(sc.sim, target_losses=(3.5,), token_budget=200_000_000)
     cheap = _run("goodput", planner, sc, target_losses=(3.5,), token_budget=200_000_000)
     assert cheap.switch_costs_s, "expected at least one parallelism change"
-    assert sum(cheap.switch_costs_s) == pytest.approx(
-        planner.switch_cost_s * len(cheap.switch_costs_s), rel=0.2)
+    assert sum(cheap.switch_costs_s) == pytest.approx(planner.switch_cost_s * len(cheap.switch_costs_s), rel=0.2)
     assert cheap.wall_s > sum(cheap.switch_costs_s)
-    no_cost = simulate(default_policy_factory(sc)("goodput", cheap.timeline[0].plan, planner),
-                       cheap.timeline[0].plan, sc.shape, planner.step_time_model, sim,
-                       switch_cost_s=0.0)
+    no_cost = simulate(
+        default_policy_factory(sc)("goodput", cheap.timeline[0].plan, planner),
+        cheap.timeline[0].plan,
+        sc.shape,
+        planner.step_time_model,
+        sim,
+        switch_cost_s=0.0,
+    )
     assert no_cost.switch_costs_s and all(c == 0.0 for c in no_cost.switch_costs_s)
 
 
@@ -138,12 +146,23 @@ def test_more_gpus_never_slower_for_the_best_plan_of_a_large_model():
         times = []
         for world in (8, 16, 32, 64):
             sim = SimSettings(target_losses=(4.0,), token_budget=1)
-            p = Planner(Scenario(shape=shape, hardware="h100-sxm", world_size=world, sim=sim,
-                                 initial_batch=batch, max_batch=batch))
+            p = Planner(
+                Scenario(
+                    shape=shape, hardware="h100-sxm", world_size=world, sim=sim, initial_batch=batch, max_batch=batch
+                )
+            )
             plan = p.fastest_plan(batch)
             assert plan is not None
-            times.append(float(p.step_time_model.predict(*(np.array([v]) for v in (
-                plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)))[0]))
+            times.append(
+                float(
+                    p.step_time_model.predict(
+                        *(
+                            np.array([v])
+                            for v in (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
+                        )
+                    )[0]
+                )
+            )
         assert all(np.diff(times) <= 1e-12), times
 
 
@@ -153,8 +172,9 @@ def test_bigger_static_batch_never_more_efficient_per_sample(planner):
     for batch in (16, 32, 64, 128):
         plan = planner.fastest_plan(batch)
         sim = dataclasses.replace(sc.sim, target_losses=(4.5,))
-        res = simulate(default_policy_factory(sc)("constant", plan, planner), plan, sc.shape,
-                       planner.step_time_model, sim)
+        res = simulate(
+            default_policy_factory(sc)("constant", plan, planner), plan, sc.shape, planner.step_time_model, sim
+        )
         samples.append(res.tokens // sc.shape.seq_len)
     assert samples == sorted(samples) and samples[0] < samples[-1]
 
@@ -199,8 +219,13 @@ def test_bad_settings_raise_value_error():
             return None
 
     with pytest.raises(ValueError, match="predicted step time"):
-        simulate(Null(), plan, SHAPE, Inf(), SimSettings(target_losses=(3.0,), token_budget=10**6,
-                                                           trajectory=TrajectoryParams()))
+        simulate(
+            Null(),
+            plan,
+            SHAPE,
+            Inf(),
+            SimSettings(target_losses=(3.0,), token_budget=10**6, trajectory=TrajectoryParams()),
+        )
 
 
 def test_simulate_command_json_plot_and_errors(tmp_path, capsys):
@@ -209,9 +234,26 @@ def test_simulate_command_json_plot_and_errors(tmp_path, capsys):
     from copus.cli import main
 
     png = tmp_path / "sim.png"
-    rc = main(["simulate", "--model", "llama-3.2-3b", "--gpus", "8", "--target-loss", "6.0,5.0",
-               "--policies", "static,goodput", "--tokens", "3e7", "--max-batch", "64", "--json",
-               "--plot", str(png)])
+    rc = main(
+        [
+            "simulate",
+            "--model",
+            "llama-3.2-3b",
+            "--gpus",
+            "8",
+            "--target-loss",
+            "6.0,5.0",
+            "--policies",
+            "static,goodput",
+            "--tokens",
+            "3e7",
+            "--max-batch",
+            "64",
+            "--json",
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["world_size"] == 8 and [r["target"] for r in out["speedups"]] == [6.0, 5.0]
@@ -229,10 +271,11 @@ def test_simulate_takes_a_train_config(tmp_path, capsys):
     from copus.cli import main
 
     conf = tmp_path / "run.toml"
-    conf.write_text("[model]\nname = 'llama-3.2-3b'\n[parallel]\nnproc = 16\n[batch]\ninitial = 32\n"
-                    "max = 256\n[train]\nmax_tokens = 200000000\nseed = 3\n")
-    assert main(["simulate", "--config", str(conf), "--policies", "static", "--target-loss", "6.0",
-                 "--json"]) == 0
+    conf.write_text(
+        "[model]\nname = 'llama-3.2-3b'\n[parallel]\nnproc = 16\n[batch]\ninitial = 32\n"
+        "max = 256\n[train]\nmax_tokens = 200000000\nseed = 3\n"
+    )
+    assert main(["simulate", "--config", str(conf), "--policies", "static", "--target-loss", "6.0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["world_size"], out["seed"], out["token_budget"]) == (16, 3, 200_000_000)
     assert [int(r["name"].split()[1][2:]) for r in out["runs"]] == [32, 64, 128, 256]  # batch.initial..max

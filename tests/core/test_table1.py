@@ -12,24 +12,42 @@ from copus.core.sim.trajectory import TrajectoryParams
 
 # a made-up "paper" for a 3B run on 8 NVLink-pair H100s, short enough for a test
 FAKE = Preset(
-    name="fake-3b", description="fake", model="llama-3.2-3b", hardware="h100-nvlink-pairs",
-    world_size=8, token_budget=25_000_000, target_losses=(7.0, 6.0),
-    trajectory=TrajectoryParams(initial_loss=11.76, progress_scale_samples=265.0,
-                                loss_exponent=0.272, bcrit_star_tokens=1e9),
-    static_batches=(16, 64), max_batch=256, cbs_layouts=((2, 1, 4), (8, 1, 1)),
-    published_layouts=((2, 1, 4), (8, 1, 1)), published_switch_min=(2.0,),
-    published_minutes={"COPUS": (1.0, 2.0), "CBS (DP2,TP1,PP4)": (1.1, 2.4),
-                       "CBS (DP8,TP1,PP1)": (1.2, 2.2), "Static GBS=16": (1.3, None),
-                       "Static GBS=64": (None, 3.0)},
-    published_speedup_pct=(9.1, 9.1), published_avg_speedup_pct=9.1, sim_budget_factor=1.0)
+    name="fake-3b",
+    description="fake",
+    model="llama-3.2-3b",
+    hardware="h100-nvlink-pairs",
+    world_size=8,
+    token_budget=25_000_000,
+    target_losses=(7.0, 6.0),
+    trajectory=TrajectoryParams(
+        initial_loss=11.76, progress_scale_samples=265.0, loss_exponent=0.272, bcrit_star_tokens=1e9
+    ),
+    static_batches=(16, 64),
+    max_batch=256,
+    cbs_layouts=((2, 1, 4), (8, 1, 1)),
+    published_layouts=((2, 1, 4), (8, 1, 1)),
+    published_switch_min=(2.0,),
+    published_minutes={
+        "COPUS": (1.0, 2.0),
+        "CBS (DP2,TP1,PP4)": (1.1, 2.4),
+        "CBS (DP8,TP1,PP1)": (1.2, 2.2),
+        "Static GBS=16": (1.3, None),
+        "Static GBS=64": (None, 3.0),
+    },
+    published_speedup_pct=(9.1, 9.1),
+    published_avg_speedup_pct=9.1,
+    sim_budget_factor=1.0,
+)
 # COPUS's rule with a margin no gain clears: never switches (the planner has no margin to set)
 STUBBORN = GoodputVariant(name="goodput", policy="goodput-copus", controller=(("margin", 1e6),))
 
 
 @pytest.fixture(scope="module")
 def comparison():
-    sc = dataclasses.replace(preset_scenario(FAKE, variants=(COPUS_FAITHFUL, STUBBORN)),
-                             sim=dataclasses.replace(preset_scenario(FAKE).sim, reconfig_cost_s=5.0))
+    sc = dataclasses.replace(
+        preset_scenario(FAKE, variants=(COPUS_FAITHFUL, STUBBORN)),
+        sim=dataclasses.replace(preset_scenario(FAKE).sim, reconfig_cost_s=5.0),
+    )
     return compare_policies(sc, ("static", "cbs", "goodput"))
 
 
@@ -71,16 +89,14 @@ def test_simulate_preset_truth_option_and_oracle_ceiling(capsys, monkeypatch):
     from copus.core.sim import presets
     from copus.core.sim.trajectory import SQRT_LR
 
-    sqrt_truth = dataclasses.replace(FAKE.trajectory, lr_model=SQRT_LR, lr_fraction_x0=0.7,
-                                     lr_opt_exponent=0.5)
+    sqrt_truth = dataclasses.replace(FAKE.trajectory, lr_model=SQRT_LR, lr_fraction_x0=0.7, lr_opt_exponent=0.5)
     fake = dataclasses.replace(FAKE, truths={"lr-tuned": FAKE.trajectory, "sqrt-lr": sqrt_truth})
     monkeypatch.setitem(presets.PRESETS, "fake-3b", fake)
-    assert main(["simulate", "--preset", "fake-3b", "--policies", "static,cbs,goodput",
-                 "--truth", "sqrt-lr"]) == 0
+    assert main(["simulate", "--preset", "fake-3b", "--policies", "static,cbs,goodput", "--truth", "sqrt-lr"]) == 0
     out = capsys.readouterr().out
     assert "truth sqrt-lr)" in out and "oracle ceiling" in out
     assert main(["simulate", "--preset", "fake-3b", "--policies", "static,goodput"]) == 0
-    assert "truth lr-tuned)" in capsys.readouterr().out      # the default: `trajectory`
+    assert "truth lr-tuned)" in capsys.readouterr().out  # the default: `trajectory`
     monkeypatch.setitem(presets.PRESETS, "fake-3b", FAKE)  # no named truths
     assert main(["simulate", "--preset", "fake-3b", "--truth", "sqrt-lr"]) == 2
     assert "truth 'sqrt-lr' is invalid" in capsys.readouterr().err

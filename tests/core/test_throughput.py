@@ -19,8 +19,13 @@ TINY = get_model_shape("tiny")
 
 
 def _random_plans(rng, n):
-    return (rng.choice([1, 2, 4, 8], n), rng.choice([1, 2, 4], n), rng.choice([1, 2, 4], n),
-            rng.integers(1, 9, n), rng.integers(4, 64, n))
+    return (
+        rng.choice([1, 2, 4, 8], n),
+        rng.choice([1, 2, 4], n),
+        rng.choice([1, 2, 4], n),
+        rng.integers(1, 9, n),
+        rng.integers(4, 64, n),
+    )
 
 
 @pytest.mark.parametrize("hw", sorted(HARDWARE))
@@ -56,14 +61,24 @@ def test_more_microbatches_take_longer_and_bubble_shrinks():
 
 def test_pipeline_without_communication_is_fill_plus_drain():
     """dp = 1, no comm or fixed costs: step = (m + pp − 1) × per-micro-batch stage time."""
-    p = StepTimeParams(layer_overhead_s=1e-3, s_per_flop=1e-12, tp_latency_s=0, tp_s_per_byte=0,
-                       dp_latency_s=0, dp_s_per_byte=0, pp_latency_s=0, pp_s_per_byte=0,
-                       optimizer_s_per_param=0, step_overhead_s=0, gamma=2.0)
+    p = StepTimeParams(
+        layer_overhead_s=1e-3,
+        s_per_flop=1e-12,
+        tp_latency_s=0,
+        tp_s_per_byte=0,
+        dp_latency_s=0,
+        dp_s_per_byte=0,
+        pp_latency_s=0,
+        pp_s_per_byte=0,
+        optimizer_s_per_param=0,
+        step_overhead_s=0,
+        gamma=2.0,
+    )
     model = StepTimeModel(p, TINY)
     stage = float(model.breakdown(1, 1, 4, 2, 8)["compute_s"])
     assert float(model.predict(1, 1, 4, 2, 8)) == pytest.approx((8 + 4 - 1) * stage)
     # compute is affine in micro_batch_size and per stage: ceil(4/4) = 1 block + head
-    flops = (6 * TINY.layer_params() + 12 * TINY.dim * TINY.seq_len + 6 * TINY.vocab_size * TINY.dim)
+    flops = 6 * TINY.layer_params() + 12 * TINY.dim * TINY.seq_len + 6 * TINY.vocab_size * TINY.dim
     assert stage == pytest.approx(2 * 1e-3 + 1e-12 * 2 * TINY.seq_len * flops)
 
 
@@ -99,7 +114,7 @@ def test_crosses_matches_explicit_rank_groups():
             for dp, tp, pp in layouts(world):
                 for dim, size, stride in (("tp", tp, 1), ("dp", dp, tp), ("pp", pp, dp * tp)):
                     groups = topo.groups(dim, dp, tp, pp)
-                    if dim == "pp":   # only adjacent stages talk
+                    if dim == "pp":  # only adjacent stages talk
                         pairs = [(g[i], g[i + 1]) for g in groups for i in range(len(g) - 1)]
                     else:
                         pairs = [(a, b) for g in groups for a, b in itertools.combinations(g, 2)]
@@ -152,7 +167,8 @@ def test_get_hardware_names_allowed_values():
     assert get_hardware("h100-sxm").nvlink_group == 8
     with pytest.raises(ValueError, match="allowed: a100-80gb, cpu, h100-") as err:
         get_hardware("tpu")
-    from copus.core.specs.hardware import HARDWARE   # every profile named, sorted (issue 25 added one)
+    from copus.core.specs.hardware import HARDWARE  # every profile named, sorted (issue 25 added one)
+
     assert f"allowed: {', '.join(sorted(HARDWARE))}" in str(err.value)
 
 
@@ -160,12 +176,18 @@ _POSITIVE = st.floats(min_value=1e-15, max_value=1e-1, allow_nan=False)
 
 
 @settings(max_examples=40, deadline=None)
-@given(coeffs=st.lists(_POSITIVE, min_size=10, max_size=10), gamma=st.floats(1.0, 10.0),
-       layout=st.sampled_from(layouts(16, SEVEN_B)), mbs=st.integers(1, 16), m=st.integers(1, 64))
+@given(
+    coeffs=st.lists(_POSITIVE, min_size=10, max_size=10),
+    gamma=st.floats(1.0, 10.0),
+    layout=st.sampled_from(layouts(16, SEVEN_B)),
+    mbs=st.integers(1, 16),
+    m=st.integers(1, 64),
+)
 def test_step_time_grows_with_work_for_any_coefficients(coeffs, gamma, layout, mbs, m):
     names = [n for n in StepTimeParams.names() if n != "gamma"]
-    model = StepTimeModel(StepTimeParams(**dict(zip(names, coeffs)), gamma=gamma), SEVEN_B,
-                          get_hardware("h100-nvlink-pairs"))
+    model = StepTimeModel(
+        StepTimeParams(**dict(zip(names, coeffs)), gamma=gamma), SEVEN_B, get_hardware("h100-nvlink-pairs")
+    )
     dp, tp, pp = layout
     t = float(model.predict(dp, tp, pp, mbs, m))
     assert np.isfinite(t) and t > 0

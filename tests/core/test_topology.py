@@ -4,12 +4,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from copus.core.specs import hardware
-from copus.core.specs.topology import (NodeTopology, crosses_nodes, crossing_dims, groups,
-                                 launched_hardware, node_topology_from_env, nodes_spanned,
-                                 profile_overrides)
+from copus.core.specs.topology import (
+    NodeTopology,
+    crosses_nodes,
+    crossing_dims,
+    groups,
+    launched_hardware,
+    node_topology_from_env,
+    nodes_spanned,
+    profile_overrides,
+)
 
-TORCHRUN_2x4 = dict(WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="2",
-                    ROLE_WORLD_SIZE="8", GROUP_RANK="1", RANK="5", LOCAL_RANK="1")
+TORCHRUN_2x4 = dict(
+    WORLD_SIZE="8",
+    LOCAL_WORLD_SIZE="4",
+    GROUP_WORLD_SIZE="2",
+    ROLE_WORLD_SIZE="8",
+    GROUP_RANK="1",
+    RANK="5",
+    LOCAL_RANK="1",
+)
 
 
 def test_torchrun_two_nodes_of_four():
@@ -31,12 +45,15 @@ def test_missing_group_world_size_is_derived():
     assert (t.world_size, t.gpus_per_node, t.num_nodes) == (6, 2, 3)
 
 
-@pytest.mark.parametrize("env,match", [
-    (dict(WORLD_SIZE="7", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="2"), "nproc-per-node"),
-    (dict(WORLD_SIZE="6", LOCAL_WORLD_SIZE="4"), "not a multiple"),
-    (dict(WORLD_SIZE="two"), "WORLD_SIZE='two'"),
-    (dict(WORLD_SIZE="0"), "WORLD_SIZE='0'"),
-])
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        (dict(WORLD_SIZE="7", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="2"), "nproc-per-node"),
+        (dict(WORLD_SIZE="6", LOCAL_WORLD_SIZE="4"), "not a multiple"),
+        (dict(WORLD_SIZE="two"), "WORLD_SIZE='two'"),
+        (dict(WORLD_SIZE="0"), "WORLD_SIZE='0'"),
+    ],
+)
 def test_inconsistent_environment_is_a_value_error(env, match):
     with pytest.raises(ValueError, match=match):
         node_topology_from_env(env)
@@ -57,17 +74,17 @@ def test_groups_follow_mesh_order_pp_dp_tp():
 
 
 def test_known_layouts_on_two_nodes_of_four():
-    assert crossing_dims(2, 4, 1, 4) == ("dp",)          # tp inside a node, dp across
-    assert crossing_dims(1, 8, 1, 4) == ("tp",)          # tp=8 must cross
-    assert crossing_dims(4, 1, 2, 4) == ("pp",)          # pipeline hop between nodes
-    assert crossing_dims(8, 1, 1, 8) == ()               # one node
-    assert crossing_dims(2, 1, 1, 1) == ("dp",)          # one worker per node (the netns test)
+    assert crossing_dims(2, 4, 1, 4) == ("dp",)  # tp inside a node, dp across
+    assert crossing_dims(1, 8, 1, 4) == ("tp",)  # tp=8 must cross
+    assert crossing_dims(4, 1, 2, 4) == ("pp",)  # pipeline hop between nodes
+    assert crossing_dims(8, 1, 1, 8) == ()  # one node
+    assert crossing_dims(2, 1, 1, 1) == ("dp",)  # one worker per node (the netns test)
     assert nodes_spanned("tp", 1, 8, 1, 4) == 2 and nodes_spanned("tp", 2, 4, 1, 4) == 1
 
 
 def test_tp_of_three_on_nodes_of_four_crosses():
-    assert bool(crosses_nodes("tp", 4, 3, 1, 4))        # groups {3,4,5} straddle ranks 3|4
-    assert not bool(crosses_nodes("tp", 1, 3, 1, 4))    # world 3 fits in one node
+    assert bool(crosses_nodes("tp", 4, 3, 1, 4))  # groups {3,4,5} straddle ranks 3|4
+    assert not bool(crosses_nodes("tp", 1, 3, 1, 4))  # world 3 fits in one node
 
 
 def test_vectorised_over_candidate_arrays():

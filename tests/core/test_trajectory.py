@@ -68,8 +68,7 @@ def test_noise_dim_controls_estimator_noise():
     spreads = []
     for d in (8.0, 512.0):
         t = _traj(noise_dim=d)
-        tr = [two_batch_estimate(*_args(t.sample_grad_stats(rng, 3.0, 64, 8), 64, 8))[1]
-              for _ in range(2000)]
+        tr = [two_batch_estimate(*_args(t.sample_grad_stats(rng, 3.0, 64, 8), 64, 8))[1] for _ in range(2000)]
         spreads.append(np.std(tr) / np.mean(tr))
     assert spreads[0] > 4 * spreads[1]
 
@@ -91,8 +90,7 @@ def test_presets_match_copus_settings():
     for p in PRESETS.values():
         assert p.initial_batch == 16 and len(p.target_losses) == 5
         assert len(p.published_speedup_pct) == 5
-        assert np.mean(p.published_speedup_pct) == pytest.approx(p.published_avg_speedup_pct,
-                                                                  abs=0.06)
+        assert np.mean(p.published_speedup_pct) == pytest.approx(p.published_avg_speedup_pct, abs=0.06)
         assert all(len(v) == 5 for v in p.published_minutes.values())
         for layout in p.cbs_layouts:
             assert math.prod(layout) == p.world_size

@@ -23,11 +23,17 @@ def main(out_dir: str) -> None:
     dist.all_gather_object(gathered, os.environ.get("COPUS_TEST_HOST_ADDR", ""))
     dist.barrier()
     dist.destroy_process_group()
-    record = dict(rank=rank, world_size=world, sum=t.item(), peers=gathered,
-                  group_rank=int(os.environ["GROUP_RANK"]),
-                  local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
-                  master_addr=os.environ["MASTER_ADDR"], hostname=socket.gethostname(),
-                  restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    record = dict(
+        rank=rank,
+        world_size=world,
+        sum=t.item(),
+        peers=gathered,
+        group_rank=int(os.environ["GROUP_RANK"]),
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+        master_addr=os.environ["MASTER_ADDR"],
+        hostname=socket.gethostname(),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
 

@@ -55,15 +55,12 @@ class Host:
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for PyTorch processes on this host: transports bound to `veth0`."""
         env = dict(os.environ if base is None else base)
-        env.update(GLOO_SOCKET_IFNAME=self.ifname, TP_SOCKET_IFNAME=self.ifname,
-                   NCCL_SOCKET_IFNAME=self.ifname)
+        env.update(GLOO_SOCKET_IFNAME=self.ifname, TP_SOCKET_IFNAME=self.ifname, NCCL_SOCKET_IFNAME=self.ifname)
         return env
 
-    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kwargs) -> subprocess.Popen:
+    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         """Start `argv` in this namespace, in a new session (so `kill_group` reaches children)."""
-        return subprocess.Popen(self.cmd(argv), env=self.env(env), start_new_session=True,
-                                **kwargs)
+        return subprocess.Popen(self.cmd(argv), env=self.env(env), start_new_session=True, **kwargs)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -86,8 +83,7 @@ def skip_reason() -> str | None:
         return f"`ip netns add` could not run: {exc}"
     if out.returncode != 0:
         return f"`ip netns add` failed: {out.stderr.strip() or out.returncode}"
-    veth = _ip("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb",
-               check=False)
+    veth = _ip("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb", check=False)
     _ip("netns", "del", probe, check=False)
     if veth.returncode != 0:
         return f"veth pairs cannot be made in a namespace: {veth.stderr.strip()}"
@@ -151,8 +147,7 @@ def _make(n: int, tag: str, subnet: str) -> tuple[str, list[Host]]:
         host = Host(name=f"{base}-h{i}", addr=f"{subnet}.{i}", index=i)
         _ip("netns", "add", host.name)
         _ip("-n", host.name, "link", "set", "lo", "up")
-        _ip("-n", switch, "link", "add", f"p{i}", "type", "veth",
-            "peer", "name", IFNAME, "netns", host.name)
+        _ip("-n", switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME, "netns", host.name)
         _ip("-n", switch, "link", "set", f"p{i}", "master", "br0")
         _ip("-n", switch, "link", "set", f"p{i}", "up")
         _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
@@ -232,11 +227,20 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[
     return results
 
 
-def torchrun_argv(host: Host, rdzv_host: Host, argv: Sequence[str], *, nnodes: str,
-                  nproc_per_node: int, rdzv_id: str, port: int = 29400,
-                  max_restarts: int = 0, python: str | None = None,
-                  rdzv_conf: Mapping[str, object] | None = None,
-                  extra: Sequence[str] = ()) -> list[str]:
+def torchrun_argv(
+    host: Host,
+    rdzv_host: Host,
+    argv: Sequence[str],
+    *,
+    nnodes: str,
+    nproc_per_node: int,
+    rdzv_id: str,
+    port: int = 29400,
+    max_restarts: int = 0,
+    python: str | None = None,
+    rdzv_conf: Mapping[str, object] | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """`torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST1:PORT <argv>` for `host`.
 
     `--local-addr` makes the agent advertise its veth address (the machine's hostname resolves
@@ -245,14 +249,31 @@ def torchrun_argv(host: Host, rdzv_host: Host, argv: Sequence[str], *, nnodes: s
     here for the same reason. `rdzv_conf` adds c10d rendezvous settings (last_call_timeout,
     keep_alive_interval, ...).
     """
-    conf_items = {"is_host": "true" if host == rdzv_host else "false", "join_timeout": 60,
-                  **(rdzv_conf or {})}
+    conf_items = {"is_host": "true" if host == rdzv_host else "false", "join_timeout": 60, **(rdzv_conf or {})}
     conf = ",".join(f"{k}={v}" for k, v in conf_items.items())
-    return [python or sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv_host.addr}:{port}",
-            "--rdzv-id", rdzv_id, "--rdzv-conf", conf, "--local-addr", host.addr,
-            "--max-restarts", str(max_restarts), *extra, *argv]
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{rdzv_host.addr}:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        conf,
+        "--local-addr",
+        host.addr,
+        "--max-restarts",
+        str(max_restarts),
+        *extra,
+        *argv,
+    ]
 
 
 def rx_bytes(host: Host) -> int:

@@ -42,17 +42,39 @@ sys.path.insert(0, str(Path(__file__).parent))
 import netns  # noqa: E402
 
 SKIP = netns.skip_reason()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
 
 STEPS, CKPT_EVERY, CHANGE_AFTER, BATCH, SEQ_LEN = 10, 4, 6, 8, 128
 REL_TOL = 1e-5
-TRAIN = ["-m", "copus", "train", "--max-steps", str(STEPS), "--policy", "constant", "--seed", "0",
-         "--set", "parallel.micro_batch_size=2", "--set", f"batch.initial={BATCH}",
-         "--set", "data.max_chars=100000", "--set", "train.warmup_tokens=0",
-         "--set", "train.lr_schedule=constant", "--set", "eval.interval_steps=0",
-         "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
-         "--set", "log.progress=false", "--set", "log.tensorboard=false"]
+TRAIN = [
+    "-m",
+    "copus",
+    "train",
+    "--max-steps",
+    str(STEPS),
+    "--policy",
+    "constant",
+    "--seed",
+    "0",
+    "--set",
+    "parallel.micro_batch_size=2",
+    "--set",
+    f"batch.initial={BATCH}",
+    "--set",
+    "data.max_chars=100000",
+    "--set",
+    "train.warmup_tokens=0",
+    "--set",
+    "train.lr_schedule=constant",
+    "--set",
+    "eval.interval_steps=0",
+    "--set",
+    f"checkpoint.interval_steps={CKPT_EVERY}",
+    "--set",
+    "log.progress=false",
+    "--set",
+    "log.tensorboard=false",
+]
 # last_call_timeout: how long a round with >= min nodes waits for more (a round closes at once
 # when max nodes have joined); keep-alive: how fast a dead agent is noticed.
 RDZV = dict(last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=3)
@@ -62,35 +84,42 @@ RDZV = dict(last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=3
 ENV = dict(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
-
 def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()
-            if line.strip().endswith("}")]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
 def _start(host, hosts, run_dir: Path, log_path: Path):
-    argv = netns.torchrun_argv(host, hosts[0], [*TRAIN, "--run-dir", str(run_dir)],
-                               nnodes="1:2", nproc_per_node=1, rdzv_id="elastic",
-                               max_restarts=3, rdzv_conf=RDZV)
-    return host.popen(argv, env=dict(os.environ, **ENV), stdout=open(log_path, "w"),
-                      stderr=subprocess.STDOUT)
+    argv = netns.torchrun_argv(
+        host,
+        hosts[0],
+        [*TRAIN, "--run-dir", str(run_dir)],
+        nnodes="1:2",
+        nproc_per_node=1,
+        rdzv_id="elastic",
+        max_restarts=3,
+        rdzv_conf=RDZV,
+    )
+    return host.popen(argv, env=dict(os.environ, **ENV), stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> None:
     deadline = time.perf_counter() + timeout_s
     while not any(r["step"] >= step for r in _rows(run_dir)):
-        assert proc.poll() is None and time.perf_counter() < deadline, \
+        assert proc.poll() is None and time.perf_counter() < deadline, (
             "run ended or stalled before the membership change"
+        )
         time.sleep(0.05)
 
 
 def _pause_workers(host, agent) -> list[int]:
     """SIGSTOP every process in `host`'s namespace except its elastic agent (its workers)."""
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", host.name], text=True,
-                                           capture_output=True).stdout.split()]
+    pids = [
+        int(p)
+        for p in subprocess.run(["ip", "netns", "pids", host.name], text=True, capture_output=True).stdout.split()
+    ]
     workers = [pid for pid in pids if pid != agent.pid]
     assert workers, "no worker to pause"
     for pid in workers:
@@ -135,8 +164,9 @@ def _resume_decision(run_dir: Path, world_before: int, world_after: int) -> dict
     replans = [d for d in rows if d.get("resumed_from")]
     assert len(replans) == 1, rows
     d = replans[0]
-    assert d["reason"].startswith(f"world size changed from {world_before} to {world_after}: "
-                                  f"global batch {BATCH} kept; "), d["reason"]
+    assert d["reason"].startswith(
+        f"world size changed from {world_before} to {world_after}: global batch {BATCH} kept; "
+    ), d["reason"]
     assert d["kind"] == "reconfigure" and d["global_batch_size"] == BATCH
     assert d["dp"] * d["tp"] * d["pp"] == world_after and d["micro_batch_size"] == 2
     assert d["candidates"][0]["dp"] == d["dp"] and len(d["candidates"]) >= 1
@@ -148,15 +178,22 @@ def _check_lineage(run_dir: Path, log: str, world_before: int, world_after: int)
     found = re.search(r"resumed from step-(\d+)", log)
     assert found, log[-4000:]
     ckpt_step = int(found.group(1))  # 4 unless the first attempt outran the change past step 8
-    assert ckpt_step >= CKPT_EVERY   # a multiple of CKPT_EVERY, or the step a graceful stop saved
+    assert ckpt_step >= CKPT_EVERY  # a multiple of CKPT_EVERY, or the step a graceful stop saved
     rows = _rows(run_dir)
+
     def world(r: dict) -> int:
         return r["dp"] * r["tp"] * r["pp"]
 
     # the resumed attempt starts where a step repeats or (after a graceful stop saved the last
     # step) where the world size changes
-    cut = next((i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]
-                or world(rows[i]) != world(rows[i - 1])), None)
+    cut = next(
+        (
+            i
+            for i in range(1, len(rows))
+            if rows[i]["step"] <= rows[i - 1]["step"] or world(rows[i]) != world(rows[i - 1])
+        ),
+        None,
+    )
     assert cut is not None, "metrics.jsonl shows no restart"
     first, resumed = rows[:cut], rows[cut:]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))

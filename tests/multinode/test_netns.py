@@ -33,25 +33,28 @@ def _root_addrs() -> str:
 
 @needs_netns
 def test_hosts_have_addresses_reach_each_other_and_are_removed():
-    server = "import socket;s=socket.socket();s.bind(('0.0.0.0',5555));s.listen();" \
-             "c,_=s.accept();c.sendall(c.recv(16)[::-1])"
+    server = (
+        "import socket;s=socket.socket();s.bind(('0.0.0.0',5555));s.listen();c,_=s.accept();c.sendall(c.recv(16)[::-1])"
+    )
     links_before = _root_links()
     with netns.hosts(3) as hosts:
         assert [h.index for h in hosts] == [1, 2, 3]
         assert len({h.addr for h in hosts}) == 3
         assert len(_ours()) == 4  # three hosts and the switch
         for h in hosts:
-            out = subprocess.run(h.cmd(["ip", "-br", "addr", "show", h.ifname]),
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                h.cmd(["ip", "-br", "addr", "show", h.ifname]), capture_output=True, text=True, check=True
+            ).stdout
             assert f"{h.addr}/24" in out
         srv = hosts[2].popen([sys.executable, "-c", server])
-        client = ("import socket,time\n"
-                  "for _ in range(50):\n"
-                  "    try: c=socket.create_connection((%r,5555),timeout=1); break\n"
-                  "    except OSError: time.sleep(0.1)\n"
-                  "c.sendall(b'copus'); print(c.recv(16).decode())\n") % hosts[2].addr
-        out = subprocess.run(hosts[0].cmd([sys.executable, "-c", client]), capture_output=True,
-                             text=True, timeout=30)
+        client = (
+            "import socket,time\n"
+            "for _ in range(50):\n"
+            "    try: c=socket.create_connection((%r,5555),timeout=1); break\n"
+            "    except OSError: time.sleep(0.1)\n"
+            "c.sendall(b'copus'); print(c.recv(16).decode())\n"
+        ) % hosts[2].addr
+        out = subprocess.run(hosts[0].cmd([sys.executable, "-c", client]), capture_output=True, text=True, timeout=30)
         assert out.stdout.strip() == "supoc", out.stderr
         srv.wait(timeout=10)
         # nothing was added to the caller's namespace: the links live only inside the namespaces
@@ -86,12 +89,16 @@ def test_torchrun_c10d_gloo_all_reduce_across_two_namespaced_hosts(tmp_path):
         before = [netns.rx_bytes(h) for h in hosts]
         procs = []
         for h in hosts:
-            argv = netns.torchrun_argv(h, hosts[0], [str(HERE / "allreduce_worker.py"),
-                                                     str(tmp_path)],
-                                       nnodes="2", nproc_per_node=1, rdzv_id="allreduce")
+            argv = netns.torchrun_argv(
+                h,
+                hosts[0],
+                [str(HERE / "allreduce_worker.py"), str(tmp_path)],
+                nnodes="2",
+                nproc_per_node=1,
+                rdzv_id="allreduce",
+            )
             env = dict(os.environ, COPUS_TEST_HOST_ADDR=h.addr, MASTER_ADDR=hosts[0].addr)
-            procs.append(h.popen(argv, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
+            procs.append(h.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         results = netns.wait_all(procs, timeout_s=120)
         after = [netns.rx_bytes(h) for h in hosts]
     for rc, out in results:
@@ -109,8 +116,7 @@ def test_torchrun_c10d_gloo_all_reduce_across_two_namespaced_hosts(tmp_path):
 
 def _skip_reason_with(prefix: list[str], env: dict | None = None) -> str:
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import netns; print(netns.skip_reason())"
-    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=60)
+    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -119,8 +125,9 @@ def test_skip_reason_without_iproute2():
     assert "`ip` is not installed" in _skip_reason_with([], dict(os.environ, PATH="/nonexistent"))
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="needs root and setpriv to drop privileges")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to drop privileges"
+)
 def test_skip_reason_when_not_root():
     reason = _skip_reason_with(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
     assert "need root" in reason and "65534" in reason

@@ -21,22 +21,45 @@ sys.path.insert(0, str(Path(__file__).parent))
 import netns  # noqa: E402
 
 SKIP = netns.skip_reason()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP is not None, reason=f"no network namespaces: {SKIP}")]
 
 STEPS = 10
 REL_TOL = 1e-5
-TRAIN = ["-m", "copus", "train", "--max-steps", str(STEPS), "--policy", "constant", "--seed", "0",
-         "--set", "parallel.dp=2", "--set", "parallel.micro_batch_size=2",
-         "--set", "batch.initial=8", "--set", "data.max_chars=100000",
-         "--set", "train.warmup_tokens=0", "--set", "train.lr_schedule=constant",
-         "--set", "eval.interval_steps=0", "--set", "checkpoint.interval_steps=0",
-         "--set", "log.progress=false", "--set", "log.tensorboard=false"]
+TRAIN = [
+    "-m",
+    "copus",
+    "train",
+    "--max-steps",
+    str(STEPS),
+    "--policy",
+    "constant",
+    "--seed",
+    "0",
+    "--set",
+    "parallel.dp=2",
+    "--set",
+    "parallel.micro_batch_size=2",
+    "--set",
+    "batch.initial=8",
+    "--set",
+    "data.max_chars=100000",
+    "--set",
+    "train.warmup_tokens=0",
+    "--set",
+    "train.lr_schedule=constant",
+    "--set",
+    "eval.interval_steps=0",
+    "--set",
+    "checkpoint.interval_steps=0",
+    "--set",
+    "log.progress=false",
+    "--set",
+    "log.tensorboard=false",
+]
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float, int]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [(r["step"], r["loss"], r["dp"]) for r in rows]
 
 
@@ -51,17 +74,34 @@ def test_two_namespaced_hosts_train_like_one_host(tmp_path):
     with netns.hosts(3) as hosts:
         # reference on host 3: one host, two local workers (runs alongside, isolated)
         ref_dir = tmp_path / "one-host"
-        ref = hosts[2].popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node", "2", *TRAIN, "--run-dir", str(ref_dir)], **out)
+        ref = hosts[2].popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                *TRAIN,
+                "--run-dir",
+                str(ref_dir),
+            ],
+            **out,
+        )
         # hosts 1 and 2, one worker each; the run folder is shared (as on a shared file system)
         run_dir = tmp_path / "two-hosts"
         pair = hosts[:2]
         before = [netns.rx_bytes(h) for h in pair]
         t0 = time.perf_counter()
-        procs = [h.popen(netns.torchrun_argv(h, pair[0], [*TRAIN, "--run-dir", str(run_dir)],
-                                             nnodes="2", nproc_per_node=1, rdzv_id="train2"),
-                         **out)
-                 for h in pair]
+        procs = [
+            h.popen(
+                netns.torchrun_argv(
+                    h, pair[0], [*TRAIN, "--run-dir", str(run_dir)], nnodes="2", nproc_per_node=1, rdzv_id="train2"
+                ),
+                **out,
+            )
+            for h in pair
+        ]
         results = netns.wait_all(procs, timeout_s=300)
         wall_s = time.perf_counter() - t0
         received = [netns.rx_bytes(h) - b for h, b in zip(pair, before)]

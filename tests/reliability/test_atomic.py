@@ -34,6 +34,8 @@ def test_temporaries_are_per_process_and_hidden(tmp_path):
 
 
 def test_bad_mode_is_one_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"mode='a' is invalid; allowed: 'wb', 'w'"), \
-            atomic_writer(tmp_path / "x", "a"):
+    with (
+        pytest.raises(ValueError, match=r"mode='a' is invalid; allowed: 'wb', 'w'"),
+        atomic_writer(tmp_path / "x", "a"),
+    ):
         pass

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from copus.runtime.state import checkpoint as ckpt
 
@@ -48,8 +47,7 @@ def _assert_loads_as(path: Path, step: int, width: int = 16) -> None:
     model, opt = _model_opt(999, width)
     state = _state(model, opt)
     assert ckpt.load(path, state) == {"step": step}
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTIONS)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     ref_model, ref_opt = _model_opt(step, width)
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -61,7 +59,7 @@ def _damage(file: Path, how: str) -> None:
     if how == "truncate":
         file.write_bytes(raw[: max(len(raw) // 2, 1) - 1])
     elif how == "flip":
-        raw[len(raw) // 3] ^= 0x01                  # one bit
+        raw[len(raw) // 3] ^= 0x01  # one bit
         file.write_bytes(raw)
     elif how == "empty":
         file.write_bytes(b"")
@@ -92,8 +90,7 @@ def test_damaged_file_is_named_and_previous_used(tmp_path, which, how):
     _assert_loads_as(tmp_path / "step-10", 10)
 
 
-@pytest.mark.parametrize("manifest", ["missing", "garbage", "truncated", "wrong-size",
-                                      "no-metadata-entry"])
+@pytest.mark.parametrize("manifest", ["missing", "garbage", "truncated", "wrong-size", "no-metadata-entry"])
 def test_bad_manifest_is_named_and_previous_used(tmp_path, manifest):
     _save(tmp_path, 1)
     bad = _save(tmp_path, 2)
@@ -129,18 +126,18 @@ def test_all_damaged_means_no_checkpoint_and_every_problem_logged(tmp_path):
 
 def test_half_written_folders_are_never_candidates(tmp_path):
     _save(tmp_path, 1)
-    (tmp_path / "tmp-step-9").mkdir()                   # a save killed before the rename
+    (tmp_path / "tmp-step-9").mkdir()  # a save killed before the rename
     (tmp_path / "tmp-step-9" / ".metadata").write_bytes(b"partial")
-    (tmp_path / "step-7").mkdir()                       # renamed, then (impossibly) emptied
+    (tmp_path / "step-7").mkdir()  # renamed, then (impossibly) emptied
     assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [7, 1]
     assert ckpt.find_latest(tmp_path, log=lambda _: None) == tmp_path / "step-1"
     _save(tmp_path, 2)
-    assert not (tmp_path / "tmp-step-9").exists()       # stale temp folders are cleared
+    assert not (tmp_path / "tmp-step-9").exists()  # stale temp folders are cleared
 
 
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_retention_keeps_the_newest_n(tmp_path, keep):
-    (tmp_path / "notes").mkdir()                         # not ours: never touched
+    (tmp_path / "notes").mkdir()  # not ours: never touched
     for step in range(1, 7):
         _save(tmp_path, step * 5, keep=keep)
         kept = [s for s, _ in ckpt.step_dirs(tmp_path)]
@@ -170,7 +167,7 @@ def test_disk_full_at_every_fsync_keeps_the_previous(tmp_path, monkeypatch):
     """ENOSPC raised at the k-th fsync of a save, for every k: the save fails loudly, the
     previous checkpoint stays the latest valid one, and the next save works."""
     total = _count_fsyncs(tmp_path)
-    assert total >= 4                                    # data files, json, manifest, folder
+    assert total >= 4  # data files, json, manifest, folder
     real = os.fsync
     for k in range(total):
         root = tmp_path / f"k{k}"
@@ -204,8 +201,11 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"copus-{uuid.uuid4().hex[:6]}",
-                          str(path)], capture_output=True, timeout=10)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", f"copus-{uuid.uuid4().hex[:6]}", str(path)],
+        capture_output=True,
+        timeout=10,
+    )
     return out.returncode == 0
 
 
@@ -236,20 +236,19 @@ def test_killed_during_retention_never_leaves_a_half_deleted_checkpoint(tmp_path
     real = shutil.rmtree
 
     def killed_midway(path, ignore_errors=False):
-        files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() \
-            else []
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else []
         if files:
-            files[0].unlink()                         # some files gone ...
-            raise KeyboardInterrupt("killed while deleting")   # ... then the process dies
+            files[0].unlink()  # some files gone ...
+            raise KeyboardInterrupt("killed while deleting")  # ... then the process dies
 
     monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 3, keep=1)
     monkeypatch.setattr(ckpt.shutil, "rmtree", real)
     for _, path in ckpt.step_dirs(tmp_path):
-        assert ckpt.verify(path) is None, path        # no half-deleted step-N
+        assert ckpt.verify(path) is None, path  # no half-deleted step-N
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-3"
-    _save(tmp_path, 4, keep=1)                        # the next save clears the leftovers
+    _save(tmp_path, 4, keep=1)  # the next save clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
 
 
@@ -263,8 +262,10 @@ def _rank0_finalize_fails(root: str) -> str:
     model, opt = _model_opt(dist.get_rank())
     ck.save(root, 1, _state(model, opt), {"step": 1})
     if dist.get_rank() == 0:
+
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         ck._write_manifest = full
     try:
         ck.save(root, 2, _state(model, opt), {"step": 2})
@@ -280,4 +281,4 @@ def test_a_save_failing_on_rank_0_fails_on_every_rank_and_frees_its_space(tmp_pa
     assert all("checkpoint" in e and "step-2 not saved" in e for e in errors), errors
     assert "No space left on device" in errors[0]
     assert ckpt.find_latest(tmp_path, log=lambda _: None) == tmp_path / "step-1"
-    assert not list(tmp_path.glob("tmp-step-*"))          # the partial save was removed
+    assert not list(tmp_path.glob("tmp-step-*"))  # the partial save was removed

@@ -18,12 +18,38 @@ import pytest
 
 from copus.cli import main
 
-BASE = ["--nproc", "1", "--set", "data.max_chars=60000", "--set", "eval.interval_steps=0",
-        "--set", "log.progress=false", "--set", "log.tensorboard=false",
-        "--set", "train.warmup_tokens=0", "--set", "checkpoint.keep=10"]
+BASE = [
+    "--nproc",
+    "1",
+    "--set",
+    "data.max_chars=60000",
+    "--set",
+    "eval.interval_steps=0",
+    "--set",
+    "log.progress=false",
+    "--set",
+    "log.tensorboard=false",
+    "--set",
+    "train.warmup_tokens=0",
+    "--set",
+    "checkpoint.keep=10",
+]
 # Fields that must repeat bit for bit (times and rates are wall-clock, never compared).
-EXACT = ("step", "samples", "tokens", "loss", "lr", "global_batch_size", "micro_batch_size",
-         "grad_norm", "small_sqnorm", "big_sqnorm", "grad_sqnorm", "grad_trace_cov", "b_noise")
+EXACT = (
+    "step",
+    "samples",
+    "tokens",
+    "loss",
+    "lr",
+    "global_batch_size",
+    "micro_batch_size",
+    "grad_norm",
+    "small_sqnorm",
+    "big_sqnorm",
+    "grad_sqnorm",
+    "grad_trace_cov",
+    "b_noise",
+)
 
 
 def _train(run: Path, *argv: str, capsys) -> list[dict]:
@@ -38,10 +64,26 @@ def _exact(rows: list[dict]) -> list[tuple]:
 
 # ramp policy: the global batch grows 4 → 8 → 12 during the run (a plan change that every
 # run takes at the same step, because it depends only on samples consumed)
-RAMP = ["--policy", "ramp", "--set", "batch.initial=4", "--set", "batch.min=4",
-        "--set", "batch.ramp_to=12", "--set", "batch.ramp_kind='stepwise'",
-        "--set", "batch.ramp_samples=24", "--set", "batch.ramp_steps=2",
-        "--set", "batch.warmup_steps=1", "--set", "batch.interval_steps=1"]
+RAMP = [
+    "--policy",
+    "ramp",
+    "--set",
+    "batch.initial=4",
+    "--set",
+    "batch.min=4",
+    "--set",
+    "batch.ramp_to=12",
+    "--set",
+    "batch.ramp_kind='stepwise'",
+    "--set",
+    "batch.ramp_samples=24",
+    "--set",
+    "batch.ramp_steps=2",
+    "--set",
+    "batch.warmup_steps=1",
+    "--set",
+    "batch.interval_steps=1",
+]
 
 
 def test_same_seed_same_plan_is_bit_identical_and_the_seed_matters(tmp_path, capsys):
@@ -49,7 +91,7 @@ def test_same_seed_same_plan_is_bit_identical_and_the_seed_matters(tmp_path, cap
     a = _train(tmp_path / "a", *args, capsys=capsys)
     b = _train(tmp_path / "b", *args, capsys=capsys)
     assert [r["step"] for r in a] == list(range(1, 6))
-    assert len({r["global_batch_size"] for r in a}) >= 2            # the plan did change
+    assert len({r["global_batch_size"] for r in a}) >= 2  # the plan did change
     assert _exact(a) == _exact(b)
     assert all(math.isfinite(r["loss"]) for r in a)
     other_seed = [x if x != "3" else "4" for x in args]
@@ -76,11 +118,9 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path, capsys):
 def test_another_micro_batch_split_agrees_to_rounding_only(tmp_path, capsys, split):
     """Global batch 8 as 2x4 or as 1x8: the same samples, gradients summed
     in another order. Losses agree to ~1e-6 relative; bit-identity is not promised."""
-    args = ["--seed", "1", "--max-steps", "3", "--policy", "constant",
-            "--set", "checkpoint.interval_steps=0"]
+    args = ["--seed", "1", "--max-steps", "3", "--policy", "constant", "--set", "checkpoint.interval_steps=0"]
     ref = _train(tmp_path / "ref", *args, "--set", "parallel.micro_batch_size=4", capsys=capsys)
-    other = _train(tmp_path / split, *args, "--set", f"parallel.micro_batch_size={split}",
-                   capsys=capsys)
+    other = _train(tmp_path / split, *args, "--set", f"parallel.micro_batch_size={split}", capsys=capsys)
     assert [r["samples"] for r in ref] == [r["samples"] for r in other]
     for r, o in zip(ref, other, strict=True):
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-6)

@@ -29,9 +29,17 @@ faults = _load()
 
 
 def _row(step: int, samples: int, B: int = 8, loss: float | None = None, dp: int = 2) -> dict:
-    return {"step": step, "samples": samples, "global_batch_size": B, "dp": dp, "tp": 1, "pp": 1,
-            "micro_batch_size": B // dp, "num_microbatches": 1,
-            "loss": 5.0 - step / 10 if loss is None else loss}
+    return {
+        "step": step,
+        "samples": samples,
+        "global_batch_size": B,
+        "dp": dp,
+        "tp": 1,
+        "pp": 1,
+        "micro_batch_size": B // dp,
+        "num_microbatches": 1,
+        "loss": 5.0 - step / 10 if loss is None else loss,
+    }
 
 
 def test_accounting_of_a_correct_restart():
@@ -48,14 +56,14 @@ def test_accounting_of_a_correct_restart():
 
 def test_accounting_catches_lost_and_repeated_samples_and_changed_losses():
     first = [_row(s, 8 * s) for s in range(1, 6)]
-    skipped = [_row(4, 8 * 4 + 8), _row(5, 8 * 5 + 8)]          # resumed 8 samples too far
+    skipped = [_row(4, 8 * 4 + 8), _row(5, 8 * 5 + 8)]  # resumed 8 samples too far
     assert faults.sample_accounting(faults.trajectory(first[:3] + skipped)) == (8, 0)
-    again = [_row(4, 8 * 4 - 8), _row(5, 8 * 5 - 8)]            # resumed 8 samples too early
+    again = [_row(4, 8 * 4 - 8), _row(5, 8 * 5 - 8)]  # resumed 8 samples too early
     assert faults.sample_accounting(faults.trajectory(first[:3] + again)) == (0, 8)
     changed = [_row(4, 32, loss=1.0), _row(5, 40)]
     compared, mismatches, worst = faults.loss_continuity(first + changed)
     assert (compared, mismatches) == (2, 1) and worst == pytest.approx(3.6)
-    other_plan = [_row(4, 32, dp=1, loss=1.0)]                  # another plan: not compared
+    other_plan = [_row(4, 32, dp=1, loss=1.0)]  # another plan: not compared
     assert faults.loss_continuity(first + other_plan)[:2] == (0, 0)
 
 
@@ -82,8 +90,7 @@ def test_kill_9_inside_an_in_process_switch_loses_nothing_and_leaks_no_staging(t
     memory); the kill lands as soon as the trainer logged the switch's start, and is confirmed
     inside it (the result line never came); the restarted run resumes from the last checkpoint,
     switches again and completes with nothing lost or repeated."""
-    report = faults.run_trials(1, 9, seed=0, root=tmp_path, echo=False,
-                               phases=("reconfigure",), switch_delay_s=0.0)
+    report = faults.run_trials(1, 9, seed=0, root=tmp_path, echo=False, phases=("reconfigure",), switch_delay_s=0.0)
     t = report["trials"][0]
     detail = (tmp_path / "trial-00.log").read_text()[-3000:]
     assert t["phase"] == "reconfigure" and t["killed"] and t["confirmed"], (t, detail)
@@ -92,5 +99,5 @@ def test_kill_9_inside_an_in_process_switch_loses_nothing_and_leaks_no_staging(t
     assert t["samples_lost"] == 0 and t["samples_repeated"] == 0, t
     assert t["checkpoint_offsets_ok"] and t["loss_mismatches"] == 0, t
     assert t["corrupt_checkpoints"] == 0, t
-    assert t["leaked_staging"] == [], t              # the restarted trainer removed it
+    assert t["leaked_staging"] == [], t  # the restarted trainer removed it
     assert "(2, 1, 1, " in "".join(t["plans"]) and "(1, 1, 2, " in "".join(t["plans"])

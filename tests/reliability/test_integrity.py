@@ -69,10 +69,10 @@ def test_checksums_come_from_the_writes_and_resume_verifies_a_share(tmp_path):
     saved = run_ranks(_save_and_count, 2, str(tmp_path), timeout=120)
     step2 = tmp_path / "step-2"
     files = sorted(json.loads((step2 / ckpt.MANIFEST).read_text())["files"])
-    assert ckpt.verify(step2) is None                                      # hashes from disk agree
-    assert {r["rank"]: r["hashed"] for r in saved} == {0: [], 1: []}       # nothing re-read
+    assert ckpt.verify(step2) is None  # hashes from disk agree
+    assert {r["rank"]: r["hashed"] for r in saved} == {0: [], 1: []}  # nothing re-read
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", ckpt.TRAINER_STATE} <= set(files)
-    assert not list(step2.glob("*.hashes.json"))                           # side files removed
+    assert not list(step2.glob("*.hashes.json"))  # side files removed
     # resume: the two ranks split the checksums; together they cover every file once
     agreed = run_ranks(_agree, 2, str(tmp_path), timeout=120)
     assert {a["found"] for a in agreed} == {str(step2)}
@@ -97,8 +97,7 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     from copus.runtime.data.prepare import prepare
 
     src = tmp_path / "a.jsonl"
-    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * 40}) + "\n"
-                           for i in range(60)))
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * 40}) + "\n" for i in range(60)))
     out = tmp_path / "p"
     prepare([str(src)], out, progress=False)
     calls: list[str] = []
@@ -108,11 +107,11 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     first = len(calls)
     assert first >= 1 and (out / shards.VERIFIED).exists()
     shards.verify_folder(out)
-    assert len(calls) == first                       # second start: no byte re-read
+    assert len(calls) == first  # second start: no byte re-read
     shard = out / "train-00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 0xFF
-    shard.write_bytes(bytes(raw))                    # a rewrite changes the mtime
+    shard.write_bytes(bytes(raw))  # a rewrite changes the mtime
     try:
         shards.verify_folder(out)
     except ValueError as err:
@@ -122,7 +121,7 @@ def test_prepared_folder_is_hashed_once_then_checked_by_size_and_mtime(tmp_path,
     # a stamp that does not match the file (same size, other mtime) is never trusted
     os.utime(shard, ns=(1, 1))
     raw[10] ^= 0xFF
-    shard.write_bytes(bytes(raw))                    # repaired: verifies again, stamp updated
+    shard.write_bytes(bytes(raw))  # repaired: verifies again, stamp updated
     shards.verify_folder(out)
 
 
@@ -130,8 +129,9 @@ def _prepared(tmp_path, shard_tokens: int = 997) -> Path:
     from copus.runtime.data.prepare import prepare
 
     src = tmp_path / "a.jsonl"
-    src.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor " * 30}) + "\n"
-                           for i in range(120)))
+    src.write_text(
+        "".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor " * 30}) + "\n" for i in range(120))
+    )
     out = tmp_path / "p"
     prepare([str(src)], out, progress=False, shard_tokens=shard_tokens)
     return out
@@ -169,7 +169,7 @@ def test_each_rank_hashes_only_its_share_of_the_dataset(tmp_path, monkeypatch):
             shards.verify_folder(out, share=(rank, world))
             assert hashed["bytes"] <= total / world + largest
             seen += hashed["files"]
-            (out / shards.VERIFIED).unlink(missing_ok=True)     # every rank starts unstamped
+            (out / shards.VERIFIED).unlink(missing_ok=True)  # every rank starts unstamped
         assert sorted(seen) == sorted(e["file"] for e in entries)
 
 
@@ -184,19 +184,20 @@ def test_a_read_only_folder_is_split_and_stamped_in_the_cache(tmp_path, monkeypa
     out = _prepared(tmp_path)
     monkeypatch.setenv("COPUS_CACHE_DIR", str(tmp_path / "cache"))
     real_access = os.access
-    monkeypatch.setattr(shards.os, "access", lambda p, mode: False if Path(p) == out and
-                        mode == os.W_OK else real_access(p, mode))
+    monkeypatch.setattr(
+        shards.os, "access", lambda p, mode: False if Path(p) == out and mode == os.W_OK else real_access(p, mode)
+    )
     hashed = _counting(monkeypatch)
-    shards.verify_folder(out, share=(1, 2))                  # rank 1: its share, no stamp
+    shards.verify_folder(out, share=(1, 2))  # rank 1: its share, no stamp
     first = hashed["bytes"]
-    shards.verify_folder(out, share=(0, 2))                  # rank 0 stamps (in the cache)
+    shards.verify_folder(out, share=(0, 2))  # rank 0 stamps (in the cache)
     assert 0 < first < hashed["bytes"]
     assert shards.stamp_path(out).is_file() and not (out / shards.VERIFIED).exists()
     assert str(shards.stamp_path(out)).startswith(str(tmp_path / "cache"))
     before = hashed["bytes"]
     for rank in range(2):
         shards.verify_folder(out, share=(rank, 2))
-    assert hashed["bytes"] == before                         # next start: nothing re-read
+    assert hashed["bytes"] == before  # next start: nothing re-read
 
 
 def _verify_on_ranks(folder: str) -> str:
@@ -219,8 +220,7 @@ def test_a_bad_shard_in_one_share_fails_every_rank_with_one_line(tmp_path):
     index = json.loads((out / shards.INDEX).read_text())
     entries = index["shards"] + list(index["docs"].values())
     owner = shards.hash_shares([e["bytes"] for e in entries], 2)
-    victim = out / next(e["file"] for e, r in zip(entries, owner) if r == 1 and
-                        e["file"].startswith("train-0"))
+    victim = out / next(e["file"] for e, r in zip(entries, owner) if r == 1 and e["file"].startswith("train-0"))
     raw = bytearray(victim.read_bytes())
     raw[3] ^= 0x10
     victim.write_bytes(bytes(raw))
@@ -244,10 +244,9 @@ def test_windows_are_gathered_per_shard_as_read_does(tmp_path):
     got = ds.batch(ids)
     assert got.dtype == np.int64 and np.array_equal(got, expected)
     crossing = [i for i in range(len(ds)) if (i * 64) // 301 != (i * 64 + 64) // 301]
-    assert crossing and np.array_equal(ds.batch(crossing),
-                                       np.stack([ds[i] for i in crossing]))
+    assert crossing and np.array_equal(ds.batch(crossing), np.stack([ds[i] for i in crossing]))
     ds.tokens.close()
-    assert np.array_equal(ds.batch(ids[:3]), expected[:3])      # maps reopen after close
+    assert np.array_equal(ds.batch(ids[:3]), expected[:3])  # maps reopen after close
 
 
 def _async_saves(root: str) -> dict:
@@ -259,13 +258,13 @@ def _async_saves(root: str) -> dict:
     original = ck._sha256
     ck._sha256 = lambda p: hashed.append(Path(p).name) or original(p)
     saver = ck.AsyncCheckpointer()
-    state = _state(10)                                    # replicated: rank 0 writes it
+    state = _state(10)  # replicated: rank 0 writes it
     snapshot = {k: v.clone() for k, v in state["model"].items()}
     try:
         first = saver.save(root, 1, state, {"step": 1})
         with torch.no_grad():
             for v in state["model"].values():
-                v.add_(1.0)                               # the next step, during the write
+                v.add_(1.0)  # the next step, during the write
         second = saver.save(root, 2, state, {"step": 2})  # waits for step 1 first
         saver.close()
     finally:
@@ -278,9 +277,9 @@ def _async_saves(root: str) -> dict:
 
 def test_async_saves_hash_while_writing_and_keep_the_staged_values(tmp_path):
     out = run_ranks(_async_saves, 2, str(tmp_path), timeout=180)
-    assert all(o["snapshot_kept"] for o in out)          # staged before training changed them
-    assert all(o["hashed"] == [] for o in out)           # no byte re-read for hashing
+    assert all(o["snapshot_kept"] for o in out)  # staged before training changed them
+    assert all(o["hashed"] == [] for o in out)  # no byte re-read for hashing
     for name in ("step-1", "step-2"):
-        assert ckpt.verify(tmp_path / name) is None      # complete, checksums right
+        assert ckpt.verify(tmp_path / name) is None  # complete, checksums right
     assert not list(tmp_path.glob("tmp-step-*"))
     assert json.loads((tmp_path / "step-2" / ckpt.TRAINER_STATE).read_text()) == {"step": 2}

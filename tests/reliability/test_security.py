@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from copus.runtime.state import checkpoint as ckpt
 
@@ -64,8 +63,7 @@ def test_safe_loader_restores_optimizer_hyperparameters(tmp_path):
     opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = 0.5, (0.1, 0.2)
     state = _state(model, opt)
     ckpt.load(path, state)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTIONS)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
     assert tuple(opt.param_groups[0]["betas"]) == (0.8, 0.9)
     ref, _ = _model_opt()
@@ -83,7 +81,7 @@ def test_malicious_dcp_metadata_is_not_executed(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"\.metadata"):
         ckpt.load(path, _state(*_model_opt()))
     with pytest.raises(ckpt.CheckpointError, match=r"\.metadata"):
-        ckpt.load(path, _state(*_model_opt()), check=False)    # the loader itself refuses too
+        ckpt.load(path, _state(*_model_opt()), check=False)  # the loader itself refuses too
     assert not marker.exists()
 
 
@@ -120,7 +118,7 @@ def test_trainer_state_is_plain_json(tmp_path):
     (path / ckpt.TRAINER_STATE).write_text('{"step": 1, "__reduce__": "os.system"}')
     _reseal(path, 1)
     state = ckpt.load(path, _state(*_model_opt()))
-    assert state == {"step": 1, "__reduce__": "os.system"}      # data, never code
+    assert state == {"step": 1, "__reduce__": "os.system"}  # data, never code
 
 
 def test_config_module_cannot_run_code():
@@ -130,8 +128,17 @@ def test_config_module_cannot_run_code():
 
     for module in (config, train_cmd):
         source = Path(module.__file__).read_text()
-        for banned in ("eval(", "exec(", "pickle", "yaml", "import_module", "__import__",
-                       "runpy", "subprocess", "os.system"):
+        for banned in (
+            "eval(",
+            "exec(",
+            "pickle",
+            "yaml",
+            "import_module",
+            "__import__",
+            "runpy",
+            "subprocess",
+            "os.system",
+        ):
             assert banned not in source, (module.__name__, banned)
 
 
@@ -142,7 +149,7 @@ def test_set_values_are_data(tmp_path, monkeypatch):
     for text in ("__import__('os').system('touch PWNED')", "$(touch PWNED)", "`touch PWNED`"):
         with pytest.raises(ValueError, match="allowed"):
             load_config(None, [f"batch.policy={text}"])
-        cfg = load_config(None, [f"data.source={text}"])           # a string, used as a path
+        cfg = load_config(None, [f"data.source={text}"])  # a string, used as a path
         assert cfg.data.source == text
     assert not (tmp_path / "PWNED").exists()
 

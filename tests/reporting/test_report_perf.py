@@ -12,11 +12,31 @@ def _run(tmp_path, mfus, peaks):
     run = tmp_path / "r"
     run.mkdir()
     (run / "config.toml").write_text('[batch]\npolicy = "constant"\n')
-    (run / "metrics.jsonl").write_text("".join(json.dumps(dict(
-        step=s, samples=8 * s, tokens=1024 * s, wall_s=float(s), loss=3.0, global_batch_size=8,
-        micro_batch_size=2, num_microbatches=1, dp=4, tp=1, pp=1, b_noise=5.0,
-        tokens_per_s=1000.0, mfu=m, peak_memory_bytes=p)) + "\n"
-        for s, (m, p) in enumerate(zip(mfus, peaks), start=1)))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                dict(
+                    step=s,
+                    samples=8 * s,
+                    tokens=1024 * s,
+                    wall_s=float(s),
+                    loss=3.0,
+                    global_batch_size=8,
+                    micro_batch_size=2,
+                    num_microbatches=1,
+                    dp=4,
+                    tp=1,
+                    pp=1,
+                    b_noise=5.0,
+                    tokens_per_s=1000.0,
+                    mfu=m,
+                    peak_memory_bytes=p,
+                )
+            )
+            + "\n"
+            for s, (m, p) in enumerate(zip(mfus, peaks), start=1)
+        )
+    )
     return load_run(run)
 
 
@@ -35,9 +55,21 @@ def test_report_without_the_columns_shows_dashes(tmp_path):
 
 
 def test_progress_line_shows_mfu_and_peak():
-    row = dict(step=3, tokens=3072, loss=2.5, tokens_per_s=1500.0, global_batch_size=8, dp=2,
-               tp=1, pp=1, micro_batch_size=4, num_microbatches=1, wall_s=9.0, mfu=0.412,
-               peak_memory_bytes=int(37.9 * 2**30))
+    row = dict(
+        step=3,
+        tokens=3072,
+        loss=2.5,
+        tokens_per_s=1500.0,
+        global_batch_size=8,
+        dp=2,
+        tp=1,
+        pp=1,
+        micro_batch_size=4,
+        num_microbatches=1,
+        wall_s=9.0,
+        mfu=0.412,
+        peak_memory_bytes=int(37.9 * 2**30),
+    )
     line = progress_line(row)
     assert "MFU 41.2%" in line and "peak 37.9 GiB" in line
     assert "MFU" not in progress_line({**row, "mfu": None, "peak_memory_bytes": None})

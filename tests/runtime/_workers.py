@@ -27,8 +27,14 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world_size: int, port: int, out: Any, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     import warnings
 
     import torch
@@ -54,8 +60,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out, args), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, out, args), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -67,11 +74,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
                 if dead:
-                    raise RuntimeError(f"ranks {dead} exited without a result "
-                                       f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                    raise RuntimeError(
+                        f"ranks {dead} exited without a result (exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} "
-                                       f"did not finish within {timeout:.0f}s") from None
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout:.0f}s"
+                    ) from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
@@ -111,13 +120,15 @@ def exact_stats(model, tokens, small_batch: int) -> dict:
     flat = torch.cat([g.flatten(1) for g in ps.values()], dim=1).double()  # [n, P]
     big = flat.mean(0)
     small = flat.view(-1, small_batch, flat.shape[1]).mean(1)  # [J, P]
-    return {"small_sqnorm": float(small.pow(2).sum(1).mean()), "big_sqnorm": float(big @ big),
-            "ip_sq_mean": float((small @ big).pow(2).mean()),
-            "grads": {k: v.mean(0) for k, v in ps.items()}}
+    return {
+        "small_sqnorm": float(small.pow(2).sum(1).mean()),
+        "big_sqnorm": float(big @ big),
+        "ip_sq_mean": float((small @ big).pow(2).mean()),
+        "grads": {k: v.mean(0) for k, v in ps.items()},
+    }
 
 
-def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None,
-                    **settings) -> list[dict]:
+def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None, **settings) -> list[dict]:
     """Plain single-process AdamW training with the engine's optimizer rules; per step returns
     loss (mean over the batch), q = ‖ḡ‖², the parameters after the step and (with
     `eval_tokens`) the loss on them after the step."""
@@ -129,9 +140,10 @@ def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None,
 
     s = EngineSettings(**settings)
     model = materialize(build_model(shape, "cpu"), "cpu", seed)
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2],
-               "weight_decay": s.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": s.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(s.beta1, s.beta2), eps=s.eps)
     out = []
     for tokens in batches:
@@ -142,10 +154,16 @@ def reference_train(shape, batches, lr: float, seed: int = 0, eval_tokens=None,
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
         opt.zero_grad()
-        out.append({"loss": float(loss.detach()), "big_sqnorm": q,
-                    "params": {k: v.detach().clone() for k, v in model.named_parameters()}})
+        out.append(
+            {
+                "loss": float(loss.detach()),
+                "big_sqnorm": q,
+                "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            }
+        )
         if eval_tokens is not None:
             with torch.no_grad():
-                out[-1]["eval"] = float(F.cross_entropy(model(eval_tokens[:, :-1]).flatten(0, 1),
-                                                        eval_tokens[:, 1:].flatten()))
+                out[-1]["eval"] = float(
+                    F.cross_entropy(model(eval_tokens[:, :-1]).flatten(0, 1), eval_tokens[:, 1:].flatten())
+                )
     return out

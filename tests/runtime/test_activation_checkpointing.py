@@ -16,21 +16,18 @@ from copus.runtime.engine.activation_memory import measure_activation_bytes
 from copus.runtime.engine.model import build_model, materialize
 from copus.runtime.engine.parallelize import AC_MODES, ac_mode, apply_ac
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=64, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, seq_len=16)
 ROWS = 3
 
 
 def _run(mode: str) -> dict:
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
     apply_ac(model, mode)
-    tokens = torch.randint(0, SHAPE.vocab_size, (ROWS, SHAPE.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, SHAPE.vocab_size, (ROWS, SHAPE.seq_len + 1), generator=torch.Generator().manual_seed(0))
     logits, nbytes = measure_activation_bytes(model, lambda: model(tokens[:, :-1]), (tokens,))
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    return {"bytes": nbytes, "loss": loss.item(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return {"bytes": nbytes, "loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +53,13 @@ def test_bytes_exact_per_mode(runs):
     # and of SDPA (attention output + fp32 log-sum-exp); 4 bytes per fp32 element
     s = SHAPE
     tokens = ROWS * s.seq_len
-    per_block = tokens * (s.n_heads * s.head_dim + s.n_kv_heads * s.head_dim + s.ffn_dim + s.dim
-                          + s.n_heads * s.head_dim + s.n_heads) * 4
+    per_block = (
+        tokens
+        * (s.n_heads * s.head_dim + s.n_kv_heads * s.head_dim + s.ffn_dim + s.dim + s.n_heads * s.head_dim + s.n_heads)
+        * 4
+    )
     assert sel.live_bytes - full.live_bytes == s.n_layers * per_block
-    assert sel.saved_bytes == full.saved_bytes          # the SAC cache is not autograd-saved
+    assert sel.saved_bytes == full.saved_bytes  # the SAC cache is not autograd-saved
     assert full.live_bytes < sel.live_bytes < 0.6 * none.live_bytes
 
 

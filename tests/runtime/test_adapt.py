@@ -25,7 +25,7 @@ def _api_vs_engine():
     shape = get_model_shape("tiny")
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 256, (8, shape.seq_len + 1), generator=gen)[rank * 4:(rank + 1) * 4]
+    tokens = torch.randint(0, 256, (8, shape.seq_len + 1), generator=gen)[rank * 4 : (rank + 1) * 4]
     plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=2)
     engine = Engine(shape, plan, EngineSettings(grad_clip=0.0), "cpu", MeshCache("cpu"), seed=3)
     out = engine.train_step(tokens, lr=0.0)
@@ -45,8 +45,10 @@ def _api_vs_engine():
         total += loss.item() / 2
     adapt.end_step(total)
     r = adapt.last_record
-    return {"engine": (out.loss, out.small_sqnorm, out.big_sqnorm, out.num_small),
-            "api": (r.loss, r.small_sqnorm, r.big_sqnorm, r.num_small)}
+    return {
+        "engine": (out.loss, out.small_sqnorm, out.big_sqnorm, out.num_small),
+        "api": (r.loss, r.small_sqnorm, r.big_sqnorm, r.num_small),
+    }
 
 
 def test_api_statistics_equal_the_trainer_engine():
@@ -61,8 +63,19 @@ def test_api_statistics_equal_the_trainer_engine():
 
 
 def test_example_runs_under_torchrun_and_its_batch_grows():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "own_loop.py"), "--policy", "norm-test", "--steps", "21"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "examples" / "own_loop.py"),
+        "--policy",
+        "norm-test",
+        "--steps",
+        "21",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

@@ -16,8 +16,7 @@ from tests.runtime._workers import run_ranks
 D_NOISY, D_QUIET = 8, 1
 
 
-def _least_squares(policy, *, noise, d, initial, steps, seed=0, lr=0.05, mbs=2, max_batch=128,
-                   **settings):
+def _least_squares(policy, *, noise, d, initial, steps, seed=0, lr=0.05, mbs=2, max_batch=128, **settings):
     """SGD on y = xᵀw* + noise·ε, x ~ N(0, I_d): per-sample noise scale b_simple = d + 1 at
     noise 0 (realisable) and → ∞ near the optimum when noise > 0. Returns the batch per step."""
     import torch
@@ -30,8 +29,9 @@ def _least_squares(policy, *, noise, d, initial, steps, seed=0, lr=0.05, mbs=2, 
     model = torch.nn.Linear(d, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     kw = dict(settings=PolicySettings(**settings)) if settings else {}
-    adapt = AdaptiveBatch(model, policy=policy, initial_batch=initial, micro_batch_size=mbs,
-                          max_batch=max_batch, lr_rule="none", **kw)
+    adapt = AdaptiveBatch(
+        model, policy=policy, initial_batch=initial, micro_batch_size=mbs, max_batch=max_batch, lr_rule="none", **kw
+    )
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sizes = []
     for _ in range(steps):
@@ -60,9 +60,8 @@ def test_each_statistical_policy_grows_under_noise_and_holds_without(policy):
     it needs that margin), inner-product T ≈ 2/θ² = 8, gns 2·2: all below 128, it must hold."""
     noisy = _least_squares(policy, noise=3.0, d=D_NOISY, initial=8, steps=250, mbs=4)
     assert noisy[-1] >= GROWS[policy] * 8, noisy[::25]
-    assert all(b2 >= b1 for b1, b2 in zip(noisy, noisy[1:]))            # never shrinks
-    quiet = _least_squares(policy, noise=0.0, d=D_QUIET, initial=128, steps=100, mbs=8,
-                           max_batch=512)
+    assert all(b2 >= b1 for b1, b2 in zip(noisy, noisy[1:]))  # never shrinks
+    quiet = _least_squares(policy, noise=0.0, d=D_QUIET, initial=128, steps=100, mbs=8, max_batch=512)
     assert set(quiet) == {128}, sorted(set(quiet))
 
 
@@ -82,8 +81,13 @@ def test_a_form_that_cannot_be_computed_is_one_line_at_start():
 
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match=r"^batch.norm_test_form='paper' is invalid at dp=1; "):
-        AdaptiveBatch(model, policy="norm-test", initial_batch=8, micro_batch_size=2,
-                      settings=PolicySettings(norm_test_form="paper"))
+        AdaptiveBatch(
+            model,
+            policy="norm-test",
+            initial_batch=8,
+            micro_batch_size=2,
+            settings=PolicySettings(norm_test_form="paper"),
+        )
     with pytest.raises(ValueError, match=r"dp\*num_microbatches=1 at the initial batch 4"):
         AdaptiveBatch(model, policy="inner-product-test", initial_batch=4, micro_batch_size=4)
     with pytest.raises(ValueError, match="norm_test_eta=0"):
@@ -91,7 +95,7 @@ def test_a_form_that_cannot_be_computed_is_one_line_at_start():
 
 
 # ------------------------------------------------------------------ brute force, 2 ranks
-ETA = {"per-sample": 0.9, "micro-batch": 0.9, "paper": 0.15}   # "paper": its statistic is ~b× smaller
+ETA = {"per-sample": 0.9, "micro-batch": 0.9, "paper": 0.15}  # "paper": its statistic is ~b× smaller
 
 
 def _mlp(torch, seed):
@@ -114,11 +118,18 @@ def _brute_force_worker(form, policy, steps):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = _mlp(torch, 0), _mlp(torch, 0)
     fully_shard(model)
-    settings = PolicySettings(norm_test_form=form, norm_test_eta=ETA[form], warmup_steps=0,
-                              interval_steps=1, max_growth=float("inf"), ip_theta=0.6)
+    settings = PolicySettings(
+        norm_test_form=form,
+        norm_test_eta=ETA[form],
+        warmup_steps=0,
+        interval_steps=1,
+        max_growth=float("inf"),
+        ip_theta=0.6,
+    )
     mbs = 3
-    adapt = AdaptiveBatch(model, policy=policy, initial_batch=12, micro_batch_size=mbs,
-                          max_batch=240, lr_rule="none", settings=settings)
+    adapt = AdaptiveBatch(
+        model, policy=policy, initial_batch=12, micro_batch_size=mbs, max_batch=240, lr_rule="none", settings=settings
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(5)
@@ -144,16 +155,21 @@ def _brute_force_worker(form, policy, steps):
         params = {n: p.detach() for n, p in ref.named_parameters()}
         per_ex = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
         flat = torch.cat([per_ex[n].reshape(B, -1) for n in params], 1).double()  # [B, P]
-        micro = flat.view(world * k, mbs, -1).mean(1)         # rank-major micro-batches
+        micro = flat.view(world * k, mbs, -1).mean(1)  # rank-major micro-batches
         workers = flat.view(world, k * mbs, -1).mean(1)
         gbar = flat.mean(0)
         r = adapt.last_record
-        out.append({"record": (r.small_sqnorm, r.num_small, r.small_batch, r.big_sqnorm,
-                               r.ip_sq_mean, B),
-                    "micro": float((micro * micro).sum(1).mean()),
-                    "workers": float((workers * workers).sum(1).mean()),
-                    "big": float(gbar @ gbar), "ip": float(((micro @ gbar) ** 2).mean()),
-                    "k": k, "decision": decision.plan.global_batch_size if decision else None})
+        out.append(
+            {
+                "record": (r.small_sqnorm, r.num_small, r.small_batch, r.big_sqnorm, r.ip_sq_mean, B),
+                "micro": float((micro * micro).sum(1).mean()),
+                "workers": float((workers * workers).sum(1).mean()),
+                "big": float(gbar @ gbar),
+                "ip": float(((micro @ gbar) ** 2).mean()),
+                "k": k,
+                "decision": decision.plan.global_batch_size if decision else None,
+            }
+        )
         opt.step()
         opt.zero_grad()
         for p, g in zip(ref.parameters(), _split(gbar, ref)):
@@ -167,7 +183,7 @@ def _brute_force_worker(form, policy, steps):
 def _split(vec, module):
     out, i = [], 0
     for p in module.parameters():
-        out.append(vec[i:i + p.numel()].view_as(p))
+        out.append(vec[i : i + p.numel()].view_as(p))
         i += p.numel()
     return out
 
@@ -190,24 +206,26 @@ def _check_against_brute_force(rows, form, policy):
             assert small == pytest.approx(r["micro"], rel=1e-4)
         if policy == "inner-product-test":
             assert ip == pytest.approx(r["ip"], rel=1e-4)
-            t = bt.augmented_statistic(r["micro"], r["big"], 2 * r["k"], 3, r["ip"], theta=0.6,
-                                       nu=5.84)
+            t = bt.augmented_statistic(r["micro"], r["big"], 2 * r["k"], 3, r["ip"], theta=0.6, nu=5.84)
         else:
-            smalls = (r["workers"], 2, 3 * r["k"]) if form == "paper" else \
-                (r["micro"], 2 * r["k"], 3)
-            t = bt.norm_test_statistic(smalls[0], r["big"], smalls[1], smalls[2],
-                                       eta=ETA[form], form=form)
+            smalls = (r["workers"], 2, 3 * r["k"]) if form == "paper" else (r["micro"], 2 * r["k"], 3)
+            t = bt.norm_test_statistic(smalls[0], r["big"], smalls[1], smalls[2], eta=ETA[form], form=form)
         want = None if t <= B else min(240, bt.round_up(t, 6) if math.isfinite(t) else 240)
         assert r["decision"] == (want if want != B else None), (t, B, r["decision"])
 
 
-@pytest.mark.parametrize("form,policy", [("per-sample", "norm-test"),
-                                         ("micro-batch", "norm-test"),
-                                         ("paper", "norm-test"),
-                                         ("per-sample", "inner-product-test")])
+@pytest.mark.parametrize(
+    "form,policy",
+    [
+        ("per-sample", "norm-test"),
+        ("micro-batch", "norm-test"),
+        ("paper", "norm-test"),
+        ("per-sample", "inner-product-test"),
+    ],
+)
 def test_statistics_and_decisions_equal_brute_force_per_example_gradients(form, policy):
     res = run_ranks(_brute_force_worker, 2, form, policy, 6)
-    assert res[0] == res[1]                        # every rank sees the same record
+    assert res[0] == res[1]  # every rank sees the same record
     _check_against_brute_force(res[0], form, policy)
 
 

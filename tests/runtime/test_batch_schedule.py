@@ -14,15 +14,30 @@ from pathlib import Path
 
 import pytest
 
-COMMON = ("--nproc", "2", "--policy", "schedule", "--set", "batch.schedule=0:8,4K:16,8K:32",
-          "--set", "batch.max=64", "--set", "data.max_chars=200000",
-          "--set", "eval.interval_steps=0", "--set", "log.progress=false",
-          "--set", "log.tensorboard=false")
+COMMON = (
+    "--nproc",
+    "2",
+    "--policy",
+    "schedule",
+    "--set",
+    "batch.schedule=0:8,4K:16,8K:32",
+    "--set",
+    "batch.max=64",
+    "--set",
+    "data.max_chars=200000",
+    "--set",
+    "eval.interval_steps=0",
+    "--set",
+    "log.progress=false",
+    "--set",
+    "log.tensorboard=false",
+)
 
 
 def _train(*argv: str, cwd: Path):
-    return subprocess.run([sys.executable, "-m", "copus", "train", *COMMON, *argv], cwd=cwd,
-                          capture_output=True, text=True, timeout=400)
+    return subprocess.run(
+        [sys.executable, "-m", "copus", "train", *COMMON, *argv], cwd=cwd, capture_output=True, text=True, timeout=400
+    )
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -37,16 +52,16 @@ def _expected(tokens_before: int) -> int:
 @pytest.mark.slow
 def test_schedule_changes_the_batch_at_the_token_count_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    out = _train("--max-steps", "4", "--run-dir", str(run_dir),
-                 "--set", "checkpoint.interval_steps=4", cwd=tmp_path)
+    out = _train("--max-steps", "4", "--run-dir", str(run_dir), "--set", "checkpoint.interval_steps=4", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    out = _train("--max-steps", "8", "--run-dir", str(run_dir), "--resume",
-                 "--set", "checkpoint.interval_steps=4", cwd=tmp_path)
+    out = _train(
+        "--max-steps", "8", "--run-dir", str(run_dir), "--resume", "--set", "checkpoint.interval_steps=4", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 9))
     before = 0
-    for r in rows:                  # each step's batch is the schedule's at its starting tokens
+    for r in rows:  # each step's batch is the schedule's at its starting tokens
         assert r["global_batch_size"] == _expected(before), (r["step"], before)
         assert r["dp"] == 2
         before = r["tokens"]

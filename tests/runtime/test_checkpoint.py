@@ -24,8 +24,7 @@ def _model_and_opt(seed: int):
 def _state(model, opt):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    msd, osd = get_state_dict(model, opt,
-                              options=StateDictOptions(flatten_optimizer_state_dict=True))
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     return {"model": msd, "optim": osd}
 
 
@@ -44,9 +43,13 @@ def test_save_then_load_roundtrip(tmp_path):
     trainer_state = ckpt.load(path, state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    set_state_dict(
+        fresh,
+        fresh_opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(flatten_optimizer_state_dict=True),
+    )
     assert trainer_state == {"step": 3, "seed": 1}
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -61,18 +64,18 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "_write_manifest", boom)
     with pytest.raises(ckpt.CheckpointError, match="step-2 not saved .OSError: simulated crash"):
         _save(tmp_path, 2)
-    assert not (tmp_path / "tmp-step-2").exists()      # the half-written one was removed
+    assert not (tmp_path / "tmp-step-2").exists()  # the half-written one was removed
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-1"
     monkeypatch.undo()
-    (tmp_path / "tmp-step-2").mkdir()                  # as a kill mid-save would leave it
-    _save(tmp_path, 3)                                   # the next save removes the stale tmp
+    (tmp_path / "tmp-step-2").mkdir()  # as a kill mid-save would leave it
+    _save(tmp_path, 3)  # the next save removes the stale tmp
     assert not (tmp_path / "tmp-step-2").exists()
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-3"
 
 
 def test_crash_before_manifest_is_not_loadable(tmp_path):
     path, _ = _save(tmp_path, 5)
-    (path / ckpt.MANIFEST).unlink()   # as if killed between the rename of files and the manifest
+    (path / ckpt.MANIFEST).unlink()  # as if killed between the rename of files and the manifest
     assert "missing" in ckpt.verify(path)
     assert ckpt.find_latest(tmp_path) is None
 

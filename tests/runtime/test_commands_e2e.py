@@ -19,14 +19,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RAMP = ["--nproc", "2", "--max-steps", "6", "--policy", "ramp", "--seed", "1",
-        "--set", "batch.initial=4", "--set", "batch.min=4", "--set", "batch.ramp_to=12",
-        "--set", "batch.ramp_kind='stepwise'", "--set", "batch.ramp_samples=8",
-        "--set", "batch.ramp_steps=2", "--set", "batch.warmup_steps=1",
-        "--set", "batch.interval_steps=1", "--set", "data.max_chars=60000",
-        "--set", "eval.interval_steps=2", "--set", "eval.num_samples=4",
-        "--set", "checkpoint.interval_steps=4", "--set", "log.tensorboard=false",
-        "--set", "log.progress_interval_s=0"]
+RAMP = [
+    "--nproc",
+    "2",
+    "--max-steps",
+    "6",
+    "--policy",
+    "ramp",
+    "--seed",
+    "1",
+    "--set",
+    "batch.initial=4",
+    "--set",
+    "batch.min=4",
+    "--set",
+    "batch.ramp_to=12",
+    "--set",
+    "batch.ramp_kind='stepwise'",
+    "--set",
+    "batch.ramp_samples=8",
+    "--set",
+    "batch.ramp_steps=2",
+    "--set",
+    "batch.warmup_steps=1",
+    "--set",
+    "batch.interval_steps=1",
+    "--set",
+    "data.max_chars=60000",
+    "--set",
+    "eval.interval_steps=2",
+    "--set",
+    "eval.num_samples=4",
+    "--set",
+    "checkpoint.interval_steps=4",
+    "--set",
+    "log.tensorboard=false",
+    "--set",
+    "log.progress_interval_s=0",
+]
 
 
 def copus_script() -> Path:
@@ -37,9 +67,10 @@ def copus_script() -> Path:
 
 
 def copus(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}      # this tree, even if installed elsewhere
-    return subprocess.run([str(copus_script()), *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}  # this tree, even if installed elsewhere
+    return subprocess.run(
+        [str(copus_script()), *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _rows(path: Path) -> list[dict]:
@@ -62,13 +93,28 @@ def test_train_writes_the_run_folder(trained):
     run_dir, _ = trained
     lines = _rows(run_dir / "metrics.jsonl")
     assert [m["step"] for m in lines] == list(range(1, 7))
-    for key in ("step", "samples", "tokens", "loss", "lr", "step_s", "global_batch_size",
-                "micro_batch_size", "dp", "tp", "pp", "b_noise", "grad_sqnorm",
-                "grad_trace_cov", "small_sqnorm", "big_sqnorm"):
+    for key in (
+        "step",
+        "samples",
+        "tokens",
+        "loss",
+        "lr",
+        "step_s",
+        "global_batch_size",
+        "micro_batch_size",
+        "dp",
+        "tp",
+        "pp",
+        "b_noise",
+        "grad_sqnorm",
+        "grad_trace_cov",
+        "small_sqnorm",
+        "big_sqnorm",
+    ):
         assert key in lines[0], key
     assert all(m["loss"] > 0 for m in lines)
     assert [m["global_batch_size"] for m in lines] == [4, 8, 12, 12, 12, 12]
-    assert [m["samples"] for m in lines] == [4, 12, 24, 36, 48, 60]      # every sample once
+    assert [m["samples"] for m in lines] == [4, 12, 24, 36, 48, 60]  # every sample once
     assert all(m["dp"] == 2 for m in lines)
     assert [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [2, 4, 6]
     assert "[model]" in (run_dir / "config.toml").read_text()
@@ -82,8 +128,8 @@ def test_train_piped_prints_plain_progress_and_one_line_per_decision(trained):
     from tests.runtime.test_console import _check_lines
 
     run_dir, out = trained
-    assert "%|" not in out.stderr                            # no bar without a terminal
-    lines = _check_lines(out.stdout + out.stderr, run_dir)   # one line per decision, val lines
+    assert "%|" not in out.stderr  # no bar without a terminal
+    lines = _check_lines(out.stdout + out.stderr, run_dir)  # one line per decision, val lines
     assert sum(x.startswith("copus: step ") and " tokens (" in x for x in lines) == 6
 
 
@@ -91,8 +137,21 @@ def test_train_piped_prints_plain_progress_and_one_line_per_decision(trained):
 def test_calibrate_branches_each_checkpoint_and_writes_its_table(trained):
     """The command that crashed with an ImportError once: two checkpoints, k = 1, 2, one repeat."""
     run_dir, _ = trained
-    out = copus("calibrate", str(run_dir), "--steps", "4,6", "--multipliers", "1,2", "--tokens", "2048",
-                "--repeats", "1", "--epsilon", "0.05", cwd=run_dir.parent)
+    out = copus(
+        "calibrate",
+        str(run_dir),
+        "--steps",
+        "4,6",
+        "--multipliers",
+        "1,2",
+        "--tokens",
+        "2048",
+        "--repeats",
+        "1",
+        "--epsilon",
+        "0.05",
+        cwd=run_dir.parent,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     cal = run_dir / "calibration"
     result = json.loads((cal / "calibration.json").read_text())
@@ -127,9 +186,9 @@ def test_simulate_preset_all_as_the_readme_writes_it(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     header = next(i for i, x in enumerate(lines) if x.startswith("config") and "published" in x)
-    rows = [x.split() for x in lines[header + 1:header + 5]]
+    rows = [x.split() for x in lines[header + 1 : header + 5]]
     assert [r[0] for r in rows] == ["3b-8xh100", "13b-16xh100", "32b-32xh100", "7b-32xmi210"]
-    assert [r[2] for r in rows] == ["+7.9%", "+3.9%", "+8.0%", "+5.0%"]   # COPUS Table 1, averaged
+    assert [r[2] for r in rows] == ["+7.9%", "+3.9%", "+8.0%", "+5.0%"]  # COPUS Table 1, averaged
     assert all(len(r) == 6 and all(c.endswith("%") for c in r[2:]) for r in rows)
 
 
@@ -141,14 +200,13 @@ def test_print_config_prints_toml_that_loads_and_starts_nothing(tmp_path):
     config = tomllib.loads(out.stdout)
     assert config["batch"]["initial"] == 16 and config["model"]["name"] == "tiny"
     assert config["batch"]["policy"] == "goodput" and config["gns"]["calibration"] == "auto"
-    assert list(tmp_path.iterdir()) == []                     # no run folder, no workers
+    assert list(tmp_path.iterdir()) == []  # no run folder, no workers
 
 
 def test_prepare_writes_verified_token_shards(tmp_path):
     text = "".join(f"Document {i}: " + "the quick brown fox. " * 200 + "\n\n" for i in range(40))
     (tmp_path / "a.txt").write_text(text)
-    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"note {i} " * 50}) + "\n"
-                                              for i in range(30)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"note {i} " * 50}) + "\n" for i in range(30)))
     out = copus("prepare", "a.txt", "b.jsonl", "--out", "prepared", "--no-progress", cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "train with --set data.source=prepared" in out.stdout
@@ -158,13 +216,14 @@ def test_prepare_writes_verified_token_shards(tmp_path):
     assert meta["splits"]["train"]["num_docs"] + meta["splits"]["val"]["num_docs"] >= 2
     shards = json.loads((folder / "index.json").read_text())["shards"]
     assert {s["split"] for s in shards} == {"train", "val"}
-    for s in shards:                                     # uint16 tokens: 2 bytes each
+    for s in shards:  # uint16 tokens: 2 bytes each
         assert (folder / s["file"]).stat().st_size == s["bytes"] == 2 * s["num_tokens"] > 0
 
 
 def test_a_readme_command_with_a_wrong_flag_is_one_line_and_exit_2(tmp_path):
-    out = copus("plan", "--model", "llama-3.2-3b", "--gpu", "8", "--hardwre", "h100-nvlink-pairs",
-                cwd=tmp_path, timeout=60)
+    out = copus(
+        "plan", "--model", "llama-3.2-3b", "--gpu", "8", "--hardwre", "h100-nvlink-pairs", cwd=tmp_path, timeout=60
+    )
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("copus plan: error:") and "--hardwre" in lines[0], out.stderr

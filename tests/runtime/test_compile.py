@@ -15,12 +15,13 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.specs.models import ModelShape
 from tests.runtime._workers import run_ranks
 
-SHAPE = ModelShape(name="t", n_layers=1, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=64, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=1, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, seq_len=16)
 LR = 1e-2
 # (layout, settings, [(global batch, micro-batch size)...])
-PHASES = [((2, 1, 1), {}, [(8, 2), (8, 4), (4, 1)]),
-          ((1, 2, 1), {"activation_checkpointing": "selective"}, [(4, 2), (8, 4)])]
+PHASES = [
+    ((2, 1, 1), {}, [(8, 2), (8, 4), (4, 1)]),
+    ((1, 2, 1), {"activation_checkpointing": "selective"}, [(4, 2), (8, 4)]),
+]
 
 
 def _batch(step: int, rows: int) -> torch.Tensor:
@@ -45,19 +46,17 @@ def _phases(cache, compile: bool) -> dict:
     outs, step = [], 0
     for (dp, tp, pp), kw, sizes in PHASES:
         gbs, mbs = sizes[0]
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
-                            num_microbatches=gbs // (dp * mbs))
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs))
         eng = Engine(SHAPE, plan, EngineSettings(compile=compile, **kw), "cpu", cache, seed=0)
         for gbs, mbs in sizes:
             eng.set_plan(eng.plan.with_batch(gbs, micro_batch_size=mbs))
             n = gbs // dp
-            tokens = _batch(step, gbs)[eng.dp_rank * n:(eng.dp_rank + 1) * n]
+            tokens = _batch(step, gbs)[eng.dp_rank * n : (eng.dp_rank + 1) * n]
             o = eng.train_step(tokens, LR)
             outs.append((o.loss, o.small_sqnorm, o.big_sqnorm))
             step += 1
         eng.close()
-    return {"outs": outs, "graphs": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values())}
+    return {"outs": outs, "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +92,9 @@ def test_compile_unavailable_is_one_line(monkeypatch):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
-    with pytest.raises(ValueError, match=r"^train.compile=true is unavailable here .*"
-                                         r"allowed: train.compile=false$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^train.compile=true is unavailable here .*"
+        r"allowed: train.compile=false$",
+    ):
         check_compile_available()

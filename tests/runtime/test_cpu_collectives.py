@@ -18,7 +18,7 @@ from copus.core.cost.cpu_model import GlooCpuStepTimeModel
 from copus.core.cost.fit import prior_model
 from copus.core.specs.resolve import get_model_shape
 
-COUNT = r'''
+COUNT = r"""
 import collections, json, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -60,13 +60,12 @@ for dp, tp, pp in ((2, 2, 1), (1, 2, 2), (4, 1, 1)):
     out[f"{dp}.{tp}.{pp}"] = dict(c.calls)
 dist.destroy_process_group()
 print(json.dumps(out))
-'''
+"""
 
 
 def test_model_counts_equal_the_runtime_collectives_per_microbatch():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", COUNT], capture_output=True, text=True,
-                         timeout=300, env=env)
+    run = subprocess.run([sys.executable, "-c", COUNT], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     model = prior_model(get_model_shape("tiny"), None, 4, cores=2)
@@ -80,7 +79,7 @@ def test_model_counts_equal_the_runtime_collectives_per_microbatch():
         assert tp_calls == k * float(parts["tp_calls"]), (key, calls)
         assert calls.get("all_reduce", 0) == k * n_ar and calls.get("all_gather_into_tensor", 0) == k * n_ag
         units = float(model.stage_layers(pp)) + 1
-        if pp == 1:      # FSDP2 outside a pipeline (inside one, PipelineStage halves the gathers)
+        if pp == 1:  # FSDP2 outside a pipeline (inside one, PipelineStage halves the gathers)
             assert calls.get("allgather_base", 0) == k * float(parts["fsdp_calls"]), (key, calls)
             assert calls.get("reduce_scatter_base", 0) == (units if dp > 1 else 0), (key, calls)
     assert np.isclose(float(model.tp_calls(2, 1)[0]), 30)

@@ -33,7 +33,7 @@ def test_embedded_corpus_crosses_files_with_a_separator():
     full_first = 5_001_331  # characters of shakespeare_plays.txt (SOURCES.md)
     text = load_text("embedded", max_chars=full_first + 40)
     assert len(text) == full_first + 40
-    assert text[full_first:full_first + 2] == "\n\n"
+    assert text[full_first : full_first + 2] == "\n\n"
     assert "[Emma by Jane Austen 1816]" in text[full_first:]
 
 
@@ -95,7 +95,8 @@ def test_bpe_trains_offline_caches_and_is_deterministic(tmp_path, monkeypatch):
     ids = first.encode(text)
     assert ids.dtype == np.int32 and ids.max() < 400
     assert len(ids) < 0.8 * len(text.encode("utf-8"))  # merges compress
-    assert first.decode(ids) == text                     # lossless
+    assert first.decode(ids) == text  # lossless
+
     # the second call loads the cached file: training is made impossible and it still works
     def no_training(*args, **kwargs):
         raise AssertionError("retrained instead of loading the cache")
@@ -111,7 +112,7 @@ def test_bpe_trains_offline_caches_and_is_deterministic(tmp_path, monkeypatch):
     other = train_bpe(text, 400, cache_dir=tmp_path / "b")
     assert np.array_equal(other.encode(text), ids)
     model = json.loads(next((tmp_path / "b").glob("bpe-*.json")).read_text())["model"]
-    assert len(model["merges"]) == 400 - 257   # 256 bytes + <|endoftext|> + merges
+    assert len(model["merges"]) == 400 - 257  # 256 bytes + <|endoftext|> + merges
     # a different vocabulary size is a different cache entry
     train_bpe(text, 300, cache_dir=tmp_path / "b")
     assert len(list((tmp_path / "b").glob("bpe-*.json"))) == 2
@@ -163,18 +164,18 @@ def test_build_datasets_from_config():
     n_val = int(np.ceil(0.1 * n))
     assert len(train) == (n - n_val - 1) // 64 and len(val) == (n_val - 1) // 64
     assert train.tokens.dtype == np.int32
-    assert np.array_equal(np.concatenate([train.tokens, val.tokens]),
-                          ByteCodec().encode(load_text("embedded", 50_000)))
+    assert np.array_equal(np.concatenate([train.tokens, val.tokens]), ByteCodec().encode(load_text("embedded", 50_000)))
 
 
 def test_build_datasets_rejects_a_vocab_larger_than_the_model(tmp_path):
-    cfg = load_config(None, ["data.max_chars=30000", "data.tokenizer=bpe",
-                             "data.bpe_vocab_size=300", "model.name=tinyllama-1.1b"])
+    cfg = load_config(
+        None, ["data.max_chars=30000", "data.tokenizer=bpe", "data.bpe_vocab_size=300", "model.name=tinyllama-1.1b"]
+    )
     with pytest.raises(ValueError, match=r"^data\.bpe_vocab_size=300: .*vocab_size=288"):
         build_datasets(cfg.data, seq_len=32, vocab_size=288, cache_dir=tmp_path)
     train, val, tok = build_datasets(cfg.data, seq_len=32, vocab_size=512, cache_dir=tmp_path)
     assert tok.vocab_size == 300 and train.tokens.max() < 300
-    (cached,) = tmp_path.glob("bpe-*-tokens-*.npy")          # the encoding is cached too
+    (cached,) = tmp_path.glob("bpe-*-tokens-*.npy")  # the encoding is cached too
     tokens = np.concatenate([train.tokens, val.tokens])
     assert np.array_equal(np.load(cached), tokens)
     assert tok.decode(tokens) == load_text("embedded", 30000)
@@ -190,12 +191,12 @@ def test_sampler_is_deterministic_and_seed_dependent():
     assert np.array_equal(a.ids(0, 1000), b.ids(0, 1000))
     assert np.array_equal(a.ids(123, 50), b.ids(0, 1000)[123:173])
     assert not np.array_equal(a.ids(0, 1000), GlobalSampler(1000, seed=8).ids(0, 1000))
-    assert sorted(a.ids(0, 1000).tolist()) == list(range(1000))   # a permutation
+    assert sorted(a.ids(0, 1000).tolist()) == list(range(1000))  # a permutation
 
 
 def test_sampler_crosses_epochs():
     s = GlobalSampler(10, seed=3)
-    stream = s.ids(5, 20)                       # epoch 0 [5:10], epoch 1 all, epoch 2 [:5]
+    stream = s.ids(5, 20)  # epoch 0 [5:10], epoch 1 all, epoch 2 [:5]
     assert np.array_equal(stream[:5], s.permutation(0)[5:])
     assert np.array_equal(stream[5:15], s.permutation(1))
     assert np.array_equal(stream[15:], s.permutation(2)[:5])

@@ -11,8 +11,7 @@ from copus.runtime.train import perf
 from copus.runtime.train.launch import omp_threads
 from copus.runtime.train.setup import run_hardware
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=50, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, seq_len=16)
 
 
 def test_pcie_part_gets_its_own_peak_and_unknown_gets_none(monkeypatch):
@@ -33,8 +32,8 @@ def test_pcie_part_gets_its_own_peak_and_unknown_gets_none(monkeypatch):
 def test_omp_threads_is_cores_over_local_ranks_unless_set():
     assert omp_threads(4, env={}, cores=16) == "4"
     assert omp_threads(3, env={}, cores=16) == "5"
-    assert omp_threads(8, env={}, cores=2) == "1"            # at least one
-    assert omp_threads(2, env={"OMP_NUM_THREADS": "7"}, cores=16) is None   # the user's kept
+    assert omp_threads(8, env={}, cores=2) == "1"  # at least one
+    assert omp_threads(2, env={"OMP_NUM_THREADS": "7"}, cores=16) is None  # the user's kept
     assert int(omp_threads(2, env={})) == max(1, len(os.sched_getaffinity(0)) // 2)
 
 

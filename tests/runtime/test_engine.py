@@ -15,8 +15,7 @@ from tests.runtime._workers import exact_stats, reference_train, run_ranks
 from copus.core.specs.models import ModelShape
 from copus.core.plan.plan import ParallelPlan
 
-SHAPE = ModelShape(name="t", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=64, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, seq_len=16)
 LR = 1e-2
 GBS = 8
 
@@ -28,12 +27,14 @@ def batch(step: int, rows: int = GBS) -> torch.Tensor:
 
 def _local(engine, tokens):
     n = tokens.shape[0] // engine.plan.dp
-    return tokens[engine.dp_rank * n:(engine.dp_rank + 1) * n]
+    return tokens[engine.dp_rank * n : (engine.dp_rank + 1) * n]
 
 
 def _out(o):
-    return {k: getattr(o, k) for k in ("loss", "small_sqnorm", "small_batch", "num_small",
-                                       "big_sqnorm", "ip_sq_mean", "grad_norm", "finite")}
+    return {
+        k: getattr(o, k)
+        for k in ("loss", "small_sqnorm", "small_batch", "num_small", "big_sqnorm", "ip_sq_mean", "grad_norm", "finite")
+    }
 
 
 def _two_rank_work():
@@ -50,8 +51,7 @@ def _two_rank_work():
     # (b) state round trip into a differently seeded engine, then one more step on both
     other = Engine(SHAPE, plan, EngineSettings(ip_extras=True), "cpu", cache, seed=7)
     other.load_state(*eng.state_dicts())
-    res["resume"] = (eng.train_step(_local(eng, batch(3)), LR).loss,
-                     other.train_step(_local(other, batch(3)), LR).loss)
+    res["resume"] = (eng.train_step(_local(eng, batch(3)), LR).loss, other.train_step(_local(other, batch(3)), LR).loss)
     other.close()
     # (c) set_plan: same layout, new batch and micro-batch; a layout change is refused
     eng.set_plan(plan.with_batch(16, micro_batch_size=4))
@@ -73,10 +73,10 @@ def _two_rank_work():
     eng.close()
     # (f) tp=2 with sequence parallel + activation checkpointing; (g) pp=2 with GPipe
     # (both with the inner-product extras: g_jᵀḡ under TP + SP and under PP, issue 27)
-    for key, lay, kw in (("tp2_sp_ac", (1, 2, 1), dict(sequence_parallel=True,
-                                                          activation_checkpointing=True,
-                                                          ip_extras=True)),
-                         ("pp2_gpipe", (1, 1, 2), dict(pp_schedule="gpipe", ip_extras=True))):
+    for key, lay, kw in (
+        ("tp2_sp_ac", (1, 2, 1), dict(sequence_parallel=True, activation_checkpointing=True, ip_extras=True)),
+        ("pp2_gpipe", (1, 1, 2), dict(pp_schedule="gpipe", ip_extras=True)),
+    ):
         p = ParallelPlan(dp=lay[0], tp=lay[1], pp=lay[2], micro_batch_size=2, num_microbatches=4)
         eng = Engine(SHAPE, p, EngineSettings(**kw), "cpu", cache, seed=0)
         res[key] = [_out(eng.train_step(_local(eng, batch(s)), LR)) for s in range(3)]
@@ -84,16 +84,18 @@ def _two_rank_work():
     # (h) bf16 through FSDP2's MixedPrecisionPolicy: dp=2 (bf16 all-gathers over gloo), tp=2
     # with selective AC and loss parallel, pp=2 (bf16 activations between stages) with
     # selective AC; fp32 masters, fp32 statistics
-    for key, lay, kw in (("bf16_dp2", (2, 1, 1), {}),
-                         ("bf16_tp2_sel", (1, 2, 1), dict(activation_checkpointing="selective")),
-                         ("bf16_pp2_sel", (1, 1, 2), dict(activation_checkpointing="selective"))):
-        p = ParallelPlan(dp=lay[0], tp=lay[1], pp=lay[2], micro_batch_size=2,
-                         num_microbatches=GBS // (2 * lay[0]))
+    for key, lay, kw in (
+        ("bf16_dp2", (2, 1, 1), {}),
+        ("bf16_tp2_sel", (1, 2, 1), dict(activation_checkpointing="selective")),
+        ("bf16_pp2_sel", (1, 1, 2), dict(activation_checkpointing="selective")),
+    ):
+        p = ParallelPlan(dp=lay[0], tp=lay[1], pp=lay[2], micro_batch_size=2, num_microbatches=GBS // (2 * lay[0]))
         eng = Engine(SHAPE, p, EngineSettings(dtype="bf16", **kw), "cpu", cache, seed=0)
         res[key] = [_out(eng.train_step(_local(eng, batch(s)), LR)) for s in range(3)]
-        res[key + "_dtypes"] = sorted({str(q.dtype) for q in eng.model.parameters()} |
-                                      {str(v.dtype) for st in eng.optimizer.state.values()
-                                       for v in st.values() if v.ndim > 0})
+        res[key + "_dtypes"] = sorted(
+            {str(q.dtype) for q in eng.model.parameters()}
+            | {str(v.dtype) for st in eng.optimizer.state.values() for v in st.values() if v.ndim > 0}
+        )
         eng.close()
     res["num_meshes"] = len(cache)
     return res
@@ -109,9 +111,11 @@ def reference():
     from copus.runtime.engine.model import build_model, materialize
 
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
-    return {"train": reference_train(SHAPE, [batch(s) for s in range(3)], LR),
-            "micro": exact_stats(model, batch(0), small_batch=2),
-            "rank": exact_stats(model, batch(0), small_batch=4)}
+    return {
+        "train": reference_train(SHAPE, [batch(s) for s in range(3)], LR),
+        "micro": exact_stats(model, batch(0), small_batch=2),
+        "rank": exact_stats(model, batch(0), small_batch=4),
+    }
 
 
 def test_all_ranks_report_the_same_step_outputs(results):
@@ -152,7 +156,7 @@ def test_tp_sp_ac_and_gpipe_match_reference(results, reference, key):
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-4)
         assert o["big_sqnorm"] == pytest.approx(r["big_sqnorm"], rel=1e-3)
     o = results[0][key][0]
-    assert (o["small_batch"], o["num_small"]) == (2, 4)   # dp=1: always micro-batch mode
+    assert (o["small_batch"], o["num_small"]) == (2, 4)  # dp=1: always micro-batch mode
     assert o["small_sqnorm"] == pytest.approx(reference["micro"]["small_sqnorm"], rel=1e-4)
 
 
@@ -176,7 +180,7 @@ def test_bf16_mixed_precision_tracks_fp32_reference(results, reference, key):
 
 def test_eval_resume_batch_change_and_errors(results):
     r = results[0]
-    assert 3.5 < r["dp2_eval"] < 4.5                          # ≈ ln(64) = 4.16 early on
+    assert 3.5 < r["dp2_eval"] < 4.5  # ≈ ln(64) = 4.16 early on
     assert r["resume"][0] == pytest.approx(r["resume"][1], rel=1e-6)
     assert r["bigger"]["finite"] and (r["bigger"]["small_batch"], r["bigger"]["num_small"]) == (4, 4)
     assert "layout" in r["set_plan_error"]
@@ -207,15 +211,18 @@ def test_fused_adamw_only_when_every_parameter_is_on_cuda():
 
     assert adamw_impl({"cuda"}) == "fused"
     assert adamw_impl({"cpu"}) == adamw_impl({"cpu", "cuda"}) == "default"
-    opt = build_adamw([torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))],
-                      weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = build_adamw(
+        [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))],
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert not opt.defaults["fused"]
 
 
 @pytest.mark.parametrize("key", ["tp2_sp_ac", "pp2_gpipe"])
-def test_inner_product_extras_under_tp_and_pp_equal_exact_per_sample_computation(
-        results, reference, key):
+def test_inner_product_extras_under_tp_and_pp_equal_exact_per_sample_computation(results, reference, key):
     """dp = 1, 4 micro-batches of 2: s̄, q and (1/J)Σ(g_jᵀḡ)² equal their per-example values
     (torch.func) under tensor parallel + sequence parallel and under pipeline parallel."""
     o, ex = results[0][key][0], reference["micro"]

@@ -20,8 +20,10 @@ from tests.runtime.test_engine import LR, SHAPE, _local, _out, batch
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
 # the same layouts with other engine settings (key: layout + a name); also layout-invariant
-VARIANTS = {(2, 2, 1, "sp+sel"): dict(sequence_parallel=True, activation_checkpointing="selective"),
-            (1, 2, 2, "sp"): dict(sequence_parallel=True)}
+VARIANTS = {
+    (2, 2, 1, "sp+sel"): dict(sequence_parallel=True, activation_checkpointing="selective"),
+    (1, 2, 2, "sp"): dict(sequence_parallel=True),
+}
 ALL = LAYOUTS + list(VARIANTS)
 # (global_batch_size, micro_batch_size) per step: batch and micro-batch change at steps 2 and 3
 STEPS = [(8, 2), (8, 2), (4, 1), (16, 4), (16, 4)]
@@ -41,8 +43,7 @@ def _layout_work():
         dp, tp, pp = key[:3]
         t0 = time.perf_counter()
         gbs, mbs = STEPS[0]
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
-                            num_microbatches=gbs // (dp * mbs))
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs))
         eng = Engine(SHAPE, plan, EngineSettings(**VARIANTS.get(key, {})), "cpu", cache, seed=0)
         outs = []
         for step, (gbs, mbs) in enumerate(STEPS):
@@ -72,15 +73,17 @@ def reference():
     from copus.runtime.engine.model import build_model, materialize
 
     model = materialize(build_model(SHAPE, "cpu"), "cpu", 0)
-    return {"train": reference_train(SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR,
-                                     eval_tokens=batch(50, EVAL_ROWS)),
-            "micro0": exact_stats(model, batch(0, 8), small_batch=2),
-            "rank0": exact_stats(model, batch(0, 8), small_batch=4)}
+    return {
+        "train": reference_train(
+            SHAPE, [batch(s, g) for s, (g, _) in enumerate(STEPS)], LR, eval_tokens=batch(50, EVAL_ROWS)
+        ),
+        "micro0": exact_stats(model, batch(0, 8), small_batch=2),
+        "rank0": exact_stats(model, batch(0, 8), small_batch=4),
+    }
 
 
 def test_ranks_agree_and_meshes_are_cached(results):
-    print("\nseconds per layout (build + 5 steps):",
-          {lay: round(results[0][lay]["seconds"], 1) for lay in ALL})
+    print("\nseconds per layout (build + 5 steps):", {lay: round(results[0][lay]["seconds"], 1) for lay in ALL})
     for r in results[1:]:
         for lay in ALL:
             assert r[lay]["steps"] == results[0][lay]["steps"]
@@ -98,23 +101,22 @@ def test_layout_matches_single_process_reference(results, reference, layout):
         assert o["finite"]
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-4)
         assert o["big_sqnorm"] == pytest.approx(r["big_sqnorm"], rel=1e-3)
-    assert results[0][layout]["eval"] == pytest.approx(reference["train"][EVAL_AFTER]["eval"],
-                                                       rel=1e-4)
+    assert results[0][layout]["eval"] == pytest.approx(reference["train"][EVAL_AFTER]["eval"], rel=1e-4)
     ex = reference["micro0"]
     assert steps[0]["small_sqnorm"] == pytest.approx(ex["small_sqnorm"], rel=1e-3)
-    assert [(o["small_batch"], o["num_small"]) for o in steps] == \
-        [(m, g // m) for g, m in STEPS]
+    assert [(o["small_batch"], o["num_small"]) for o in steps] == [(m, g // m) for g, m in STEPS]
 
 
 def test_gns_estimates_agree_across_layouts(results):
     def estimates(layout):
-        return [two_batch_estimate(o["small_sqnorm"], o["small_batch"], o["big_sqnorm"],
-                                   o["small_batch"] * o["num_small"])
-                for o in results[0][layout]["steps"]]
+        return [
+            two_batch_estimate(o["small_sqnorm"], o["small_batch"], o["big_sqnorm"], o["small_batch"] * o["num_small"])
+            for o in results[0][layout]["steps"]
+        ]
 
     base = torch.tensor(estimates(LAYOUTS[0]))
-    assert (base[:, 1] > 0).all()          # tr(Σ) > 0 on this random-token data
-    for lay in ALL[1:]:   # sequence parallel and selective AC included
+    assert (base[:, 1] > 0).all()  # tr(Σ) > 0 on this random-token data
+    for lay in ALL[1:]:  # sequence parallel and selective AC included
         assert torch.allclose(torch.tensor(estimates(lay)), base, rtol=2e-3, atol=1e-4), lay
 
 

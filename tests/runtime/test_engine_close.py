@@ -8,8 +8,7 @@ from tests.runtime._workers import run_ranks
 from copus.core.plan.plan import ParallelPlan
 from copus.core.specs.models import ModelShape
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                   vocab_size=128, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, seq_len=16)
 
 
 def _work(mode: str, dtype: str):
@@ -21,19 +20,20 @@ def _work(mode: str, dtype: str):
 
     cache = MeshCache("cpu")
     plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=1, num_microbatches=2)
-    tokens = torch.randint(0, SHAPE.vocab_size, (2, SHAPE.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, SHAPE.vocab_size, (2, SHAPE.seq_len + 1), generator=torch.Generator().manual_seed(0))
     gc.collect()
     gc.disable()
     try:
-        eng = Engine(SHAPE, plan, EngineSettings(gns_small=mode, dtype=dtype), "cpu", cache,
-                     seed=0)
+        eng = Engine(SHAPE, plan, EngineSettings(gns_small=mode, dtype=dtype), "cpu", cache, seed=0)
         eng.train_step(tokens, 1e-3)
-        eng.train_step(tokens, 1e-3)      # gradients of the last step are dropped by zero_grad
+        eng.train_step(tokens, 1e-3)  # gradients of the last step are dropped by zero_grad
         p = eng.model.layers["0"].feed_forward.w1.weight
         state = eng.optimizer.state[p]
-        refs = [weakref.ref(p._local_tensor), weakref.ref(state["exp_avg"]._local_tensor),
-                weakref.ref(state["exp_avg_sq"]._local_tensor)]
+        refs = [
+            weakref.ref(p._local_tensor),
+            weakref.ref(state["exp_avg"]._local_tensor),
+            weakref.ref(state["exp_avg_sq"]._local_tensor),
+        ]
         held = eng.model.norm.weight.full_tensor()
         held_sum = float(held.sum())
         del p, state

@@ -15,8 +15,9 @@ def _three_steps(reshard_after_forward):
 
     shape = get_model_shape("tiny")
     plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=3)
-    engine = Engine(shape, plan, EngineSettings(reshard_after_forward=reshard_after_forward), "cpu",
-                    MeshCache("cpu"), seed=1)
+    engine = Engine(
+        shape, plan, EngineSettings(reshard_after_forward=reshard_after_forward), "cpu", MeshCache("cpu"), seed=1
+    )
     gen = torch.Generator().manual_seed(5 + dist.get_rank())
     out = []
     for _ in range(3):

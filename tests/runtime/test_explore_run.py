@@ -10,9 +10,18 @@ import pytest
 
 from copus.config import load_config
 
-BASE = ["data.max_chars=300000", "eval.interval_steps=0", "log.progress=false",
-        "log.tensorboard=false", "checkpoint.interval_steps=0", "train.lr_schedule=constant",
-        "batch.initial=8", "batch.min=8", "batch.max=8", "batch.ramp_to=8"]
+BASE = [
+    "data.max_chars=300000",
+    "eval.interval_steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "checkpoint.interval_steps=0",
+    "train.lr_schedule=constant",
+    "batch.initial=8",
+    "batch.min=8",
+    "batch.max=8",
+    "batch.ramp_to=8",
+]
 
 
 def _rows(run_dir: Path, name: str) -> list[dict]:
@@ -28,7 +37,7 @@ def _launch(cfg, run_dir, entry=None):
 
 
 def _every_sample_once(steps: list[dict]) -> None:
-    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))   # one lineage
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))  # one lineage
     samples = 0
     for r in steps:
         samples += r["global_batch_size"]

@@ -14,22 +14,31 @@ from copus.runtime.state import export as export_mod
 from copus.runtime.state import hf_weights
 from copus.runtime.engine.model import build_model, materialize
 
-TIED = ModelShape(name="tied-test", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                  vocab_size=128, seq_len=32, tie_embeddings=True, rope_theta=500000.0,
-                  norm_eps=1e-6)
+TIED = ModelShape(
+    name="tied-test",
+    n_layers=2,
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    vocab_size=128,
+    seq_len=32,
+    tie_embeddings=True,
+    rope_theta=500000.0,
+    norm_eps=1e-6,
+)
 
 
 def test_tied_gqa_export_matches_transformers(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     model = materialize(build_model(TIED, "meta"), "cpu", seed=3)
-    with torch.no_grad():                      # non-trivial norms: eps and weights both matter
+    with torch.no_grad():  # non-trivial norms: eps and weights both matter
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             if name.endswith(("wq.weight", "wk.weight")):
-                p.mul_(10.0)                   # peaked attention: positions (RoPE) matter
-    ckpt.save(tmp_path / "run" / "checkpoints", 7, {"model": model.state_dict()},
-              {"model": TIED.name})
+                p.mul_(10.0)  # peaked attention: positions (RoPE) matter
+    ckpt.save(tmp_path / "run" / "checkpoints", 7, {"model": model.state_dict()}, {"model": TIED.name})
     monkeypatch.setattr(export_mod, "get_model_shape", lambda name, seq_len=None: TIED)
     out = tmp_path / "hf"
     export_mod.export(tmp_path / "run", out)
@@ -46,7 +55,7 @@ def test_tied_gqa_export_matches_transformers(tmp_path, monkeypatch):
     export_mod.export(tmp_path / "run", tmp_path / "hf-unpermuted")
     bad = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf-unpermuted").eval()
     with torch.no_grad():
-        assert (bad(tokens).logits - a).abs().max() > 1e-2   # measured ~0.1
+        assert (bad(tokens).logits - a).abs().max() > 1e-2  # measured ~0.1
 
 
 def _save_run(tmp_path, model, shape, monkeypatch, tokenizer_json: str | None = None):
@@ -77,12 +86,30 @@ def test_fields_survive_export_in_bfloat16_sharded(tmp_path, monkeypatch, kind):
     transformers = pytest.importorskip("transformers")
     from copus.core.specs.models import RopeScaling
 
-    extra = (dict(explicit_head_dim=24, qkv_bias=True, o_bias=True,
-                  rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8))
-             if kind != "qwen2" else dict(qkv_bias=True, explicit_head_dim=8))
-    shape = ModelShape(name=kind, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                       vocab_size=128, seq_len=32, rope_theta=10000.0, **extra)
+    extra = (
+        dict(
+            explicit_head_dim=24,
+            qkv_bias=True,
+            o_bias=True,
+            rope_scaling=RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
+            ),
+        )
+        if kind != "qwen2"
+        else dict(qkv_bias=True, explicit_head_dim=8)
+    )
+    shape = ModelShape(
+        name=kind,
+        n_layers=2,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        vocab_size=128,
+        seq_len=32,
+        rope_theta=10000.0,
+        **extra,
+    )
     model = _peaked(materialize(build_model(shape, "meta"), "cpu", seed=5))
     run = _save_run(tmp_path, model, shape, monkeypatch)
     out = tmp_path / "hf"
@@ -94,7 +121,7 @@ def test_fields_survive_export_in_bfloat16_sharded(tmp_path, monkeypatch, kind):
     assert sum(p.numel() for p in hf.parameters()) == shape.num_params()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())      # the weights the folder holds
+            p.copy_(p.bfloat16().float())  # the weights the folder holds
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         a, b = model.eval()(tokens), hf(tokens).logits
@@ -127,8 +154,9 @@ def test_byte_model_gets_a_byte_level_tokenizer_and_generation_config(tmp_path, 
     transformers = pytest.importorskip("transformers")
     from copus.runtime.data.tokenizer import ByteCodec
 
-    shape = ModelShape(name="bytes", n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64,
-                       vocab_size=256, seq_len=16)
+    shape = ModelShape(
+        name="bytes", n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, vocab_size=256, seq_len=16
+    )
     model = materialize(build_model(shape, "meta"), "cpu", seed=1)
     run = _save_run(tmp_path, model, shape, monkeypatch)
     out = tmp_path / "hf"

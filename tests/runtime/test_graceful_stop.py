@@ -17,11 +17,28 @@ import pytest
 from copus.runtime.state import checkpoint as ckpt
 
 STEPS = 8
-ARGS = ["--nproc", "2", "--policy", "constant", "--seed", "2",
-        "--set", "data.max_chars=200000", "--set", "eval.interval_steps=2",
-        "--set", "eval.num_samples=8", "--set", "log.tensorboard=false",
-        "--set", "train.lr_schedule='constant'", "--set", "train.warmup_tokens=2048",
-        "--set", "checkpoint.keep=10"]
+ARGS = [
+    "--nproc",
+    "2",
+    "--policy",
+    "constant",
+    "--seed",
+    "2",
+    "--set",
+    "data.max_chars=200000",
+    "--set",
+    "eval.interval_steps=2",
+    "--set",
+    "eval.num_samples=8",
+    "--set",
+    "log.tensorboard=false",
+    "--set",
+    "train.lr_schedule='constant'",
+    "--set",
+    "train.warmup_tokens=2048",
+    "--set",
+    "checkpoint.keep=10",
+]
 
 
 def _env() -> dict:
@@ -30,9 +47,14 @@ def _env() -> dict:
 
 
 def _start(run_dir: Path, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "copus", "train", "--run-dir", str(run_dir),
-                             *argv], cwd=run_dir.parent, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "copus", "train", "--run-dir", str(run_dir), *argv],
+        cwd=run_dir.parent,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -70,8 +92,7 @@ def _signal_after_rows(proc: subprocess.Popen, run_dir: Path, n: int, sig: int) 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     run = tmp_path_factory.mktemp("ref") / "run"
-    code, _, err = _finish(_start(run, *ARGS, "--max-steps", str(STEPS),
-                                  "--set", "checkpoint.interval_steps=0"))
+    code, _, err = _finish(_start(run, *ARGS, "--max-steps", str(STEPS), "--set", "checkpoint.interval_steps=0"))
     assert code == 0, err[-3000:]
     rows = _rows(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -82,7 +103,7 @@ def _assert_resumes_like_the_reference(run: Path, reference: dict[int, float]) -
     code, out, err = _finish(_start(run, "--resume", "--max-steps", str(STEPS)))
     assert code == 0, err[-3000:]
     rows = _rows(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))     # each step exactly once
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step exactly once
     assert {r["step"]: r["loss"] for r in rows} == pytest.approx(reference, rel=1e-6)
     evals = [e["step"] for e in _rows(run / "eval.jsonl")]
     assert evals == sorted(set(evals)) == list(range(2, STEPS + 1, 2))
@@ -107,8 +128,7 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_resume_matches(tmp_pa
     assert latest is not None and latest.name == f"step-{stopped_at}"
     assert ckpt.verify(latest) is None and "Traceback" not in err
     state = json.loads((run / "run.json").read_text())
-    assert (state["state"], state["step"], state["checkpoint"]) == \
-        ("stopped", stopped_at, f"step-{stopped_at}")
+    assert (state["state"], state["step"], state["checkpoint"]) == ("stopped", stopped_at, f"step-{stopped_at}")
     _assert_resumes_like_the_reference(run, reference)
 
 
@@ -135,8 +155,7 @@ def test_a_second_signal_during_the_save_keeps_the_previous_checkpoint(tmp_path,
     kept = int(latest.name.split("-")[1])
     assert kept < saving
     lost = [r["step"] for r in _rows(run / "metrics.jsonl") if r["step"] > kept]
-    assert lost                                                      # rows after the checkpoint
+    assert lost  # rows after the checkpoint
     _assert_resumes_like_the_reference(run, reference)
-    marked = [r["step"] for r in _rows(run / "metrics.jsonl", superseded=True)
-              if r.get("superseded")]
-    assert marked == lost                       # kept as a record, marked, skipped by readers
+    marked = [r["step"] for r in _rows(run / "metrics.jsonl", superseded=True) if r.get("superseded")]
+    assert marked == lost  # kept as a record, marked, skipped by readers

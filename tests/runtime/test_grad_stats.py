@@ -15,8 +15,7 @@ from copus.runtime.engine.grad_stats import GradStats, replication_weight, weigh
 from copus.runtime.engine.model import build_model, materialize
 from tests.runtime._workers import exact_stats, run_ranks
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=64, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
 def _tokens(n=8, seed=0):
@@ -80,8 +79,7 @@ def test_bad_mode():
 
 
 # ------------------------------------------------------------ FSDP2 at dp = 2, 4 micro-batches
-DP2_SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                       vocab_size=64, seq_len=16)
+DP2_SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
 def _unsharded_grad_bytes(model) -> int:
@@ -89,12 +87,18 @@ def _unsharded_grad_bytes(model) -> int:
     parameters plus FSDP2's reduce-dtype accumulator."""
     from torch.distributed.fsdp import FSDPModule
 
-    records = [fp for m in model.modules() if isinstance(m, FSDPModule)
-               for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    records = [
+        fp
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params
+    ]
     total = 0
     for fp in records:
-        for t in (getattr(getattr(fp, "_unsharded_param", None), "grad", None),
-                  getattr(fp, "unsharded_accumulated_grad", None)):
+        for t in (
+            getattr(getattr(fp, "_unsharded_param", None), "grad", None),
+            getattr(fp, "unsharded_accumulated_grad", None),
+        ):
             if t is not None:
                 local = t.to_local() if hasattr(t, "to_local") else t
                 total += local.untyped_storage().nbytes()
@@ -111,15 +115,12 @@ def _dp2_work():
     tokens = _tokens(8, seed=3)
     for mode in ("microbatch", "rank"):
         for dtype in ("fp32", "bf16"):
-            eng = Engine(DP2_SHAPE, plan, EngineSettings(gns_small=mode, dtype=dtype), "cpu",
-                         cache, seed=0)
+            eng = Engine(DP2_SHAPE, plan, EngineSettings(gns_small=mode, dtype=dtype), "cpu", cache, seed=0)
             seen: list[int] = []
-            h = eng.model.register_forward_pre_hook(
-                lambda m, a, seen=seen: seen.append(_unsharded_grad_bytes(m)))
-            o = eng.train_step(tokens[eng.dp_rank * 4:(eng.dp_rank + 1) * 4], 0.0)
+            h = eng.model.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(_unsharded_grad_bytes(m)))
+            o = eng.train_step(tokens[eng.dp_rank * 4 : (eng.dp_rank + 1) * 4], 0.0)
             h.remove()
-            out[(mode, dtype)] = {"small": o.small_sqnorm, "big": o.big_sqnorm,
-                                  "num_small": o.num_small, "held": seen}
+            out[(mode, dtype)] = {"small": o.small_sqnorm, "big": o.big_sqnorm, "num_small": o.num_small, "held": seen}
             eng.close()
     return out
 
@@ -133,8 +134,7 @@ def dp2():
 def dp2_exact():
     model = materialize(build_model(DP2_SHAPE, "cpu"), "cpu", 0)
     tokens = _tokens(8, seed=3)
-    return {"microbatch": exact_stats(model, tokens, small_batch=1),
-            "rank": exact_stats(model, tokens, small_batch=4)}
+    return {"microbatch": exact_stats(model, tokens, small_batch=1), "rank": exact_stats(model, tokens, small_batch=4)}
 
 
 @pytest.mark.parametrize("mode", ["microbatch", "rank"])
@@ -158,7 +158,7 @@ def test_dp2_bf16_statistics_track_fp32(dp2, dp2_exact, mode):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_microbatch_mode_holds_no_unsharded_gradient_between_micro_batches(dp2, dtype):
-    """"microbatch" reduce-scatters every micro-batch: at the start of each micro-batch's
+    """ "microbatch" reduce-scatters every micro-batch: at the start of each micro-batch's
     forward no dp-unsharded gradient exists. "rank" must accumulate this rank's gradient
     unsharded, so from the second micro-batch on it holds one."""
     assert dp2[0][("microbatch", dtype)]["held"] == [0, 0, 0, 0]

@@ -10,9 +10,19 @@ from copus.runtime.engine.model import build_model, materialize
 
 def test_runtime_builds_the_config_json_shape(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"num_hidden_layers": 3, "hidden_size": 48, "num_attention_heads": 6,
-                                "num_key_value_heads": 2, "intermediate_size": 80,
-                                "vocab_size": 128, "tie_word_embeddings": True}))
+    path.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 3,
+                "hidden_size": 48,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "intermediate_size": 80,
+                "vocab_size": 128,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     shape = get_model_shape(str(path), 32)
     model = materialize(build_model(shape, "cpu"), "cpu", seed=0)
     assert sum(p.numel() for p in model.parameters()) == shape.num_params()

@@ -18,11 +18,25 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 SEQ = 48
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=96, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
-            initializer_range=0.3)   # a wide init: peaked attention, so positions (RoPE) matter
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,
+)  # a wide init: peaked attention, so positions (RoPE) matter
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 500000.0,
+}
 CASES = {
     "head_dim": ("LlamaConfig", dict(head_dim=24)),
     "rope_scaling_llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3)),
@@ -31,9 +45,13 @@ CASES = {
     "tie_word_embeddings": ("LlamaConfig", dict(tie_word_embeddings=True)),
 }
 # what copus would build if it ignored the field
-DROPPED = {"head_dim": dict(explicit_head_dim=None), "rope_scaling_llama3": dict(rope_scaling=None),
-           "attention_bias": dict(qkv_bias=False, o_bias=False), "qwen2_qkv_bias": dict(qkv_bias=False),
-           "tie_word_embeddings": dict(tie_embeddings=False)}
+DROPPED = {
+    "head_dim": dict(explicit_head_dim=None),
+    "rope_scaling_llama3": dict(rope_scaling=None),
+    "attention_bias": dict(qkv_bias=False, o_bias=False),
+    "qwen2_qkv_bias": dict(qkv_bias=False),
+    "tie_word_embeddings": dict(tie_embeddings=False),
+}
 
 
 def _hf_folder(tmp_path, case: str):
@@ -41,7 +59,7 @@ def _hf_folder(tmp_path, case: str):
     torch.manual_seed(0)
     config = getattr(transformers, cls)(**BASE, **extra)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():                  # transformers zero-inits biases and ones norms
+    with torch.no_grad():  # transformers zero-inits biases and ones norms
         for name, p in hf.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
@@ -71,7 +89,7 @@ def test_field_gives_transformers_logits(tmp_path, case):
     try:
         dropped = _copus(folder, **DROPPED[case])
     except (ValueError, RuntimeError):
-        return                                   # the weights do not even fit without the field
+        return  # the weights do not even fit without the field
     with torch.no_grad():
         assert (dropped(tokens) - ref).abs().max() > 1e-2
 

@@ -32,10 +32,19 @@ def _hf_folder(root: Path, *, tie: bool = False) -> Path:
     from copus.runtime.state.export import byte_tokenizer_json
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                      attention_bias=True, vocab_size=256, tie_word_embeddings=tie,
-                                      max_position_embeddings=SEQ, initializer_range=0.2)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        attention_bias=True,
+        vocab_size=256,
+        tie_word_embeddings=tie,
+        max_position_embeddings=SEQ,
+        initializer_range=0.2,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -73,10 +82,10 @@ def _load_work(folder: str):
         eng = Engine(shape, plan, EngineSettings(), "cpu", cache, seed=123)
         read = load_hf_weights(eng.model, folder)
         n = 4 // dp
-        local = _tokens()[eng.dp_rank * n:(eng.dp_rank + 1) * n]
+        local = _tokens()[eng.dp_rank * n : (eng.dp_rank + 1) * n]
         out[(dp, tp, pp)] = {"loss": eng.eval_loss(local), "read": read}
         eng.close()
-    out["tied_tp2"] = _tied_tp_work(cache)     # same launch: one process start-up for both tests
+    out["tied_tp2"] = _tied_tp_work(cache)  # same launch: one process start-up for both tests
     return out
 
 
@@ -100,8 +109,7 @@ def test_each_layout_reads_its_shards_and_gives_transformers_loss(two_rank_resul
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "copus", *argv], cwd=cwd, capture_output=True, text=True,
-                         timeout=400)
+    out = subprocess.run([sys.executable, "-m", "copus", *argv], cwd=cwd, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -115,19 +123,45 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
 
     folder = _hf_folder(tmp_path)
     run = tmp_path / "run"
-    out = _cli("train", "--init-from", str(folder), "--nproc", "2", "--run-dir", str(run), "--max-steps", "2",
-               "--seq-len", str(SEQ), "--policy", "constant", "--set", "parallel.tp=2",
-               "--set", "parallel.micro_batch_size=2",
-               "--set", "train.lr=1e-4", "--set", "train.lr_schedule='constant'", "--set", "data.max_chars=60000",
-               "--set", "eval.interval_steps=0", "--set", "log.progress=false", "--set", "log.tensorboard=false",
-               cwd=tmp_path)
+    out = _cli(
+        "train",
+        "--init-from",
+        str(folder),
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "2",
+        "--seq-len",
+        str(SEQ),
+        "--policy",
+        "constant",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "parallel.micro_batch_size=2",
+        "--set",
+        "train.lr=1e-4",
+        "--set",
+        "train.lr_schedule='constant'",
+        "--set",
+        "data.max_chars=60000",
+        "--set",
+        "eval.interval_steps=0",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.tensorboard=false",
+        cwd=tmp_path,
+    )
     assert "init from" in out.stdout + out.stderr
     shape = load_shape(folder / "config.json", seq_len=SEQ)
     sd = load_full_model_state(find_checkpoint(run, None))
     start = build_model(shape, "cpu")
     load_hf_weights(start, folder)
     drift = max((sd[k] - v).abs().max().item() for k, v in start.state_dict().items())
-    assert 0 < drift < 5e-3          # trained 2 steps at lr 1e-4 from the HF weights, not from scratch
+    assert 0 < drift < 5e-3  # trained 2 steps at lr 1e-4 from the HF weights, not from scratch
     _cli("export", str(run), "--out", str(tmp_path / "out"), "--dtype", "bfloat16", cwd=tmp_path)
     ours = build_model(shape, "cpu").eval()
     ours.load_state_dict({k: v.bfloat16().float() for k, v in sd.items()}, strict=False)
@@ -137,7 +171,7 @@ def test_hf_in_train_export_bf16_and_transformers_agrees(tmp_path):
         a, b = ours(tokens), hf(tokens).logits
     assert torch.allclose(a, b, atol=2e-4, rtol=0), (a - b).abs().max()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["max_position_embeddings"] == SEQ          # the run's model.seq_len
+    assert config["max_position_embeddings"] == SEQ  # the run's model.seq_len
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("ab", add_special_tokens=False)["input_ids"] == [97, 98]
 
@@ -147,8 +181,17 @@ def _tied_tp_work(cache):
     from copus.core.specs.models import ModelShape
     from copus.runtime.engine.engine import Engine, EngineSettings
 
-    shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                       vocab_size=64, seq_len=16, tie_embeddings=True)
+    shape = ModelShape(
+        name="tied",
+        n_layers=2,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        vocab_size=64,
+        seq_len=16,
+        tie_embeddings=True,
+    )
     plan = ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)
     eng = Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0)
     tied = eng.model.output.weight is eng.model.tok_embeddings.weight
@@ -168,8 +211,17 @@ def test_tied_embeddings_train_under_tensor_parallel_like_one_process(two_rank_r
     from copus.core.specs.models import ModelShape
     from tests.runtime._workers import reference_train
 
-    shape = ModelShape(name="tied", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                       vocab_size=64, seq_len=16, tie_embeddings=True)
+    shape = ModelShape(
+        name="tied",
+        n_layers=2,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        vocab_size=64,
+        seq_len=16,
+        tie_embeddings=True,
+    )
     ref = [r["loss"] for r in reference_train(shape, [_tied_batch(s) for s in range(3)], 1e-2, seed=0)]
     for r in two_rank_results[1]:
         assert r["tied_tp2"]["tied"]

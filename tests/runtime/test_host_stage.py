@@ -9,15 +9,16 @@ from tests.runtime._workers import run_ranks
 from copus.core.plan.plan import ParallelPlan
 from copus.core.specs.models import ModelShape
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                   vocab_size=128, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, seq_len=16)
 
 
 def _snapshot(eng):
     out = [p.to_local().clone() for p in eng.model.parameters()]
     for p in eng.model.parameters():
-        out += [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                for _, v in sorted(eng.optimizer.state[p].items())]
+        out += [
+            v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+            for _, v in sorted(eng.optimizer.state[p].items())
+        ]
     return out
 
 
@@ -31,10 +32,15 @@ def _work(folder: str):
     from copus.runtime.engine.engine import Engine, EngineSettings
     from copus.runtime.train import host_stage
 
-    eng = Engine(SHAPE, ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=1, num_microbatches=2),
-                 EngineSettings(), "cpu", MeshCache("cpu"), seed=0)
-    tokens = torch.randint(0, SHAPE.vocab_size, (2, SHAPE.seq_len + 1),
-                           generator=torch.Generator().manual_seed(1))
+    eng = Engine(
+        SHAPE,
+        ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=1, num_microbatches=2),
+        EngineSettings(),
+        "cpu",
+        MeshCache("cpu"),
+        seed=0,
+    )
+    tokens = torch.randint(0, SHAPE.vocab_size, (2, SHAPE.seq_len + 1), generator=torch.Generator().manual_seed(1))
     eng.train_step(tokens, 1e-2)
     before = _snapshot(eng)
     local = sum(p.to_local().numel() for p in eng.model.parameters())
@@ -62,9 +68,17 @@ def _work(folder: str):
         host_stage.shutil.disk_usage = real
     untouched = all(torch.equal(a, b) for a, b in zip(before, _snapshot(eng)))
     eng.close()
-    return {"files": files, "changed": changed, "restored": restored, "nbytes": nbytes,
-            "local": local, "left": left, "error": error, "untouched": untouched,
-            "after_refusal": len(os.listdir(folder))}
+    return {
+        "files": files,
+        "changed": changed,
+        "restored": restored,
+        "nbytes": nbytes,
+        "local": local,
+        "left": left,
+        "error": error,
+        "untouched": untouched,
+        "after_refusal": len(os.listdir(folder)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +87,7 @@ def result(tmp_path_factory):
 
 
 def test_restore_is_bit_identical_in_place(result):
-    assert result["files"] == 2 and result["changed"] and result["restored"]   # a file per rank
+    assert result["files"] == 2 and result["changed"] and result["restored"]  # a file per rank
     assert result["left"] == 0
 
 

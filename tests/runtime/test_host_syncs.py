@@ -52,13 +52,27 @@ def _syncs_worker(run_dir: str, policy: str) -> list[dict]:
     from copus.config import load_config
     from copus.runtime.train.trainer import Trainer
 
-    cfg = load_config(None, ["data.max_chars=200000", "eval.interval_steps=0",
-                             "checkpoint.interval_steps=0", "log.progress=false",
-                             "log.tensorboard=false", "batch.initial=8", "batch.min=8",
-                             f"batch.policy={policy!r}", "batch.ramp_kind='stepwise'",
-                             "batch.ramp_steps=1", "batch.ramp_to=16", "batch.ramp_samples=40",
-                             "batch.interval_steps=1", "batch.warmup_steps=0",
-                             "parallel.micro_batch_size=2", "train.max_steps=20"])
+    cfg = load_config(
+        None,
+        [
+            "data.max_chars=200000",
+            "eval.interval_steps=0",
+            "checkpoint.interval_steps=0",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "batch.initial=8",
+            "batch.min=8",
+            f"batch.policy={policy!r}",
+            "batch.ramp_kind='stepwise'",
+            "batch.ramp_steps=1",
+            "batch.ramp_to=16",
+            "batch.ramp_samples=40",
+            "batch.interval_steps=1",
+            "batch.warmup_steps=0",
+            "parallel.micro_batch_size=2",
+            "train.max_steps=20",
+        ],
+    )
     trainer = Trainer(cfg, run_dir, torch.device("cpu"))
     per_step = []
     for _ in range(7):
@@ -75,10 +89,10 @@ def _syncs_worker(run_dir: str, policy: str) -> list[dict]:
 
         decided = _count(one_step, counts)
         per_step.append({"step": trainer.progress.step, "decided": decided, **counts})
-    steps_on_host = all(st["step"].device.type == "cpu"
-                        for st in trainer.engine.optimizer.state.values())
-    per_step.append({"optimizer_steps_on_host": steps_on_host,
-                     "num_params": len(list(trainer.engine.model.parameters()))})
+    steps_on_host = all(st["step"].device.type == "cpu" for st in trainer.engine.optimizer.state.values())
+    per_step.append(
+        {"optimizer_steps_on_host": steps_on_host, "num_params": len(list(trainer.engine.model.parameters()))}
+    )
     trainer.close()
     return per_step
 
@@ -91,35 +105,48 @@ def test_at_most_two_host_syncs_per_step(tmp_path, policy):
     broadcast only at the step that decided (ramp: B 8 -> 16 at 40 samples, step 5)."""
     *rows, opt = run_ranks(_syncs_worker, 2, str(tmp_path), policy)[0]
     assert opt["optimizer_steps_on_host"]
-    for row in rows[1:]:          # step 1 also polls the boundary (no previous step end)
-        assert row.pop("item@torch.optim", 0) == opt["num_params"]   # host step counters
+    for row in rows[1:]:  # step 1 also polls the boundary (no previous step end)
+        assert row.pop("item@torch.optim", 0) == opt["num_params"]  # host step counters
         extra = 1 if row["decided"] else 0
         assert row.get("all_reduce", 0) == 2, row
         assert row.get("broadcast_object_list", 0) == extra, row
         assert row.get("tolist", 0) == 2, row
-        others = {k: v for k, v in row.items()
-                  if k not in ("step", "decided", "all_reduce", "broadcast_object_list", "tolist")}
+        others = {
+            k: v
+            for k, v in row.items()
+            if k not in ("step", "decided", "all_reduce", "broadcast_object_list", "tolist")
+        }
         assert not any(others.values()), others
         assert row.get("all_reduce", 0) + row.get("broadcast_object_list", 0) <= 2 + extra
     assert [r["decided"] for r in rows].count(True) == (1 if policy == "ramp" else 0)
-    assert rows[0].get("all_reduce", 0) == 3    # step 1: Boundary.poll's own all-reduce
+    assert rows[0].get("all_reduce", 0) == 3  # step 1: Boundary.poll's own all-reduce
 
 
 # --------------------------------------------------------------------- code-level device check
 HOT_PATH = {
     "runtime/engine/grad_stats.py": None,
     "runtime/engine/engine.py": {"Engine.train_step", "Engine._forward_backward"},
-    "runtime/train/trainer.py": {"Trainer.step_once", "Trainer.step_end", "Trainer.train_step",
-                                 "Trainer.batch_to_device", "Trainer.decide"},
-    "adapt.py": {"AdaptiveBatch.end_step", "AdaptiveBatch._statistics",
-                 "AdaptiveBatch._big_sqnorm_share", "AdaptiveBatch._agree", "AdaptiveBatch._extras"},
+    "runtime/train/trainer.py": {
+        "Trainer.step_once",
+        "Trainer.step_end",
+        "Trainer.train_step",
+        "Trainer.batch_to_device",
+        "Trainer.decide",
+    },
+    "adapt.py": {
+        "AdaptiveBatch.end_step",
+        "AdaptiveBatch._statistics",
+        "AdaptiveBatch._big_sqnorm_share",
+        "AdaptiveBatch._agree",
+        "AdaptiveBatch._extras",
+    },
 }
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "zeros_like"}
 # a factory whose result is on the right device without device=: documented exceptions
 ALLOWED = {
-    ("runtime/engine/grad_stats.py", "weighted_sqnorm"),       # the empty list's zero (no device)
+    ("runtime/engine/grad_stats.py", "weighted_sqnorm"),  # the empty list's zero (no device)
     ("runtime/train/trainer.py", "Trainer.batch_to_device"),  # host rows, then pinned + copied
-    ("adapt.py", "AdaptiveBatch._statistics"),                 # torch.tensor(..., device=device)
+    ("adapt.py", "AdaptiveBatch._statistics"),  # torch.tensor(..., device=device)
 }
 
 
@@ -145,9 +172,13 @@ def test_hot_path_tensors_are_created_on_the_models_device():
             if names is not None and qual not in names:
                 continue
             for node in ast.walk(fn):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-                        and node.func.attr in FACTORIES):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "torch"
+                    and node.func.attr in FACTORIES
+                ):
                     continue
                 if node.func.attr.endswith("_like") or any(k.arg == "device" for k in node.keywords):
                     continue

@@ -13,8 +13,7 @@ from tests.runtime._workers import run_ranks
 from copus.core.plan.plan import ParallelPlan
 from copus.core.specs.models import ModelShape
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=512, n_heads=4, n_kv_heads=2, ffn_dim=1024,
-                   vocab_size=512, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=512, n_heads=4, n_kv_heads=2, ffn_dim=1024, vocab_size=512, seq_len=16)
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)]
 
 
@@ -29,8 +28,7 @@ def _work():
         before = DrawCounter.values
         eng = Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=5)
         drawn = DrawCounter.values - before
-        local = sum(p.to_local().numel() for n, p in eng.model.named_parameters()
-                    if init_std(n, SHAPE) is not None)
+        local = sum(p.to_local().numel() for n, p in eng.model.named_parameters() if init_std(n, SHAPE) is not None)
         full = {n: p.full_tensor() for n, p in eng.model.named_parameters()}
         eng.close()
         before = DrawCounter.values
@@ -80,5 +78,5 @@ def test_weights_depend_on_the_seed_and_look_normal(reference):
     assert float(w.std()) == pytest.approx(0.02, rel=0.02)
     assert abs(float(w.mean())) < 1e-3
     wo = reference["layers.1.attention.wo.weight"]
-    assert float(wo.std()) == pytest.approx(0.02 / 2.0, rel=0.03)        # 0.02/√(2L), L = 2
+    assert float(wo.std()) == pytest.approx(0.02 / 2.0, rel=0.03)  # 0.02/√(2L), L = 2
     assert torch.equal(reference["norm.weight"], torch.ones(SHAPE.dim))

@@ -17,9 +17,17 @@ from copus.core.specs.resolve import get_model_shape
 from copus.runtime.state import infeasible
 from copus.runtime.train import perf
 
-BASE = ["data.max_chars=200000", "eval.interval_steps=0", "log.progress=false",
-        "log.tensorboard=false", "batch.initial=8", "batch.min=8", "batch.policy='constant'",
-        "parallel.micro_batch_size=2", "train.lr_schedule=constant"]
+BASE = [
+    "data.max_chars=200000",
+    "eval.interval_steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "batch.initial=8",
+    "batch.min=8",
+    "batch.policy='constant'",
+    "parallel.micro_batch_size=2",
+    "train.lr_schedule=constant",
+]
 
 
 def test_capacity_is_the_device_memory_less_the_margin():
@@ -35,7 +43,7 @@ def test_infeasible_rule_and_fallback():
     one_microbatch = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
     other_layout = ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=4, num_microbatches=2)
     assert infeasible.covers(bad, bad) and infeasible.covers(bad, same_layout_bigger)
-    assert not infeasible.covers(bad, one_microbatch)     # no unsharded fp32 grads at K = 1
+    assert not infeasible.covers(bad, one_microbatch)  # no unsharded fp32 grads at K = 1
     assert not infeasible.covers(bad, other_layout)
     fb = infeasible.fallback_plan(bad, [bad])
     assert (fb.micro_batch_size, fb.num_microbatches) == (2, 4)
@@ -57,14 +65,20 @@ def test_goodput_controller_forbids_recorded_plans_and_respects_capacity():
     dropped = ctl.forbid(lambda p: infeasible.covers(bad, p))
     assert dropped > 0 and len(ctl.candidates) == before - dropped
     c = ctl.candidates
-    left = [ParallelPlan(dp=int(c.dp[i]), tp=int(c.tp[i]), pp=int(c.pp[i]),
-                         micro_batch_size=int(c.micro_batch_size[i]),
-                         num_microbatches=int(c.num_microbatches[i])) for i in range(len(c))]
+    left = [
+        ParallelPlan(
+            dp=int(c.dp[i]),
+            tp=int(c.tp[i]),
+            pp=int(c.pp[i]),
+            micro_batch_size=int(c.micro_batch_size[i]),
+            num_microbatches=int(c.num_microbatches[i]),
+        )
+        for i in range(len(c))
+    ]
     assert not any(infeasible.covers(bad, p) for p in left)
     model = perf.runtime_memory_model(load_config(None, []), shape, "cpu")
-    cap = float(model.bytes_per_rank(2, 1, 1, 4, 1))        # room for micro-batch 4, not 8
-    bounded = make_controller(settings, start, 2, shape, memory_capacity_bytes=cap,
-                              memory_model=model)
+    cap = float(model.bytes_per_rank(2, 1, 1, 4, 1))  # room for micro-batch 4, not 8
+    bounded = make_controller(settings, start, 2, shape, memory_capacity_bytes=cap, memory_model=model)
     mem = bounded.candidates.memory_bytes
     assert len(bounded.candidates) and (mem <= cap).all()
     assert int(bounded.candidates.micro_batch_size.max()) <= 4
@@ -81,8 +95,7 @@ def oom_worker(cfg, run_dir: str, resume: bool) -> dict:
         def train_step(self, tokens, lr):
             calls[0] += 1
             if calls[0] == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
-                                             "(injected by the test)")
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
             return original(self, tokens, lr)
 
         Engine.train_step = train_step
@@ -95,17 +108,19 @@ def test_oom_on_one_rank_stops_all_and_resume_avoids_the_plan(tmp_path, capfd):
 
     from copus.runtime.train.launch import launch
 
-    cfg = load_config(None, [*BASE, "parallel.nproc=2", "train.max_steps=5",
-                             "checkpoint.interval_steps=2"])
+    cfg = load_config(None, [*BASE, "parallel.nproc=2", "train.max_steps=5", "checkpoint.interval_steps=2"])
     run = tmp_path / "run"
     t0 = time.monotonic()
-    with pytest.raises(ChildFailedError):   # the elastic agent's report (max_restarts=0)
+    with pytest.raises(ChildFailedError):  # the elastic agent's report (max_restarts=0)
         launch(cfg, str(run), max_restarts=0, entry=oom_worker)
     ended = time.time()
     err = capfd.readouterr().err
     (row,) = [json.loads(x) for x in (run / infeasible.RECORD_FILE).read_text().splitlines()]
-    assert row["plan"] == {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 2,
-                           "num_microbatches": 2} and row["rank"] == 1 and row["step"] == 3
+    assert (
+        row["plan"] == {"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_microbatches": 2}
+        and row["rank"] == 1
+        and row["step"] == 3
+    )
     lines = [x for x in err.splitlines() if "ran out of device memory at step 3" in x]
     assert len(lines) == 1 and "dp2.tp1.pp1 mb2x2" in lines[0] and "micro-batch 2" in lines[0]
     # every rank ended within seconds of the record (not the collective's 30-min timeout)
@@ -117,6 +132,5 @@ def test_oom_on_one_rank_stops_all_and_resume_avoids_the_plan(tmp_path, capfd):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     after = [r for r in rows if not r.get("superseded") and r["step"] > 2]
     assert [r["step"] for r in after] == [3, 4, 5]
-    assert {(r["micro_batch_size"], r["num_microbatches"], r["global_batch_size"])
-            for r in after} == {(1, 4, 8)}
+    assert {(r["micro_batch_size"], r["num_microbatches"], r["global_batch_size"]) for r in after} == {(1, 4, 8)}
     assert "ran out of memory earlier in this run" in capfd.readouterr().out

@@ -11,8 +11,7 @@ from copus.core.specs.models import ModelShape
 from copus.core.specs.resolve import get_model_shape
 from copus.runtime.engine.model import apply_rope, build_model, materialize, rope_cache
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=50, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, seq_len=16)
 
 
 def test_forward_shape_and_initial_loss_near_uniform():

@@ -29,7 +29,7 @@ def _interleaved(num_microbatches: int):
     # reference: the whole model, one micro-batch at a time, loss mean over micro-batches
     ref_losses = []
     for i in range(num_microbatches):
-        loss = loss_fn(model(inputs[i:i + 1]), targets[i:i + 1])
+        loss = loss_fn(model(inputs[i : i + 1]), targets[i : i + 1])
         (loss / num_microbatches).backward()
         ref_losses.append(float(loss))
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -40,12 +40,16 @@ def _interleaved(num_microbatches: int):
     pipe = Pipeline(chunks, mesh["pp"], torch.device("cpu"), "interleaved-1f1b", loss_fn)
     losses = pipe.run(inputs, targets, num_microbatches)
     grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
-    err = max(float((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-12))
-              for n in grads)
-    return {"stage_ids": pipe.stage_ids, "first": pipe.is_first, "last": pipe.is_last,
-            "losses": [float(x) for x in losses], "ref_losses": ref_losses,
-            "blocks": sorted({n.split(".")[1] for n in grads if n.startswith("layers.")}),
-            "grad_rel_err": err}
+    err = max(float((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-12)) for n in grads)
+    return {
+        "stage_ids": pipe.stage_ids,
+        "first": pipe.is_first,
+        "last": pipe.is_last,
+        "losses": [float(x) for x in losses],
+        "ref_losses": ref_losses,
+        "blocks": sorted({n.split(".")[1] for n in grads if n.startswith("layers.")}),
+        "grad_rel_err": err,
+    }
 
 
 def test_interleaved_1f1b_matches_single_process():

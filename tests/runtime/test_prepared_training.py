@@ -19,10 +19,17 @@ from copus.runtime.data.stream import load_text
 from copus.runtime.data.prepare import prepare
 from tests.runtime.test_trainer import recording_worker
 
-BASE = ["eval.interval_steps=0", "log.progress=false", "log.tensorboard=false",
-        "batch.initial=8", "batch.min=4", "checkpoint.keep=5", "train.lr_schedule=constant",
-        "train.warmup_tokens=2048"]
-LOGIT_ATOL = 1e-4   # fp32; the two models reduce in a different order (measured ~1e-6)
+BASE = [
+    "eval.interval_steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "batch.initial=8",
+    "batch.min=4",
+    "checkpoint.keep=5",
+    "train.lr_schedule=constant",
+    "train.warmup_tokens=2048",
+]
+LOGIT_ATOL = 1e-4  # fp32; the two models reduce in a different order (measured ~1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +37,14 @@ def folder(tmp_path_factory) -> Path:
     """The first 300k characters of the embedded corpus, BPE 300 tokens, 2% held out."""
     root = tmp_path_factory.mktemp("prepared")
     (root / "corpus.txt").write_text(load_text("embedded", 300_000))
-    prepare([str(root / "corpus.txt")], root / "p", tokenizer="bpe:300", val_fraction=0.02,
-            progress=False, log=lambda _: None)
+    prepare(
+        [str(root / "corpus.txt")],
+        root / "p",
+        tokenizer="bpe:300",
+        val_fraction=0.02,
+        progress=False,
+        log=lambda _: None,
+    )
     return root / "p"
 
 
@@ -64,25 +77,31 @@ def _check_export(run_dir: Path, step: int, out: Path, max_shard_bytes: int = 5 
     tokens = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours.eval()(tokens), hf(tokens).logits
-    assert a.abs().max() > 0.1                       # trained weights, not zeros
+    assert a.abs().max() > 0.1  # trained weights, not zeros
     assert torch.allclose(a, b, atol=LOGIT_ATOL, rtol=0), (a - b).abs().max()
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
     assert tok.decode(tok("to be or not")["input_ids"]) == "to be or not"
 
 
 @pytest.mark.slow
-def test_prepared_folder_exactly_once_across_batch_and_dp_changes_and_dp2_export(folder,
-                                                                                    tmp_path):
+def test_prepared_folder_exactly_once_across_batch_and_dp_changes_and_dp2_export(folder, tmp_path):
     """B 8 → 16 (step 2) → 24 mb3 (step 4) at dp2, resume at dp1: the consumed ids are the
     Feistel stream, each once; the dp2 checkpoint exports to a model transformers agrees with."""
     from copus.runtime.data.sampler import FeistelSampler
     from copus.runtime.data.shards import open_split
 
     run = tmp_path / "run"
-    _launch(_cfg(folder, "parallel.nproc=2", "train.max_steps=5", "checkpoint.interval_steps=0"),
-            run, entry=recording_worker)
-    _launch(_cfg(folder, "parallel.nproc=1", "train.max_steps=7", "checkpoint.interval_steps=0"),
-            run, resume=True, entry=recording_worker)
+    _launch(
+        _cfg(folder, "parallel.nproc=2", "train.max_steps=5", "checkpoint.interval_steps=0"),
+        run,
+        entry=recording_worker,
+    )
+    _launch(
+        _cfg(folder, "parallel.nproc=1", "train.max_steps=7", "checkpoint.interval_steps=0"),
+        run,
+        resume=True,
+        entry=recording_worker,
+    )
     by_step: dict[int, dict] = {}
     for f in sorted(run.glob("ids-rank*.jsonl")):
         for line in f.read_text().splitlines():
@@ -107,13 +126,21 @@ def test_prepared_folder_exactly_once_across_batch_and_dp_changes_and_dp2_export
 def test_pp2_checkpoint_exports_to_the_same_logits(folder, tmp_path):
     """pp2 (two stages, each saving its layers) → sharded safetensors → the same logits."""
     run = tmp_path / "run"
-    _launch(_cfg(folder, "parallel.nproc=2", "parallel.pp=2", "parallel.dp=1",
-                 "batch.policy='constant'", "train.max_steps=2", "checkpoint.interval_steps=0"),
-            run)
+    _launch(
+        _cfg(
+            folder,
+            "parallel.nproc=2",
+            "parallel.pp=2",
+            "parallel.dp=1",
+            "batch.policy='constant'",
+            "train.max_steps=2",
+            "checkpoint.interval_steps=0",
+        ),
+        run,
+    )
     state = json.loads((run / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["plan"]["pp"] == 2
-    _check_export(run, 2, tmp_path / "hf-pp2", max_shard_bytes=1_000_000)   # ~8 shards
+    _check_export(run, 2, tmp_path / "hf-pp2", max_shard_bytes=1_000_000)  # ~8 shards
     index = json.loads((tmp_path / "hf-pp2" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 4
-    assert np.isfinite([json.loads(x)["loss"] for x in
-                        (run / "metrics.jsonl").read_text().splitlines()]).all()
+    assert np.isfinite([json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]).all()

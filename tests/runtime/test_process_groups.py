@@ -29,12 +29,13 @@ def _switches(release: bool, n: int = 20) -> list[dict]:
 
     shape = get_model_shape("tiny")
     cache = MeshCache("cpu")
-    plans = [ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
-             ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)]
+    plans = [
+        ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=1),
+        ParallelPlan(dp=1, tp=2, pp=1, micro_batch_size=2, num_microbatches=2),
+    ]
 
     def build(plan, allocate=True, init=True):
-        return Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate,
-                      init=init)
+        return Engine(shape, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate, init=init)
 
     engine = build(plans[0])
     tokens = torch.randint(0, 256, (4, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -44,10 +45,11 @@ def _switches(release: bool, n: int = 20) -> list[dict]:
         engine, _report = rc.switch_engine(engine, plan, build)
         released = cache.release_except(dp=plan.dp, tp=plan.tp, pp=plan.pp) if release else 0
         r = engine.dp_rank
-        local = tokens[2 * r:2 * r + 2] if plan.dp == 2 else tokens
-        engine.train_step(local, 1e-3)        # the new layout's groups work
-        out.append({"fds": len(os.listdir("/proc/self/fd")), "meshes": len(cache),
-                    "released": released, "rss_mb": _rss_mb()})
+        local = tokens[2 * r : 2 * r + 2] if plan.dp == 2 else tokens
+        engine.train_step(local, 1e-3)  # the new layout's groups work
+        out.append(
+            {"fds": len(os.listdir("/proc/self/fd")), "meshes": len(cache), "released": released, "rss_mb": _rss_mb()}
+        )
     engine.close()
     return out
 
@@ -60,6 +62,6 @@ def test_twenty_switches_keep_groups_and_memory_flat():
     fds = [r["fds"] for r in rows]
     assert max(fds[2:]) - min(fds[2:]) <= 2, fds
     rss = [r["rss_mb"] for r in rows]
-    assert rss[-1] - rss[3] < 0.25 * rss[3], rss       # no growth with the switch count
+    assert rss[-1] - rss[3] < 0.25 * rss[3], rss  # no growth with the switch count
     control = run_ranks(_switches, 2, False, 6, timeout=600)[0]
-    assert control[-1]["meshes"] == 2                  # without release: both layouts kept
+    assert control[-1]["meshes"] == 2  # without release: both layouts kept

@@ -8,10 +8,31 @@ import sys
 
 def test_profile_writes_json_and_csv(tmp_path):
     out = tmp_path / "prof"
-    res = subprocess.run([sys.executable, "-m", "copus", "profile", "--nproc", "2",
-                          "--global-batch", "4", "--micro-batch-sizes", "2",
-                          "--layouts", "2x1x1,1x1x2", "--steps", "1", "--warmup", "0",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "copus",
+            "profile",
+            "--nproc",
+            "2",
+            "--global-batch",
+            "4",
+            "--micro-batch-sizes",
+            "2",
+            "--layouts",
+            "2x1x1,1x1x2",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads((out / "profile.json").read_text())
     assert {(r["dp"], r["tp"], r["pp"]) for r in rows} == {(2, 1, 1), (1, 1, 2)}
@@ -26,8 +47,12 @@ def test_profile_writes_json_and_csv(tmp_path):
 
 def test_profile_bad_arguments_exit_2(tmp_path):
     for argv in (["--global-batch", "0"], ["--layouts", "4x4"], ["--nproc", "2", "--layouts", "3x1x1"]):
-        res = subprocess.run([sys.executable, "-m", "copus", "profile", *argv, "--out",
-                              str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-m", "copus", "profile", *argv, "--out", str(tmp_path / "x")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 2, (argv, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
 
@@ -36,11 +61,28 @@ def test_profile_out_inside_a_file_fails_before_profiling(tmp_path):
     """An --out whose parent is a file used to crash with a traceback after all plans ran."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    res = subprocess.run([sys.executable, "-m", "copus", "profile", "--nproc", "2",
-                          "--global-batch", "4", "--micro-batch-sizes", "2", "--layouts", "2x1x1",
-                          "--out", str(blocker / "prof")], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "copus",
+            "profile",
+            "--nproc",
+            "2",
+            "--global-batch",
+            "4",
+            "--micro-batch-sizes",
+            "2",
+            "--layouts",
+            "2x1x1",
+            "--out",
+            str(blocker / "prof"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2, res.stderr
     assert "--out=" in res.stderr and "a file" in res.stderr and "Traceback" not in res.stderr
-    assert "profiling" not in res.stdout          # nothing ran
+    assert "profiling" not in res.stdout  # nothing ran
     assert blocker.read_text() == "not a folder"

@@ -28,19 +28,27 @@ from copus.core.plan.plan import ParallelPlan
 
 from ._workers import run_ranks
 
-SHAPE = ModelShape(name="switch-test", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                   vocab_size=64, seq_len=16)
+SHAPE = ModelShape(
+    name="switch-test", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, seq_len=16
+)
 DP4 = ParallelPlan(dp=4, tp=1, pp=1, micro_batch_size=1, num_microbatches=2)
 DP2TP2 = ParallelPlan(dp=2, tp=2, pp=1, micro_batch_size=2, num_microbatches=2)
 PP2DP2 = ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=2, num_microbatches=2)
 TP2PP2 = ParallelPlan(dp=1, tp=2, pp=2, micro_batch_size=2, num_microbatches=4)
 # (how, plan): the engine-level chain of switches
-CHAIN = (("direct", DP2TP2), ("direct", PP2DP2), ("direct", TP2PP2), ("direct", DP4),
-         ("dcp", DP2TP2), ("fallback", PP2DP2))
+CHAIN = (
+    ("direct", DP2TP2),
+    ("direct", PP2DP2),
+    ("direct", TP2PP2),
+    ("direct", DP4),
+    ("dcp", DP2TP2),
+    ("fallback", PP2DP2),
+)
 LR = 1e-2
 
 
 # ------------------------------------------------------------------------------ rank code
+
 
 def _tokens(step: int, engine) -> "torch.Tensor":  # noqa: F821
     """This dp rank's rows of step `step`'s fixed global batch (8 sequences)."""
@@ -49,7 +57,7 @@ def _tokens(step: int, engine) -> "torch.Tensor":  # noqa: F821
     g = torch.Generator().manual_seed(1000 + step)
     full = torch.randint(0, SHAPE.vocab_size, (8, SHAPE.seq_len + 1), generator=g)
     per = 8 // engine.plan.dp
-    return full[engine.dp_rank * per:(engine.dp_rank + 1) * per]
+    return full[engine.dp_rank * per : (engine.dp_rank + 1) * per]
 
 
 def _steps(engine, steps: range) -> list[float]:
@@ -68,8 +76,7 @@ def _full_state(engine) -> dict:
             v = sd[key]
             if isinstance(v, DTensor):
                 v = v.full_tensor()
-            out[prefix + key] = v.detach().cpu().clone().numpy() if isinstance(v, torch.Tensor) \
-                else v
+            out[prefix + key] = v.detach().cpu().clone().numpy() if isinstance(v, torch.Tensor) else v
     return out
 
 
@@ -92,8 +99,7 @@ def _engine_switches(root: str) -> dict:
     cache = MeshCache("cpu")
 
     def build(plan, allocate=True, init=True):
-        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate,
-                      init=init)
+        return Engine(SHAPE, plan, EngineSettings(), "cpu", cache, seed=0, allocate=allocate, init=init)
 
     engine = build(DP4)
     losses = _steps(engine, range(0, 2))
@@ -104,9 +110,14 @@ def _engine_switches(root: str) -> dict:
         before = _full_state(engine) if how == "direct" else None
         if how == "fallback":
             _unmappable_entry(engine)
-        engine, rep = switch_engine(engine, plan, build, fallback_root=root,
-                                    path="dcp" if how == "dcp" else "auto",
-                                    prefer_shm=how != "fallback")
+        engine, rep = switch_engine(
+            engine,
+            plan,
+            build,
+            fallback_root=root,
+            path="dcp" if how == "dcp" else "auto",
+            prefer_shm=how != "fallback",
+        )
         if how == "direct":
             states.append((before, _full_state(engine)))
         reports.append(rep.to_dict())
@@ -121,8 +132,7 @@ def _engine_switches(root: str) -> dict:
         ref.load_state(state["model"], state["optim"])
         reference += _steps(ref, range(2 + i, 3 + i))
         ref.close()
-    return {"losses": losses, "reference": reference, "states": states, "reports": reports,
-            "meshes": len(cache)}
+    return {"losses": losses, "reference": reference, "states": states, "reports": reports, "meshes": len(cache)}
 
 
 class ScriptedLayouts:
@@ -150,9 +160,13 @@ class ScriptedLayouts:
 
 
 def _scripted(cfg, plan, world, shape):
-    return ScriptedLayouts(plan, {
-        1: ParallelPlan(dp=2, tp=2, pp=1, micro_batch_size=2, num_microbatches=2),
-        2: ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=2, num_microbatches=4)})
+    return ScriptedLayouts(
+        plan,
+        {
+            1: ParallelPlan(dp=2, tp=2, pp=1, micro_batch_size=2, num_microbatches=2),
+            2: ParallelPlan(dp=2, tp=1, pp=2, micro_batch_size=2, num_microbatches=4),
+        },
+    )
 
 
 def _trainer_run(run_dir: str, switch: str) -> dict:
@@ -161,18 +175,28 @@ def _trainer_run(run_dir: str, switch: str) -> dict:
     from copus.config import load_config
     from copus.runtime.train.trainer import Trainer
 
-    cfg = load_config(None, [
-        "data.max_chars=40000", "eval.interval_steps=0", "log.progress=false",
-        "log.tensorboard=false", "batch.initial=8", "batch.min=4", "train.max_steps=3",
-        "checkpoint.interval_steps=0", "train.lr_schedule='constant'",
-        "parallel.micro_batch_size=1", f"controller.switch='{switch}'"])
+    cfg = load_config(
+        None,
+        [
+            "data.max_chars=40000",
+            "eval.interval_steps=0",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "batch.initial=8",
+            "batch.min=4",
+            "train.max_steps=3",
+            "checkpoint.interval_steps=0",
+            "train.lr_schedule='constant'",
+            "parallel.micro_batch_size=1",
+            f"controller.switch='{switch}'",
+        ],
+    )
     seen: list[dict] = []
 
     def on_batch(step, global_ids, local_ids):
         seen.append({"step": step, "global": global_ids.tolist(), "local": local_ids.tolist()})
 
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), on_batch=on_batch,
-                      policy_factory=_scripted)
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), on_batch=on_batch, policy_factory=_scripted)
     try:
         trainer.run()
         costs = list(getattr(trainer.policy, "costs", []))
@@ -180,22 +204,24 @@ def _trainer_run(run_dir: str, switch: str) -> dict:
         sampler = (trainer.sampler.num_samples, trainer.sampler.seed)
     finally:
         trainer.close()
-    return {"seen": seen, "costs": costs, "layout": plan.layout,
-            "batch": plan.global_batch_size, "sampler": sampler}
+    return {"seen": seen, "costs": costs, "layout": plan.layout, "batch": plan.global_batch_size, "sampler": sampler}
 
 
 def _all_checks(root: str) -> dict:
-    return {"engine": _engine_switches(f"{root}/engine"),
-            "in-process": _trainer_run(f"{root}/in-process", "in-process"),
-            "checkpoint": _trainer_run(f"{root}/checkpoint", "checkpoint")}
+    return {
+        "engine": _engine_switches(f"{root}/engine"),
+        "in-process": _trainer_run(f"{root}/in-process", "in-process"),
+        "checkpoint": _trainer_run(f"{root}/checkpoint", "checkpoint"),
+    }
 
 
 # ------------------------------------------------------------------------------ the test
 
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("reconfigure")
-    return root, run_ranks(_all_checks, 4, str(root), timeout=600)   # loaded 2-core hosts
+    return root, run_ranks(_all_checks, 4, str(root), timeout=600)  # loaded 2-core hosts
 
 
 def _union(states: list[dict]) -> dict:
@@ -203,7 +229,7 @@ def _union(states: list[dict]) -> dict:
     for state in states:
         for key, value in state.items():
             if key in out:
-                assert np.array_equal(out[key], value), key     # replicas agree
+                assert np.array_equal(out[key], value), key  # replicas agree
             out[key] = value
     return out
 
@@ -212,15 +238,15 @@ def test_losses_after_switch_equal_a_straight_load(four_ranks):
     _, results = four_ranks
     r = results[0]["engine"]
     assert len(r["losses"]) == 2 + len(CHAIN) and all(np.isfinite(r["losses"]))
-    assert r["losses"][2:] == r["reference"]                   # tolerance: exact
+    assert r["losses"][2:] == r["reference"]  # tolerance: exact
     assert [x["engine"]["losses"] for x in results] == [r["losses"]] * 4
-    assert r["meshes"] == 4                                     # one cached mesh per layout
+    assert r["meshes"] == 4  # one cached mesh per layout
 
 
 def test_direct_switch_moves_weights_and_adam_moments_unchanged(four_ranks):
     _, results = four_ranks
     per_rank = [x["engine"]["states"] for x in results]
-    assert len(per_rank[0]) == 4                                # the four direct switches
+    assert len(per_rank[0]) == 4  # the four direct switches
     for k, _ in enumerate(per_rank[0]):
         before = _union([states[k][0] for states in per_rank])
         after = _union([states[k][1] for states in per_rank])
@@ -240,22 +266,19 @@ def test_switch_reports_are_measured_and_agree_across_ranks(four_ranks):
     assert [x["engine"]["reports"] for x in results] == [reports] * 4
     assert [rep["method"] for rep in reports] == ["direct"] * 4 + ["in-process"] * 2
     for rep in reports:
-        phases = [rep[k] for k in ("stage_s", "teardown_s", "build_s", "load_s", "plan_s",
-                                   "move_s")]
+        phases = [rep[k] for k in ("stage_s", "teardown_s", "build_s", "load_s", "plan_s", "move_s")]
         assert all(0 <= x <= rep["wall_s"] for x in phases) and sum(phases) > 0
         assert rep["rss_peak_mb"] >= rep["rss_before_mb"] > 0
     for rep in reports[:4]:
         assert rep["staged_bytes"] == 0 and rep["moved_bytes"] > 0 and rep["move_s"] > 0
         assert rep["collectives"] <= rep["buckets"] and rep["fallback_reason"] == ""
         # the stated bound: moved state held at once <= max(old, new) + 3 buckets in flight
-        assert rep["state_mb"] < rep["state_peak_mb"] <= rep["state_mb"] + 3 * rep[
-            "cap_bytes"] / 2**20
+        assert rep["state_mb"] < rep["state_peak_mb"] <= rep["state_mb"] + 3 * rep["cap_bytes"] / 2**20
     assert [rep["staging"] for rep in reports[4:]] == ["shm", "disk"]
     assert all(rep["staged_bytes"] > 0 for rep in reports[4:])
-    assert reports[4]["fallback_reason"] == ""                  # forced: path="dcp"
-    assert "row_factor" in reports[5]["fallback_reason"]        # automatic fallback
-    assert reports[0]["old_plan"] == DP4.describe() and reports[2]["new_plan"] == \
-        TP2PP2.describe()
+    assert reports[4]["fallback_reason"] == ""  # forced: path="dcp"
+    assert "row_factor" in reports[5]["fallback_reason"]  # automatic fallback
+    assert reports[0]["old_plan"] == DP4.describe() and reports[2]["new_plan"] == TP2PP2.describe()
 
 
 def _by_step(seen_per_rank: list[list[dict]]) -> dict[int, dict]:
@@ -284,19 +307,18 @@ def test_trainer_switch_consumes_every_sample_once(four_ranks, switch):
         dp = 4 if s == 1 else 2
         assert len(entry["locals"]) == 4 and len({tuple(x) for x in entry["locals"]}) == dp, s
         tiled = sorted(i for local in {tuple(x) for x in entry["locals"]} for i in local)
-        assert tiled == sorted(entry["global"]), s             # dp slices partition the batch
+        assert tiled == sorted(entry["global"]), s  # dp slices partition the batch
     assert [len(by_step[s]["global"]) for s in (1, 2, 3)] == [8, 8, 16]
     consumed = [i for s in range(1, 4) for i in by_step[s]["global"]]
     num_samples, seed = results[0][switch]["sampler"]
-    assert num_samples > len(consumed)                          # one epoch: each id at most once
+    assert num_samples > len(consumed)  # one epoch: each id at most once
     assert consumed == GlobalSampler(num_samples, seed).ids(0, len(consumed)).tolist()
     assert len(set(consumed)) == len(consumed)
     final = results[0][switch]
     assert (final["layout"], final["batch"]) == (PP2DP2.layout, 16)
     costs = results[0][switch]["costs"]
     assert len(costs) == 2 and all(c > 0 for c in costs)
-    decisions = [json.loads(x) for x in
-                 (root / switch / "decisions.jsonl").read_text().splitlines()]
+    decisions = [json.loads(x) for x in (root / switch / "decisions.jsonl").read_text().splitlines()]
     method = "direct" if switch == "in-process" else switch
     assert [d["switch"]["method"] for d in decisions] == [method, method]
     assert [d["switch_s"] for d in decisions] == costs
@@ -306,7 +328,7 @@ def test_in_process_and_checkpoint_switches_give_the_same_losses(four_ranks):
     root, _ = four_ranks
     a, b = _losses(root / "in-process"), _losses(root / "checkpoint")
     assert len(a) == 3 and np.isfinite(a).all()
-    assert a == b                                               # tolerance: exact
+    assert a == b  # tolerance: exact
 
 
 def test_release_tensors_frees_weights_grads_and_adam_state():
@@ -318,7 +340,7 @@ def test_release_tensors_frees_weights_grads_and_adam_state():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 8)).sum().backward()
     opt.step()
-    shared = model[1].bias.detach().numpy()          # numpy-shared storages cannot be shrunk
+    shared = model[1].bias.detach().numpy()  # numpy-shared storages cannot be shrunk
     freed, stuck = release_tensors(model, opt)
     n = sum(p.numel() for p in model.parameters())
     assert stuck == 1 and shared.size == 4
@@ -352,12 +374,11 @@ def test_stage_dir_needs_room_and_falls_back_to_the_shared_folder(tmp_path, monk
     path, kind = rc.make_stage_dir(tmp_path / "shared", cpu, prefer_shm=False)
     assert kind == "disk" and path.parent == tmp_path / "shared"
     with pytest.raises(ValueError, match="no staging folder with"):
-        rc.make_stage_dir(tmp_path / "shared", cpu, local_bytes=1 << 60)   # no disk that big
+        rc.make_stage_dir(tmp_path / "shared", cpu, local_bytes=1 << 60)  # no disk that big
     assert rc.state_bytes({"w": torch.zeros(3, 4), "step": 7}, {"m": torch.zeros(2)}) == 56
 
 
-def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch(tmp_path,
-                                                                                 monkeypatch):
+def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch(tmp_path, monkeypatch):
     import subprocess
     import sys
 
@@ -366,12 +387,13 @@ def test_a_staging_folder_left_by_a_killed_process_is_removed_by_the_next_switch
     from copus.runtime.state import reconfigure as rc
 
     monkeypatch.setattr(rc, "SHM_ROOT", tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    dead_pid = int(dead.stdout)                       # exited: its pid names no live process
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    dead_pid = int(dead.stdout)  # exited: its pid names no live process
     own = rc._stage_prefix()
     stale = tmp_path / f"{rc._host_prefix()}{dead_pid}-abc"
-    live = tmp_path / f"{own}xyz"                     # this process: still in use
+    live = tmp_path / f"{own}xyz"  # this process: still in use
     other_host = tmp_path / f"{rc.STAGE_PREFIX}otherhost-{dead_pid}-abc"
     unrelated = tmp_path / "notes"
     for folder in (stale, live, other_host, unrelated):
@@ -396,12 +418,13 @@ def test_controller_prior_is_the_direct_switch_cost_model_unless_configured():
     assert switch_cost_prior_s(5.0, tiny, 4, None) == 5.0
     h100 = get_hardware("h100-sxm")
     assert switch_cost_prior_s(-1.0, tiny, 8, h100) == direct_switch_cost_s(
-        12.0 * tiny.num_params(), 8 * h100.intra_node_bw)
+        12.0 * tiny.num_params(), 8 * h100.intra_node_bw
+    )
     cfg = load_config(None, ["batch.policy='goodput'"])
     assert cfg.controller.reconfig_cost_s == -1.0
     policy = make_run_policy(cfg, DP4.with_batch(8), 4, tiny)
-    assert policy.reconfig_cost_s == pytest.approx(auto)         # before any measured switch
+    assert policy.reconfig_cost_s == pytest.approx(auto)  # before any measured switch
     policy.record_switch_cost(0.5)
-    assert policy.reconfig_cost_s == 0.5                         # then the measured cost
+    assert policy.reconfig_cost_s == 0.5  # then the measured cost
     with pytest.raises(ValueError, match="reconfig_cost_s"):
         load_config(None, ["controller.reconfig_cost_s=-2"])

@@ -9,10 +9,8 @@ from copus.core.specs.models import ModelShape
 from copus.runtime.engine.model import apply_rope, build_model, materialize, rope_cache
 from tests.runtime._workers import run_ranks
 
-SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                   vocab_size=50, seq_len=16)
-SHAPE_MHA = ModelShape(name="t", n_layers=1, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=64,
-                       vocab_size=50, seq_len=16)
+SHAPE = ModelShape(name="t", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, seq_len=16)
+SHAPE_MHA = ModelShape(name="t", n_layers=1, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=50, seq_len=16)
 
 
 def _rope_dtypes_under_bf16() -> dict:
@@ -38,15 +36,20 @@ def _rope_dtypes_under_bf16() -> dict:
     tokens = torch.randint(0, SHAPE.vocab_size, (2, SHAPE.seq_len))
     model(tokens).float().sum().backward()
     in_model = list(seen)
-    param_dtype = model.layers["0"].attention.wq.weight.dtype   # after forward: resharded fp32
+    param_dtype = model.layers["0"].attention.wq.weight.dtype  # after forward: resharded fp32
     seen.clear()
     h = torch.randn(2, SHAPE.seq_len, SHAPE.dim)
-    model.layers["0"](h, model.rope)          # the table as a forward input: FSDP casts it
+    model.layers["0"](h, model.rope)  # the table as a forward input: FSDP casts it
     as_input = list(seen)
     shared = all(b.attention.rope is model.rope for b in model.layers.values())
     model_mod.apply_rope = inner
-    return {"in_model": [str(d) for d in in_model], "as_input": [str(d) for d in as_input],
-            "buffer": str(model.rope.dtype), "shared": shared, "param_dtype": str(param_dtype)}
+    return {
+        "in_model": [str(d) for d in in_model],
+        "as_input": [str(d) for d in as_input],
+        "buffer": str(model.rope.dtype),
+        "shared": shared,
+        "param_dtype": str(param_dtype),
+    }
 
 
 def test_rope_table_stays_fp32_in_every_block_under_fsdp2_bf16():
@@ -55,7 +58,7 @@ def test_rope_table_stays_fp32_in_every_block_under_fsdp2_bf16():
     forward input gets bf16 (what the model did before), so the check can fail."""
     (res,) = run_ranks(_rope_dtypes_under_bf16, 1, timeout=300)
     assert res["buffer"] == "torch.float32" and res["shared"]
-    assert len(res["in_model"]) == 2 * SHAPE.n_layers          # q and k of each block
+    assert len(res["in_model"]) == 2 * SHAPE.n_layers  # q and k of each block
     assert set(res["in_model"]) == {"torch.float32"}
     assert set(res["as_input"]) == {"torch.bfloat16"}
 
@@ -76,8 +79,7 @@ def _repeat_kv_attention(attn, x, rope):
     q, k = apply_rope(q, rope), apply_rope(k, rope)
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
     return attn.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -21,18 +21,23 @@ def test_new_empty_and_same_elastic_run_folders_are_accepted(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     write_state(mine, "running", run_id="job-7")
-    check_run_dir(mine, resume=False, run_id="job-7")        # torchrun restarted the command
+    check_run_dir(mine, resume=False, run_id="job-7")  # torchrun restarted the command
     with pytest.raises(ValueError, match="holds a running or crashed run"):
         check_run_dir(mine, resume=False, run_id="job-8")
 
 
-@pytest.mark.parametrize("content,needle", [
-    ({"run.json": '{"state": "finished", "step": 400}', "metrics.jsonl": "{}\n"},
-     "holds a finished run (step 400); allowed: --resume to continue it, or a new or empty"),
-    ({"run.json": '{"state": "stopped", "step": 51}'}, "holds a stopped run (step 51)"),
-    ({"metrics.jsonl": '{"step": 1}\n'}, "holds a copus run; allowed: --resume"),
-    ({"notes.txt": "mine"}, "is not empty and holds no copus run"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (
+            {"run.json": '{"state": "finished", "step": 400}', "metrics.jsonl": "{}\n"},
+            "holds a finished run (step 400); allowed: --resume to continue it, or a new or empty",
+        ),
+        ({"run.json": '{"state": "stopped", "step": 51}'}, "holds a stopped run (step 51)"),
+        ({"metrics.jsonl": '{"step": 1}\n'}, "holds a copus run; allowed: --resume"),
+        ({"notes.txt": "mine"}, "is not empty and holds no copus run"),
+    ],
+)
 def test_a_used_or_foreign_folder_is_refused_without_resume(tmp_path, content, needle):
     for name, text in content.items():
         (tmp_path / name).write_text(text)
@@ -55,8 +60,7 @@ def test_resume_needs_checkpoints_and_a_file_is_never_a_run_folder(tmp_path):
 def test_state_file_is_replaced_atomically_and_keeps_other_keys(tmp_path):
     write_state(tmp_path, "running", run_id=None)
     write_state(tmp_path, "stopped", step=5, checkpoint="step-5")
-    assert read_state(tmp_path) == {"state": "stopped", "step": 5, "checkpoint": "step-5",
-                                    "run_id": None}
+    assert read_state(tmp_path) == {"state": "stopped", "step": 5, "checkpoint": "step-5", "run_id": None}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
     (tmp_path / "run.json").write_text("{cut")
     assert read_state(tmp_path) == {}
@@ -64,8 +68,9 @@ def test_state_file_is_replaced_atomically_and_keeps_other_keys(tmp_path):
 
 def _train(*argv: str, cwd: Path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    return subprocess.run([sys.executable, "-m", "copus", "train", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "copus", "train", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_cli_refuses_with_one_line_and_touches_nothing(tmp_path):

@@ -22,7 +22,7 @@ def test_first_signal_is_only_a_request_and_handlers_are_restored():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert req.signum == signal.SIGTERM and req.agreed() == signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)      # the same signal again at once: a duplicate
+        os.kill(os.getpid(), signal.SIGTERM)  # the same signal again at once: a duplicate
         time.sleep(0.05)
         assert req.signum == signal.SIGTERM
     finally:
@@ -44,22 +44,27 @@ def test_a_second_signal_exits_at_once_with_the_first_signals_code():
         print("not aborted")
     """)
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": src}, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PYTHONPATH": src}, timeout=60
+    )
     assert out.returncode == 130 and "not aborted" not in out.stdout
     assert out.stderr.strip().splitlines() == [
-        "copus: SIGINT: stopping after the current step and saving a checkpoint (send it again "
-        "to abort at once)",
-        "copus: second signal (SIGINT): aborting now; the last complete checkpoint is kept"]
+        "copus: SIGINT: stopping after the current step and saving a checkpoint (send it again to abort at once)",
+        "copus: second signal (SIGINT): aborting now; the last complete checkpoint is kept",
+    ]
 
 
 def test_the_stop_line_names_the_step_checkpoint_and_resume_command():
-    line = stop.stop_line({"signal": "SIGTERM", "step": 51, "tokens": 52224,
-                           "checkpoint": "runs/a/checkpoints/step-51"}, "runs/a")
-    assert line == ("stopped by SIGTERM at step 51 (52,224 tokens); checkpoint "
-                    "runs/a/checkpoints/step-51; resume: copus train --run-dir runs/a --resume")
-    failed = stop.stop_line({"signal": "SIGINT", "step": 3, "tokens": 10, "checkpoint": None,
-                             "error": "disk full"}, "r")
+    line = stop.stop_line(
+        {"signal": "SIGTERM", "step": 51, "tokens": 52224, "checkpoint": "runs/a/checkpoints/step-51"}, "runs/a"
+    )
+    assert line == (
+        "stopped by SIGTERM at step 51 (52,224 tokens); checkpoint "
+        "runs/a/checkpoints/step-51; resume: copus train --run-dir runs/a --resume"
+    )
+    failed = stop.stop_line(
+        {"signal": "SIGINT", "step": 3, "tokens": 10, "checkpoint": None, "error": "disk full"}, "r"
+    )
     assert "checkpoint NOT saved (disk full)" in failed
 
 
@@ -79,8 +84,8 @@ def test_the_launchers_request_file_reaches_a_watching_worker(tmp_path):
     with stop.SignalForwarder(tmp_path) as fwd:
         fwd._request(signal.SIGTERM)
         assert req.pending() == signal.SIGTERM
-    assert not (tmp_path / stop.STOP_FILE).exists()      # removed when the launch ends
-    (tmp_path / stop.STOP_FILE).write_text("2\n")          # stale, from a killed launcher
+    assert not (tmp_path / stop.STOP_FILE).exists()  # removed when the launch ends
+    (tmp_path / stop.STOP_FILE).write_text("2\n")  # stale, from a killed launcher
     with stop.SignalForwarder(tmp_path):
         assert not (tmp_path / stop.STOP_FILE).exists()
 
@@ -93,10 +98,10 @@ def test_the_forwarder_requests_once_then_aborts_and_profile_workers_abort_at_on
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert (tmp_path / stop.STOP_FILE).read_text() == f"{int(signal.SIGTERM)}\n"
-        os.kill(os.getpid(), signal.SIGTERM)             # a duplicate delivery: ignored
+        os.kill(os.getpid(), signal.SIGTERM)  # a duplicate delivery: ignored
         time.sleep(0.05)
         with pytest.raises(SignalException):
-            os.kill(os.getpid(), signal.SIGINT)          # a second signal: abort
+            os.kill(os.getpid(), signal.SIGINT)  # a second signal: abort
             time.sleep(1)
         assert (fwd.signum, fwd.second) == (signal.SIGTERM, signal.SIGINT)
     with stop.SignalForwarder(tmp_path, graceful=False) as fwd:

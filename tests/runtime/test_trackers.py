@@ -58,8 +58,10 @@ def fake_wandb(rec: list) -> types.ModuleType:
 def fake_mlflow(rec: list) -> types.ModuleType:
     mod = types.ModuleType("mlflow")
     for name in ("set_tracking_uri", "set_experiment", "log_params", "log_metric", "end_run"):
+
         def fn(*args, _name=name, **kwargs):
             rec.append((_name, args, kwargs))
+
         setattr(mod, name, fn)
 
     def start_run(**kwargs):
@@ -96,8 +98,14 @@ def test_wandb_and_mlflow_runs_carry_config_names_and_scalars(tmp_path, monkeypa
     wrec, mrec = [], []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wrec))
     monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mrec))
-    cfg = _cfg("log.wandb=true", "log.wandb_project='ablations'", "log.wandb_tags=['gns', 'cpu']",
-               "log.wandb_mode='offline'", "log.mlflow='file:/tmp/mlruns'", "log.mlflow_experiment='abs'")
+    cfg = _cfg(
+        "log.wandb=true",
+        "log.wandb_project='ablations'",
+        "log.wandb_tags=['gns', 'cpu']",
+        "log.wandb_mode='offline'",
+        "log.mlflow='file:/tmp/mlruns'",
+        "log.mlflow_experiment='abs'",
+    )
     sinks = trackers.open_trackers(cfg.log, tmp_path / "run-7", config_to_dict(cfg))
     w = RunWriter(tmp_path / "run-7", tensorboard=False, trackers=sinks)
     from tests.runtime.test_metrics import plan, record
@@ -125,27 +133,30 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wrec))
     monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mrec))
     cfg = _cfg("log.wandb=true", "log.mlflow='sqlite:///x.db'")
-    for _attempt in (1, 2):                                 # the first run, then its resume
+    for _attempt in (1, 2):  # the first run, then its resume
         for s in trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)):
             s.close()
     inits = [kw for n, kw, _ in wrec if n == "init"]
     assert "id" not in inits[0] and (inits[1]["id"], inits[1]["resume"]) == ("wb-123", "allow")
     starts = [kw for n, _, kw in mrec if n == "start_run"]
     assert starts == [{"run_name": tmp_path.name}, {"run_id": "ml-456"}]
-    assert [n for n, _, _ in mrec].count("log_params") == 1     # params are set once per run
+    assert [n for n, _, _ in mrec].count("log_params") == 1  # params are set once per run
 
 
 def test_no_tracker_is_imported_unless_enabled(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)    # importing it would raise
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it would raise
     monkeypatch.setitem(sys.modules, "mlflow", None)
     assert trackers.open_trackers(_cfg().log, tmp_path, {}) == []
     trackers.check_available(_cfg().log)
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("log.wandb=true", "log.wandb=true: the wandb package is not installed; allowed: pip install 'copus[wandb]'"),
-    ("log.mlflow='file:./mlruns'", "log.mlflow='file:./mlruns': the mlflow package is not installed"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("log.wandb=true", "log.wandb=true: the wandb package is not installed; allowed: pip install 'copus[wandb]'"),
+        ("log.mlflow='file:./mlruns'", "log.mlflow='file:./mlruns': the mlflow package is not installed"),
+    ],
+)
 def test_missing_package_is_one_line_before_anything_starts(tmp_path, monkeypatch, override, needle):
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="not installed") as err:
@@ -153,11 +164,16 @@ def test_missing_package_is_one_line_before_anything_starts(tmp_path, monkeypatc
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) for m in ("wandb",)),
-                    reason="wandb installed: the CLI would start")
+@pytest.mark.skipif(
+    any(__import__("importlib").util.find_spec(m) for m in ("wandb",)), reason="wandb installed: the CLI would start"
+)
 def test_cli_refuses_wandb_without_the_package(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "copus", "train", "--run-dir", str(tmp_path / "r"),
-                          "--set", "log.wandb=true"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "copus", "train", "--run-dir", str(tmp_path / "r"), "--set", "log.wandb=true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "the wandb package is not installed" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 
@@ -175,8 +191,7 @@ def test_real_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = _cfg("log.wandb=true", "log.wandb_tags=['t']")
-    w = RunWriter(tmp_path, tensorboard=False,
-                  trackers=trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)))
+    w = RunWriter(tmp_path, tensorboard=False, trackers=trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)))
     from tests.runtime.test_metrics import plan, record
 
     for s in (1, 2, 3):
@@ -184,18 +199,20 @@ def test_real_wandb_offline(tmp_path, monkeypatch):
     w.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     first = trackers.saved_id(tmp_path, "wandb")
-    w = RunWriter(tmp_path, tensorboard=False,
-                  trackers=trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)))
+    w = RunWriter(tmp_path, tensorboard=False, trackers=trackers.open_trackers(cfg.log, tmp_path, config_to_dict(cfg)))
     w.close()
-    assert first and trackers.saved_id(tmp_path, "wandb") == first     # resumed: the same run id
+    assert first and trackers.saved_id(tmp_path, "wandb") == first  # resumed: the same run id
 
 
 def test_real_mlflow_local_store(tmp_path):
     mlflow = pytest.importorskip("mlflow")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"      # MLflow 3's local store (file: is deprecated)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # MLflow 3's local store (file: is deprecated)
     cfg = _cfg(f"log.mlflow='{uri}'", "log.mlflow_experiment='copus-test'")
-    w = RunWriter(tmp_path / "run", tensorboard=False,
-                  trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)))
+    w = RunWriter(
+        tmp_path / "run",
+        tensorboard=False,
+        trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)),
+    )
     from tests.runtime.test_metrics import plan, record
 
     for s in (1, 2, 3):
@@ -207,8 +224,11 @@ def test_real_mlflow_local_store(tmp_path):
     assert [(m.step, round(m.value, 6)) for m in history] == [(1, 2.9), (2, 2.8), (3, 2.7)]
     assert run.data.params["batch.policy"] == "gns" and run.info.run_name == "run"
     # a resumed copus run logs into the same MLflow run
-    w = RunWriter(tmp_path / "run", tensorboard=False,
-                  trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)))
+    w = RunWriter(
+        tmp_path / "run",
+        tensorboard=False,
+        trackers=trackers.open_trackers(cfg.log, tmp_path / "run", config_to_dict(cfg)),
+    )
     w.log_step(record(4, plan(), 32), wall_s=2.0)
     w.close()
     history = client.get_metric_history(run.info.run_id, "train/loss")

@@ -27,21 +27,42 @@ def test_no_arguments_gives_the_default_small_run():
 def test_flags_and_set_override_and_win(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text("[parallel]\nnproc = 4\n[batch]\npolicy = 'gns'\n")
-    cfg = resolve_config(_args("--config", str(conf), "--set", "batch.initial=16",
-                               "--max-steps", "7", "--policy", "norm-test", "--seed", "3"))
-    assert cfg.parallel.nproc == 4                  # named in the file: no command default
-    assert cfg.batch.policy == "norm-test"          # flag wins over the file
+    cfg = resolve_config(
+        _args(
+            "--config",
+            str(conf),
+            "--set",
+            "batch.initial=16",
+            "--max-steps",
+            "7",
+            "--policy",
+            "norm-test",
+            "--seed",
+            "3",
+        )
+    )
+    assert cfg.parallel.nproc == 4  # named in the file: no command default
+    assert cfg.batch.policy == "norm-test"  # flag wins over the file
     assert cfg.batch.initial == 16 and cfg.train.seed == 3
-    assert cfg.train.max_steps == 7 and cfg.train.max_tokens == 0   # steps named: no token cap
+    assert cfg.train.max_steps == 7 and cfg.train.max_tokens == 0  # steps named: no token cap
 
 
 def test_model_config_json_and_seq_len_flags(tmp_path, monkeypatch):
-    (tmp_path / "tiny.json").write_text(json.dumps(
-        {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}))
+    (tmp_path / "tiny.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 256,
+            }
+        )
+    )
     monkeypatch.chdir(tmp_path)
     cfg = resolve_config(_args("--model", "tiny.json", "--seq-len", "64"))
-    assert cfg.model.name == str(tmp_path / "tiny.json")   # absolute: workers find the same file
+    assert cfg.model.name == str(tmp_path / "tiny.json")  # absolute: workers find the same file
     assert cfg.model.seq_len == 64
 
 
@@ -75,49 +96,57 @@ def test_resume_auto_decides_from_the_folder(tmp_path):
     from copus.commands.train import has_complete_checkpoint, holds_failed_attempt, set_aside
 
     run = tmp_path / "run"
-    assert not has_complete_checkpoint(run) and not holds_failed_attempt(run)   # new folder
-    (run / "checkpoints" / "step-4").mkdir(parents=True)        # a partial save only
+    assert not has_complete_checkpoint(run) and not holds_failed_attempt(run)  # new folder
+    (run / "checkpoints" / "step-4").mkdir(parents=True)  # a partial save only
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert not has_complete_checkpoint(run) and holds_failed_attempt(run)
     target = set_aside(run)
     assert sorted(p.name for p in run.iterdir()) == ["previous-attempts"]
     assert (target / "metrics.jsonl").is_file() and target.name == "1"
-    assert holds_failed_attempt(run)          # a second requeue before any save: attempt 2
+    assert holds_failed_attempt(run)  # a second requeue before any save: attempt 2
     (run / "run.json").write_text("{}")
     assert set_aside(run).name == "2"
 
 
 def test_resume_bad_value_is_one_line():
-    out = subprocess.run([sys.executable, "-m", "copus", "train", "--run-dir", "x", "--resume", "always"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "copus", "train", "--run-dir", "x", "--resume", "always"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--resume 'always': allowed: --resume, or --resume auto" in out.stderr
 
 
 def _copus_train(*argv: str, cwd: Path, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "copus", "train", *argv], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "copus", "train", *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--set", "batch.initial=0"], "batch.initial=0"),
-    (["--set", "train.lr=-1"], "train.lr=-1"),
-    (["--set", "nosuch.key=1"], "nosuch"),
-    (["--set", "parallel.tp=4", "--nproc", "4"], "tp=4 must divide n_heads=6"),
-    (["--nproc", "2", "--set", "batch.initial=9", "--set", "batch.min=1"], "batch.initial=9"),
-    (["--policy", "fastest"], "batch.policy='fastest'"),
-    (["--config", "missing.toml"], "missing.toml"),
-    (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp4@8"],
-     "layout dp4.tp1.pp1: dp*tp*pp=4*1*1=4 must equal the world size 2"),
-    (["--nproc", "2", "--set", "parallel.layouts=dp2@8"], "batch-only policy"),
-    (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp2@16"],
-     "no layout for batch.initial=8"),
-    (["--policy", "ramp", "--set", "parallel.layouts=dp2"], "entry 'dp2' is invalid"),
-    (["--model", "absent.json"], "absent.json' cannot be read"),
-    (["--seq-len", "-4"], "model.seq_len=-4"),
-    (["--set", "train.dtype=fp16"], "train.dtype='fp16'"),
-    (["--set", "parallel.activation_checkpointing=partial"],
-     "parallel.activation_checkpointing='partial'"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--set", "batch.initial=0"], "batch.initial=0"),
+        (["--set", "train.lr=-1"], "train.lr=-1"),
+        (["--set", "nosuch.key=1"], "nosuch"),
+        (["--set", "parallel.tp=4", "--nproc", "4"], "tp=4 must divide n_heads=6"),
+        (["--nproc", "2", "--set", "batch.initial=9", "--set", "batch.min=1"], "batch.initial=9"),
+        (["--policy", "fastest"], "batch.policy='fastest'"),
+        (["--config", "missing.toml"], "missing.toml"),
+        (
+            ["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp4@8"],
+            "layout dp4.tp1.pp1: dp*tp*pp=4*1*1=4 must equal the world size 2",
+        ),
+        (["--nproc", "2", "--set", "parallel.layouts=dp2@8"], "batch-only policy"),
+        (["--nproc", "2", "--policy", "ramp", "--set", "parallel.layouts=dp2@16"], "no layout for batch.initial=8"),
+        (["--policy", "ramp", "--set", "parallel.layouts=dp2"], "entry 'dp2' is invalid"),
+        (["--model", "absent.json"], "absent.json' cannot be read"),
+        (["--seq-len", "-4"], "model.seq_len=-4"),
+        (["--set", "train.dtype=fp16"], "train.dtype='fp16'"),
+        (["--set", "parallel.activation_checkpointing=partial"], "parallel.activation_checkpointing='partial'"),
+    ],
+)
 def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, needle):
     run_dir = tmp_path / "run"
     out = _copus_train(*argv, "--run-dir", str(run_dir), cwd=tmp_path)
@@ -125,11 +154,11 @@ def test_bad_config_exits_2_with_one_line_and_spawns_nothing(tmp_path, argv, nee
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("copus train: error:"), out.stderr
     assert needle in lines[0] and "Traceback" not in out.stderr
-    assert not run_dir.exists()                     # nothing was started
+    assert not run_dir.exists()  # nothing was started
 
 
 def test_compile_without_inductor_exits_2_and_spawns_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("CXX", "/nonexistent/g++")   # inductor's CPU backend finds no compiler
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # inductor's CPU backend finds no compiler
     run_dir = tmp_path / "run"
     out = _copus_train("--set", "train.compile=true", "--run-dir", str(run_dir), cwd=tmp_path)
     assert out.returncode == 2, out.stderr
@@ -144,23 +173,51 @@ def test_layout_map_switches_layout_in_process_when_the_ramp_crosses_it(tmp_path
     """`parallel.layouts` with the ramp: pp2 for B < 16, dp2 from 16; the ramp doubles the batch
     after 32 samples, and the trainer switches layout in the same processes (no restart)."""
     run_dir = tmp_path / "run"
-    out = _copus_train("--nproc", "2", "--max-steps", "8", "--run-dir", str(run_dir),
-                       "--policy", "ramp", "--set", "parallel.layouts=pp2@8,dp2@16",
-                       "--set", "batch.ramp_to=16", "--set", "batch.ramp_kind=stepwise",
-                       "--set", "batch.ramp_steps=1", "--set", "batch.ramp_samples=32",
-                       "--set", "batch.warmup_steps=0", "--set", "batch.interval_steps=1",
-                       "--set", "data.max_chars=200000", "--set", "eval.interval_steps=0",
-                       "--set", "checkpoint.interval_steps=0", "--set", "log.progress=false",
-                       "--set", "log.tensorboard=false", cwd=tmp_path, timeout=300)
+    out = _copus_train(
+        "--nproc",
+        "2",
+        "--max-steps",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--policy",
+        "ramp",
+        "--set",
+        "parallel.layouts=pp2@8,dp2@16",
+        "--set",
+        "batch.ramp_to=16",
+        "--set",
+        "batch.ramp_kind=stepwise",
+        "--set",
+        "batch.ramp_steps=1",
+        "--set",
+        "batch.ramp_samples=32",
+        "--set",
+        "batch.warmup_steps=0",
+        "--set",
+        "batch.interval_steps=1",
+        "--set",
+        "data.max_chars=200000",
+        "--set",
+        "eval.interval_steps=0",
+        "--set",
+        "checkpoint.interval_steps=0",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.tensorboard=false",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))          # one lineage: no restart
+    assert [r["step"] for r in rows] == list(range(1, 9))  # one lineage: no restart
     layouts = [(r["dp"], r["tp"], r["pp"], r["global_batch_size"]) for r in rows]
     switch_at = next(i for i, r in enumerate(rows) if r["dp"] == 2)
     assert layouts[:switch_at] == [(1, 1, 2, 8)] * switch_at and switch_at >= 4
     assert layouts[switch_at:] == [(2, 1, 1, 16)] * (8 - switch_at)
     samples = 0
-    for r in rows:                                                  # every sample once
+    for r in rows:  # every sample once
         samples += r["global_batch_size"]
         assert r["samples"] == samples
     decisions = [json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()]
@@ -178,12 +235,28 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     checkpoint starts fresh (the attempt set aside); once a checkpoint exists it resumes."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "run.json").write_text('{"state": "running"}')        # died before any save
+    (run_dir / "run.json").write_text('{"state": "running"}')  # died before any save
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
-    common = ["--nproc", "1", "--run-dir", str(run_dir), "--resume", "auto", "--policy", "constant",
-              "--set", "data.max_chars=100000", "--set", "eval.interval_steps=0",
-              "--set", "checkpoint.interval_steps=2", "--set", "log.progress=false",
-              "--set", "log.tensorboard=false"]
+    common = [
+        "--nproc",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "auto",
+        "--policy",
+        "constant",
+        "--set",
+        "data.max_chars=100000",
+        "--set",
+        "eval.interval_steps=0",
+        "--set",
+        "checkpoint.interval_steps=2",
+        "--set",
+        "log.progress=false",
+        "--set",
+        "log.tensorboard=false",
+    ]
     out = _copus_train(*common, "--max-steps", "2", cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "starting fresh" in out.stderr
@@ -191,15 +264,25 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     out = _copus_train(*common, "--max-steps", "3", cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]                                        # resumed at step 2, not restarted
+    assert steps == [1, 2, 3]  # resumed at step 2, not restarted
 
 
 def test_init_from_sets_model_and_tokenizer_unless_named(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-         "intermediate_size": 96, "vocab_size": 256, "head_dim": 24}))
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "intermediate_size": 96,
+                "vocab_size": 256,
+                "head_dim": 24,
+            }
+        )
+    )
     from copus.runtime.state.export import byte_tokenizer_json
 
     (hf / "tokenizer.json").write_text(byte_tokenizer_json())
@@ -220,7 +303,7 @@ def test_tokenizer_from_a_hugging_face_folder(tmp_path):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(byte_tokenizer_json())
-    tok.add_special_tokens(["<|im_end|>"])   # not one of EOS_NAMES: only tokenizer_config names it
+    tok.add_special_tokens(["<|im_end|>"])  # not one of EOS_NAMES: only tokenizer_config names it
     (tmp_path / "tokenizer.json").write_text(tok.to_str())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     spec = parse_spec(str(tmp_path))

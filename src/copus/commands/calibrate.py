@@ -23,27 +23,36 @@ from pathlib import Path
 from copus.atomic import atomic_write_text
 
 DEFAULT_MULTIPLIERS = "0.5,1,2,4,8"
-DEFAULT_BASE_STEPS = 64     # default --tokens: 64 steps at the checkpoint's batch
+DEFAULT_BASE_STEPS = 64  # default --tokens: 64 steps at the checkpoint's batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run folder with config.toml and checkpoints/")
     p.add_argument("--steps", help="checkpoint steps, comma-separated (default: first, middle, last)")
-    p.add_argument("--multipliers", default=DEFAULT_MULTIPLIERS,
-                   help=f"batch multipliers k, comma-separated (default {DEFAULT_MULTIPLIERS})")
-    p.add_argument("--tokens", type=int, default=None,
-                   help=f"tokens per branch T (default {DEFAULT_BASE_STEPS} steps at the checkpoint's "
-                        "batch; rounded up so every branch takes whole steps)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="repeats of every branch on disjoint samples (noise floor ε; default 2)")
-    p.add_argument("--epsilon", type=float, default=None,
-                   help="fixed ε instead of the measured noise floor")
-    p.add_argument("--marks", type=int, default=4,
-                   help="evaluations per branch (the EMA-smoothed loss curve; default 4)")
+    p.add_argument(
+        "--multipliers",
+        default=DEFAULT_MULTIPLIERS,
+        help=f"batch multipliers k, comma-separated (default {DEFAULT_MULTIPLIERS})",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help=f"tokens per branch T (default {DEFAULT_BASE_STEPS} steps at the checkpoint's "
+        "batch; rounded up so every branch takes whole steps)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="repeats of every branch on disjoint samples (noise floor ε; default 2)"
+    )
+    p.add_argument("--epsilon", type=float, default=None, help="fixed ε instead of the measured noise floor")
+    p.add_argument(
+        "--marks", type=int, default=4, help="evaluations per branch (the EMA-smoothed loss curve; default 4)"
+    )
     p.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/calibration)")
 
 
 # ------------------------------------------------------------------------------------ checks
+
 
 def parse_multipliers(text: str) -> list[float]:
     try:
@@ -52,8 +61,9 @@ def parse_multipliers(text: str) -> list[float]:
         raise ValueError(f"--multipliers={text!r}: allowed: comma-separated numbers > 0") from None
     bad = [k for k in ks if not (math.isfinite(k) and k > 0)]
     if not ks or bad:
-        raise ValueError(f"--multipliers={text!r}: {bad[0] if bad else 'empty'} is not allowed; "
-                         "allowed: comma-separated numbers > 0")
+        raise ValueError(
+            f"--multipliers={text!r}: {bad[0] if bad else 'empty'} is not allowed; allowed: comma-separated numbers > 0"
+        )
     if len(set(ks)) != len(ks):
         raise ValueError(f"--multipliers={text!r}: allowed: distinct values")
     return sorted(ks)
@@ -65,8 +75,10 @@ def _valid_checkpoints(run_dir: Path) -> dict[int, Path]:
     root = run_dir / "checkpoints"
     found = {step: path for step, path in ckpt.step_dirs(root) if ckpt.verify(path) is None}
     if not found:
-        raise ValueError(f"{run_dir}: no valid checkpoint in {root}; allowed: a run folder "
-                         "written by copus train with checkpoints (checkpoint.interval_steps)")
+        raise ValueError(
+            f"{run_dir}: no valid checkpoint in {root}; allowed: a run folder "
+            "written by copus train with checkpoints (checkpoint.interval_steps)"
+        )
     return found
 
 
@@ -79,12 +91,15 @@ def choose_checkpoints(found: dict[int, Path], steps: str | None) -> list[Path]:
     try:
         wanted = [int(x) for x in steps.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--steps={steps!r}: allowed: comma-separated checkpoint steps "
-                         f"({', '.join(map(str, avail))})") from None
+        raise ValueError(
+            f"--steps={steps!r}: allowed: comma-separated checkpoint steps ({', '.join(map(str, avail))})"
+        ) from None
     missing = [s for s in wanted if s not in found]
     if not wanted or missing:
-        raise ValueError(f"--steps={steps!r}: no checkpoint step {missing[0] if missing else ''}; "
-                         f"allowed: {', '.join(map(str, avail))}")
+        raise ValueError(
+            f"--steps={steps!r}: no checkpoint step {missing[0] if missing else ''}; "
+            f"allowed: {', '.join(map(str, avail))}"
+        )
     return [found[s] for s in sorted(set(wanted))]
 
 
@@ -97,8 +112,10 @@ def check_checkpoint(path: Path, cfg, multipliers: list[float], tokens: int | No
 
     state = json.loads((path / TRAINER_STATE).read_text())
     if state.get("model") != cfg.model.name:
-        raise ValueError(f"{path}: a checkpoint of model {state.get('model')!r}; allowed: the "
-                         f"run's model {cfg.model.name!r} (config.toml)")
+        raise ValueError(
+            f"{path}: a checkpoint of model {state.get('model')!r}; allowed: the "
+            f"run's model {cfg.model.name!r} (config.toml)"
+        )
     world = int(state.get("world_size") or cfg.parallel.nproc)
     plan = plan_from_dict(state["plan"])
     shape = get_model_shape(cfg.model.name)
@@ -106,8 +123,7 @@ def check_checkpoint(path: Path, cfg, multipliers: list[float], tokens: int | No
         try:
             branch_plan(plan, k * plan.global_batch_size, world, shape)
         except ValueError as exc:
-            raise ValueError(f"--multipliers: k={k:g} at {path.name} (B={plan.global_batch_size}): "
-                             f"{exc}") from None
+            raise ValueError(f"--multipliers: k={k:g} at {path.name} (B={plan.global_batch_size}): {exc}") from None
     return world
 
 
@@ -118,8 +134,7 @@ def prepare(args: argparse.Namespace) -> tuple[object, list[Path], dict, Path]:
     if args.tokens is not None and args.tokens <= 0:
         raise ValueError(f"--tokens={args.tokens}: allowed: an integer > 0")
     if args.repeats < 1 or (args.repeats < 2 and args.epsilon is None):
-        raise ValueError(f"--repeats={args.repeats}: allowed: >= 2 (the noise floor ε), or >= 1 "
-                         "with --epsilon")
+        raise ValueError(f"--repeats={args.repeats}: allowed: >= 2 (the noise floor ε), or >= 1 with --epsilon")
     if args.epsilon is not None and not (math.isfinite(args.epsilon) and args.epsilon >= 0):
         raise ValueError(f"--epsilon={args.epsilon}: allowed: a number >= 0")
     if args.marks < 1:
@@ -132,23 +147,32 @@ def prepare(args: argparse.Namespace) -> tuple[object, list[Path], dict, Path]:
     paths = choose_checkpoints(_valid_checkpoints(run_dir), args.steps)
     worlds = {check_checkpoint(p, cfg, multipliers, args.tokens) for p in paths}
     if len(worlds) != 1:
-        raise ValueError(f"checkpoints {', '.join(p.name for p in paths)} were written at world "
-                         f"sizes {sorted(worlds)}; allowed: one world size per call (--steps)")
+        raise ValueError(
+            f"checkpoints {', '.join(p.name for p in paths)} were written at world "
+            f"sizes {sorted(worlds)}; allowed: one world size per call (--steps)"
+        )
     world = worlds.pop()
-    cfg = load_config(str(run_dir / "config.toml"),
-                      [f"parallel.nproc={world}", "log.progress=false", "log.tensorboard=false"])
+    cfg = load_config(
+        str(run_dir / "config.toml"), [f"parallel.nproc={world}", "log.progress=false", "log.tensorboard=false"]
+    )
     from copus.core.specs.resolve import get_model_shape
 
     seq = get_model_shape(cfg.model.name).seq_len
     tokens = args.tokens if args.tokens is not None else DEFAULT_BASE_STEPS * cfg.batch.initial * seq
-    request = {"checkpoints": [str(p) for p in paths], "multipliers": multipliers,
-               "tokens": int(tokens), "repeats": int(args.repeats), "epsilon": args.epsilon,
-               "num_marks": int(args.marks)}
+    request = {
+        "checkpoints": [str(p) for p in paths],
+        "multipliers": multipliers,
+        "tokens": int(tokens),
+        "repeats": int(args.repeats),
+        "epsilon": args.epsilon,
+        "num_marks": int(args.marks),
+    }
     out = Path(args.out) if args.out else run_dir / "calibration"
     return cfg, paths, request, out
 
 
 # ------------------------------------------------------------------------------------ output
+
 
 def _f(x, spec: str = ".3g") -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
@@ -156,23 +180,33 @@ def _f(x, spec: str = ".3g") -> str:
 
 def table(rows: list[dict]) -> str:
     """The calibration table (markdown)."""
-    head = ("| step | tokens | B | critical batch [interval] | ε | B_noise fit | online b_noise "
-            "| c = fit/online | c per repeat | cost tokens | cost s |")
+    head = (
+        "| step | tokens | B | critical batch [interval] | ε | B_noise fit | online b_noise "
+        "| c = fit/online | c per repeat | cost tokens | cost s |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         cb = r["critical_batch"]
         interval = f"{_f(cb['lower'], 'g')}–{_f(cb['upper'], 'g') if cb['upper'] else '∞'}"
         reps = ", ".join(_f(c, ".2f") for c in r["c_repeats"])
-        lines.append(f"| {r['step']} | {r['tokens']:,} | {r['base_batch']:g} | "
-                     f"{_f(cb['value'], '.3g')} [{interval}] | {_f(r['epsilon'], '.4f')} | "
-                     f"{_f(r['b_noise_fit'])} | {_f(r['b_noise_online'])} | {_f(r['c'], '.2f')} | "
-                     f"{reps} | {r['cost']['tokens']:,} | {r['cost']['seconds']:.1f} |")
-    loss_lines = ["", "| step | " + " | ".join(f"B={b}" for b in _batches(rows)) + " |",
-                  "|---|" + "---|" * len(_batches(rows))]
+        lines.append(
+            f"| {r['step']} | {r['tokens']:,} | {r['base_batch']:g} | "
+            f"{_f(cb['value'], '.3g')} [{interval}] | {_f(r['epsilon'], '.4f')} | "
+            f"{_f(r['b_noise_fit'])} | {_f(r['b_noise_online'])} | {_f(r['c'], '.2f')} | "
+            f"{reps} | {r['cost']['tokens']:,} | {r['cost']['seconds']:.1f} |"
+        )
+    loss_lines = [
+        "",
+        "| step | " + " | ".join(f"B={b}" for b in _batches(rows)) + " |",
+        "|---|" + "---|" * len(_batches(rows)),
+    ]
     for r in rows:
         means = {float(b): v for b, v in r["mean_loss"].items()}
-        loss_lines.append(f"| {r['step']} | " + " | ".join(
-            _f(means.get(float(b)), ".4f") for b in _batches(rows)) + f" |  (start {r['start_loss']:.4f})")
+        loss_lines.append(
+            f"| {r['step']} | "
+            + " | ".join(_f(means.get(float(b)), ".4f") for b in _batches(rows))
+            + f" |  (start {r['start_loss']:.4f})"
+        )
     return "\n".join(lines + loss_lines) + "\n"
 
 
@@ -196,8 +230,7 @@ def plot(rows: list[dict], metrics_path: Path, path: Path) -> None:
     lo = val - np.array([c["lower"] for c in cb], float)
     hi = np.array([(c["upper"] or c["value"]) for c in cb], float) - val
     ax.errorbar(tok, val, yerr=[lo, hi], fmt="o", capsize=4, label="critical batch (branching)")
-    ax.plot(tok, [r["b_noise_fit"] if r["b_noise_fit"] is not None else np.nan for r in rows],
-            "s", label="B_noise fit")
+    ax.plot(tok, [r["b_noise_fit"] if r["b_noise_fit"] is not None else np.nan for r in rows], "s", label="B_noise fit")
     cs = [r["c"] for r in rows if r["c"] is not None and math.isfinite(r["c"])]
     if cs and metrics_path.is_file():
         c = float(np.median(cs))
@@ -222,9 +255,13 @@ def write_outputs(rows: list[dict], run_dir: Path, out: Path, command: str) -> s
     cost_tokens = sum(r["cost"]["tokens"] for r in rows)
     cost_s = sum(r["cost"]["seconds"] for r in rows)
     footer = f"\ncost: {cost_tokens:,} tokens, {cost_s:.1f} s ({command})\n"
-    atomic_write_text(out / "calibration.json", json.dumps(
-        json_safe({"command": command, "checkpoints": rows,
-                   "cost": {"tokens": cost_tokens, "seconds": cost_s}}), indent=1))
+    atomic_write_text(
+        out / "calibration.json",
+        json.dumps(
+            json_safe({"command": command, "checkpoints": rows, "cost": {"tokens": cost_tokens, "seconds": cost_s}}),
+            indent=1,
+        ),
+    )
     atomic_write_text(out / "calibration.md", text + footer)
     plot(json_safe(rows), run_dir / "metrics.jsonl", out / "calibration.png")
     return text + footer
@@ -237,17 +274,23 @@ def run(args: argparse.Namespace) -> int:
     from copus.runtime.train.branching import REQUEST
     from copus.runtime.train.launch import calibrate_worker
 
-    print(f"copus calibrate: {len(paths)} checkpoint(s) {', '.join(p.name for p in paths)}; "
-          f"k = {', '.join(f'{k:g}' for k in request['multipliers'])}; {request['tokens']:,} "
-          f"tokens per branch, {request['repeats']} repeats", file=sys.stderr)
+    print(
+        f"copus calibrate: {len(paths)} checkpoint(s) {', '.join(p.name for p in paths)}; "
+        f"k = {', '.join(f'{k:g}' for k in request['multipliers'])}; {request['tokens']:,} "
+        f"tokens per branch, {request['repeats']} repeats",
+        file=sys.stderr,
+    )
     work = out / "workers"
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / REQUEST, json.dumps(request))
     try:
         result = launch.launch(cfg, str(work), max_restarts=0, entry=calibrate_worker)
     except Exception as exc:  # ChildFailedError and friends
-        print(f"copus calibrate: error: workers failed ({exc.__class__.__name__}: "
-              f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
+        print(
+            f"copus calibrate: error: workers failed ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+            file=sys.stderr,
+        )
         return 1
     if result.get("error"):
         print(f"copus calibrate: error: {result['error']}", file=sys.stderr)

@@ -14,17 +14,20 @@ from typing import Any
 
 from copus.config import Config, load_config
 
-ConfigKey = Callable[[Config], Any]   # a flag's value from the config; None = not set there
+ConfigKey = Callable[[Config], Any]  # a flag's value from the config; None = not set there
 
 
 def add_config_argument(p: argparse.ArgumentParser, command: str) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help=f"a copus train TOML config (or a run folder's config.toml): its keys fill "
-                        f"the {command} flags not given (flags win; default: none)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"a copus train TOML config (or a run folder's config.toml): its keys fill "
+        f"the {command} flags not given (flags win; default: none)",
+    )
 
 
-def fill_from_config(args: argparse.Namespace, keys: Mapping[str, ConfigKey],
-                     defaults: Mapping[str, Any]) -> None:
+def fill_from_config(args: argparse.Namespace, keys: Mapping[str, ConfigKey], defaults: Mapping[str, Any]) -> None:
     """Set every flag in `defaults` that is None on `args`: from `--config` when `keys` maps it
     and the config sets it, else the default. Idempotent; a bad config is one ValueError line."""
     path = getattr(args, "config", None)

@@ -9,12 +9,16 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a copus run folder")
-    p.add_argument("--step", type=int, default=None, metavar="N",
-                   help="the checkpoint step (default: the latest valid one)")
+    p.add_argument(
+        "--step", type=int, default=None, metavar="N", help="the checkpoint step (default: the latest valid one)"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="the new folder to write")
-    p.add_argument("--dtype", default="float32", metavar="|".join(DTYPE_NAMES),
-                   help="dtype of the written weights (bfloat16 halves the folder; default float32, "
-                        "as training stores them)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="|".join(DTYPE_NAMES),
+        help="dtype of the written weights (bfloat16 halves the folder; default float32, as training stores them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
     path = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
     arch = json_arch(args.out) or "a causal LM"
-    print(f"copus export: {path} -> {args.out} ({arch}, {args.dtype}: "
-          "transformers.AutoModelForCausalLM.from_pretrained)")
+    print(
+        f"copus export: {path} -> {args.out} ({arch}, {args.dtype}: transformers.AutoModelForCausalLM.from_pretrained)"
+    )
     return 0
 
 

@@ -9,8 +9,11 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="copus run folders")
     p.add_argument("--out", default="report", help="output folder (default: report/)")
-    p.add_argument("--targets", default="", help="comma-separated validation-loss targets (default: none, "
-                   "time-to-target columns left out)")
+    p.add_argument(
+        "--targets",
+        default="",
+        help="comma-separated validation-loss targets (default: none, time-to-target columns left out)",
+    )
 
 
 def _targets(text: str) -> list[float]:

@@ -20,46 +20,79 @@ from copus.commands.config_defaults import TRAIN_KEYS, add_config_argument, fill
 from copus.core.sim.simulator import POLICY_FAMILIES
 
 
-SIMULATE_DEFAULTS = {"model": "llama-3.2-3b", "seq_len": 0, "gpus": 8, "tokens": 1e9, "initial_batch": 16,
-                     "max_batch": 1024, "seed": 0}
+SIMULATE_DEFAULTS = {
+    "model": "llama-3.2-3b",
+    "seq_len": 0,
+    "gpus": 8,
+    "tokens": 1e9,
+    "initial_batch": 16,
+    "max_batch": 1024,
+    "seed": 0,
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p, "simulate")
-    p.add_argument("--model", default=None,
-                   help="model shape name (core.models) or a Hugging Face config.json path (default "
-                        "llama-3.2-3b)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length in tokens (default: the model's; 2048 for a config.json)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model shape name (core.models) or a Hugging Face config.json path (default llama-3.2-3b)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="sequence length in tokens (default: the model's; 2048 for a config.json)",
+    )
     p.add_argument("--gpus", type=int, default=None, help="world size (default 8)")
     p.add_argument("--hardware", default="h100-nvlink-pairs", help="hardware profile name")
-    p.add_argument("--target-loss", default="4.0,3.5,3.0",
-                   help="comma-separated target training losses")
-    p.add_argument("--policies", default=",".join(POLICY_FAMILIES),
-                   help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}")
+    p.add_argument("--target-loss", default="4.0,3.5,3.0", help="comma-separated target training losses")
+    p.add_argument(
+        "--policies", default=",".join(POLICY_FAMILIES), help=f"comma-separated subset of {','.join(POLICY_FAMILIES)}"
+    )
     p.add_argument("--tokens", type=float, default=None, help="token budget of each run (default 1e9)")
     p.add_argument("--initial-batch", type=int, default=None, help="first global batch (samples; default 16)")
     p.add_argument("--max-batch", type=int, default=None, help="largest global batch (samples; default 1024)")
-    p.add_argument("--reconfig", choices=("online", "restart"), default="online",
-                   help="cost of a parallelism change: online resharding or checkpoint-restart")
-    p.add_argument("--no-lr-aware", action="store_true",
-                   help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)")
+    p.add_argument(
+        "--reconfig",
+        choices=("online", "restart"),
+        default="online",
+        help="cost of a parallelism change: online resharding or checkpoint-restart",
+    )
+    p.add_argument(
+        "--no-lr-aware", action="store_true", help="goodput without COPUS's sqrt(B) learning-rate factor (Eq. 8)"
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the simulated noise (default 0)")
-    p.add_argument("--preset", default=None,
-                   help="a COPUS configuration (core.sim.presets), 'olmo-long' (a long pre-training "
-                        "truth) or 'all' (COPUS's four)")
-    p.add_argument("--truth", default="fitted", choices=("fitted", "lr-tuned", "sqrt-lr"),
-                   help="--preset: the ground truth (default: each preset's best-fitting one)")
-    p.add_argument("--crit-ratio", type=float, default=None, metavar="R",
-                   help="--preset: the truth's B_crit / b_noise (default: the preset's fit)")
-    p.add_argument("--truth-grid", action="store_true",
-                   help="every preset x truth (lr-tuned, sqrt-lr) x --crit-ratios; prints capture "
-                        "= goodput's speed-up to the final target / the honest ceiling per cell "
-                        "(docs/yardstick.md)")
-    p.add_argument("--crit-ratios", default="0.5,1,2,4,8",
-                   help="--truth-grid: comma-separated B_crit / b_noise values")
-    p.add_argument("--seeds", default=None,
-                   help="comma-separated noise seeds (--truth-grid: default 0; else overrides --seed)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a COPUS configuration (core.sim.presets), 'olmo-long' (a long pre-training "
+        "truth) or 'all' (COPUS's four)",
+    )
+    p.add_argument(
+        "--truth",
+        default="fitted",
+        choices=("fitted", "lr-tuned", "sqrt-lr"),
+        help="--preset: the ground truth (default: each preset's best-fitting one)",
+    )
+    p.add_argument(
+        "--crit-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="--preset: the truth's B_crit / b_noise (default: the preset's fit)",
+    )
+    p.add_argument(
+        "--truth-grid",
+        action="store_true",
+        help="every preset x truth (lr-tuned, sqrt-lr) x --crit-ratios; prints capture "
+        "= goodput's speed-up to the final target / the honest ceiling per cell "
+        "(docs/yardstick.md)",
+    )
+    p.add_argument("--crit-ratios", default="0.5,1,2,4,8", help="--truth-grid: comma-separated B_crit / b_noise values")
+    p.add_argument(
+        "--seeds", default=None, help="comma-separated noise seeds (--truth-grid: default 0; else overrides --seed)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="PNG", help="write loss/batch curves here")
 
@@ -72,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICY_FAMILIES]
     if bad or not policies:
-        raise ValueError(f"--policies={args.policies!r} is invalid; allowed: a comma-separated "
-                         f"subset of {','.join(POLICY_FAMILIES)}")
-    if args.crit_ratio is not None and not (math.isfinite(args.crit_ratio)
-                                            and args.crit_ratio > 0):
+        raise ValueError(
+            f"--policies={args.policies!r} is invalid; allowed: a comma-separated subset of {','.join(POLICY_FAMILIES)}"
+        )
+    if args.crit_ratio is not None and not (math.isfinite(args.crit_ratio) and args.crit_ratio > 0):
         raise ValueError(f"--crit-ratio={args.crit_ratio!r} is invalid; allowed: a number > 0")
     if args.truth_grid:
         return _run_grid(args, policies)
@@ -98,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.preset == "all" and not args.json:
         _print_summary(out)
     if args.json:
-        json.dump([_json(p, c) for p, c in out] if len(out) > 1 else _json(*out[0]), sys.stdout,
-                  indent=1)
+        json.dump([_json(p, c) for p, c in out] if len(out) > 1 else _json(*out[0]), sys.stdout, indent=1)
         print()
     if args.plot:
         _plot(out, args.plot)
@@ -118,25 +150,30 @@ def default_variant(no_lr_aware: bool = False):
     cfg = load_config()
     s, c = PolicySettings.from_config(cfg), cfg.controller
     return GoodputVariant(
-        name="goodput", start="planner" if c.start == "planned" else "scenario",
-        settings=tuple((k, getattr(s, k)) for k in (
-            "max_growth", "interval_steps", "warmup_steps", "calibration", "calibration_mode",
-            "max_rel_err")),
-        controller=(("lr_aware", c.lr_aware and not no_lr_aware),))
+        name="goodput",
+        start="planner" if c.start == "planned" else "scenario",
+        settings=tuple(
+            (k, getattr(s, k))
+            for k in ("max_growth", "interval_steps", "warmup_steps", "calibration", "calibration_mode", "max_rel_err")
+        ),
+        controller=(("lr_aware", c.lr_aware and not no_lr_aware),),
+    )
 
 
-def _preset(preset, args, truth: str | None = None, crit_ratio: float | None = None,
-            seed: int | None = None):
+def _preset(preset, args, truth: str | None = None, crit_ratio: float | None = None, seed: int | None = None):
     from copus.core.sim.simulator import COPUS_FAITHFUL, preset_scenario
 
     traj = preset.truth(truth or args.truth)
     ratio = crit_ratio if crit_ratio is not None else args.crit_ratio
     if ratio is not None:
-        traj = traj.with_(gns_calibration=float(ratio))   # B_crit kept: only what GNS reads moves
-    return preset_scenario(preset, seed=args.seed if seed is None else seed,
-                           reconfig_mode=args.reconfig,
-                           variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)),
-                           trajectory=traj)
+        traj = traj.with_(gns_calibration=float(ratio))  # B_crit kept: only what GNS reads moves
+    return preset_scenario(
+        preset,
+        seed=args.seed if seed is None else seed,
+        reconfig_mode=args.reconfig,
+        variants=(COPUS_FAITHFUL, default_variant(args.no_lr_aware)),
+        trajectory=traj,
+    )
 
 
 def _numbers(text: str, flag: str, kind=float) -> list:
@@ -160,21 +197,32 @@ def _custom(args):
     try:
         targets = tuple(float(x) for x in args.target_loss.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--target-loss={args.target_loss!r} is invalid; allowed: "
-                         "comma-separated numbers") from None
+        raise ValueError(f"--target-loss={args.target_loss!r} is invalid; allowed: comma-separated numbers") from None
     if args.gpus < 1:
         raise ValueError(f"--gpus={args.gpus} is invalid; allowed: an integer >= 1")
     traj = TrajectoryParams(initial_loss=max(math.log(shape.vocab_size), max(targets) + 0.5))
     low = [t for t in targets if t <= traj.final_loss]
     if low:
-        raise ValueError(f"--target-loss {low[0]} is invalid; allowed: above the model's "
-                         f"irreducible loss {traj.final_loss}")
-    sim = SimSettings(target_losses=targets, token_budget=int(args.tokens), trajectory=traj,
-                      seed=args.seed, reconfig_mode=args.reconfig)
-    return Scenario(shape=shape, hardware=args.hardware, world_size=args.gpus, sim=sim,
-                    initial_batch=args.initial_batch, max_batch=args.max_batch,
-                    batch_grid="geometric" if args.gpus > 64 else "multiples",
-                    lr_aware=not args.no_lr_aware)
+        raise ValueError(
+            f"--target-loss {low[0]} is invalid; allowed: above the model's irreducible loss {traj.final_loss}"
+        )
+    sim = SimSettings(
+        target_losses=targets,
+        token_budget=int(args.tokens),
+        trajectory=traj,
+        seed=args.seed,
+        reconfig_mode=args.reconfig,
+    )
+    return Scenario(
+        shape=shape,
+        hardware=args.hardware,
+        world_size=args.gpus,
+        sim=sim,
+        initial_batch=args.initial_batch,
+        max_batch=args.max_batch,
+        batch_grid="geometric" if args.gpus > 64 else "multiples",
+        lr_aware=not args.no_lr_aware,
+    )
 
 
 def _minutes(s: float | None) -> str:
@@ -188,29 +236,33 @@ def _print_comparison(preset, cmp_) -> None:
         return
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
-    print(f"\n== {sc.shape.name} on {sc.world_size} x {sc.hardware}: minutes to target loss "
-          f"(seed {sc.sim.seed}) ==")
+    print(f"\n== {sc.shape.name} on {sc.world_size} x {sc.hardware}: minutes to target loss (seed {sc.sim.seed}) ==")
     width = max(len(r.name) for r in cmp_.results) + 2
     print("method".ljust(width) + "".join(f"{t:>8g}" for t in targets))
     for r in cmp_.results:
-        print(r.name.ljust(width) + "".join(f"{_minutes(r.time_to_target_s[t]):>8}"
-                                            for t in targets))
+        print(r.name.ljust(width) + "".join(f"{_minutes(r.time_to_target_s[t]):>8}" for t in targets))
     rows = cmp_.speedups()
-    print("speed-up".ljust(width) + "".join(
-        f"{'–' if r['speedup_pct'] is None else format(r['speedup_pct'], '+.1f') + '%':>8}"
-        for r in rows) + f"   avg {_pct(cmp_.average_speedup_pct())}")
+    print(
+        "speed-up".ljust(width)
+        + "".join(f"{'–' if r['speedup_pct'] is None else format(r['speedup_pct'], '+.1f') + '%':>8}" for r in rows)
+        + f"   avg {_pct(cmp_.average_speedup_pct())}"
+    )
     for name in cmp_.goodput_runs():
         r = cmp_.run(name)
         print(f"{name} plan timeline:")
         last = None
         for s in r.timeline:
             if s.plan.layout != last:
-                print(f"  {s.start_s / 60:7.1f} min  step {s.start_step:6d}  "
-                      f"{s.plan.describe()}  loss {s.loss:.2f}  b_noise est "
-                      f"{s.b_noise:.0f} (true {s.true_b_noise:.0f})")
+                print(
+                    f"  {s.start_s / 60:7.1f} min  step {s.start_step:6d}  "
+                    f"{s.plan.describe()}  loss {s.loss:.2f}  b_noise est "
+                    f"{s.b_noise:.0f} (true {s.true_b_noise:.0f})"
+                )
                 last = s.plan.layout
-        print(f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
-              f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}")
+        print(
+            f"  {len(r.decisions)} decisions, {len(r.switch_costs_s)} parallelism changes "
+            f"({sum(r.switch_costs_s):.0f} s), final B={r.timeline[-1].plan.global_batch_size}"
+        )
 
 
 def _print_yardstick(yard: dict | None) -> None:
@@ -218,13 +270,16 @@ def _print_yardstick(yard: dict | None) -> None:
     if yard is None:
         return
     best = yard["best_baseline"]
-    print(f"honest yardstick ({yard['metric']} {yard['final_target']:g}): best baseline "
-          f"{best['name']} {_cell(best['minutes'])} min; honest ceiling "
-          f"{_pct(yard['honest_ceiling_pct'])} ({'counts' if yard['ceiling_ge_2pct'] else '< 2 %'})")
+    print(
+        f"honest yardstick ({yard['metric']} {yard['final_target']:g}): best baseline "
+        f"{best['name']} {_cell(best['minutes'])} min; honest ceiling "
+        f"{_pct(yard['honest_ceiling_pct'])} ({'counts' if yard['ceiling_ge_2pct'] else '< 2 %'})"
+    )
     for name, v in yard["variants"].items():
         untuned = ", ".join(f"{k} {_pct(x)}" for k, x in v["vs_untuned_pct"].items())
-        print(f"  {name}: {_pct(v['speedup_pct'])} (capture {_capture(v['capture'])}); over the "
-              f"untuned choice: {untuned}")
+        print(
+            f"  {name}: {_pct(v['speedup_pct'])} (capture {_capture(v['capture'])}); over the untuned choice: {untuned}"
+        )
 
 
 def _cell(v: float | None) -> str:
@@ -237,37 +292,54 @@ def _print_preset(preset, cmp_) -> None:
 
     sc = cmp_.scenario
     targets = sorted(sc.sim.target_losses, reverse=True)
-    print(f"\n== {preset.description}: minutes to target loss, published | simulated "
-          f"(seed {sc.sim.seed}, truth {_truth_label(preset, sc.sim.trajectory)}) ==")
+    print(
+        f"\n== {preset.description}: minutes to target loss, published | simulated "
+        f"(seed {sc.sim.seed}, truth {_truth_label(preset, sc.sim.trajectory)}) =="
+    )
     rows = table1_rows(preset, cmp_)
     width = max(len(r.label) for r in rows) + 2
     print("method".ljust(width) + "".join(f"{t:>14g}" for t in targets))
     for r in rows:
         pub = r.published or (None,) * len(targets)
         sim = r.simulated or (None,) * len(targets)
-        print(r.label.ljust(width) + "".join(
-            f"{(_cell(p) if r.published else '·'):>7}|{(_cell(q) if r.simulated else '·'):<6}"
-            for p, q in zip(pub, sim)))
+        print(
+            r.label.ljust(width)
+            + "".join(
+                f"{(_cell(p) if r.published else '·'):>7}|{(_cell(q) if r.simulated else '·'):<6}"
+                for p, q in zip(pub, sim)
+            )
+        )
     print("speed-up over the fastest baseline, published | simulated:")
-    print("  COPUS".ljust(width) + "".join(
-        f"{p:>+6.1f}%|{_pct(q['speedup_pct']):<6}" for p, q in
-        zip(preset.published_speedup_pct, cmp_.speedups(run="goodput-copus")))
+    print(
+        "  COPUS".ljust(width)
+        + "".join(
+            f"{p:>+6.1f}%|{_pct(q['speedup_pct']):<6}"
+            for p, q in zip(preset.published_speedup_pct, cmp_.speedups(run="goodput-copus"))
+        )
         + f"   avg {preset.published_avg_speedup_pct:+.1f}% | "
-          f"{_pct(cmp_.average_speedup_pct('goodput-copus'))}")
+        f"{_pct(cmp_.average_speedup_pct('goodput-copus'))}"
+    )
     for name in cmp_.goodput_runs():
         if name != "goodput-copus":
-            print(f"  {name}".ljust(width) + "".join(
-                f"{'':>7}|{_pct(q['speedup_pct']):<6}" for q in cmp_.speedups(run=name))
-                + f"   avg {_pct(cmp_.average_speedup_pct(name))}")
+            print(
+                f"  {name}".ljust(width)
+                + "".join(f"{'':>7}|{_pct(q['speedup_pct']):<6}" for q in cmp_.speedups(run=name))
+                + f"   avg {_pct(cmp_.average_speedup_pct(name))}"
+            )
     ceiling = oracle_speedups(cmp_)
-    print("  oracle ceiling".ljust(width) + "".join(
-        f"{'':>7}|{_pct(q):<6}" for q in ceiling) + f"   avg {_pct(_mean(ceiling))}"
-        + "   (truth known, switches free: no policy can beat it)")
+    print(
+        "  oracle ceiling".ljust(width)
+        + "".join(f"{'':>7}|{_pct(q):<6}" for q in ceiling)
+        + f"   avg {_pct(_mean(ceiling))}"
+        + "   (truth known, switches free: no policy can beat it)"
+    )
     for name in cmp_.goodput_runs():
         run = cmp_.run(name)
         label = "COPUS" if name == "goodput-copus" else name
-        print(f"layout timeline, Table 2 (COPUS) | simulated {label} "
-              f"({len(run.switch_costs_s)} switches, {sum(run.switch_costs_s):.0f} s):")
+        print(
+            f"layout timeline, Table 2 (COPUS) | simulated {label} "
+            f"({len(run.switch_costs_s)} switches, {sum(run.switch_costs_s):.0f} s):"
+        )
         for pub, sim in timeline_rows(preset, run):
             print(f"  {pub:32s}| {sim}")
 
@@ -276,9 +348,14 @@ def _truth_label(preset, params) -> str:
     name = next((n for n, t in preset.truths.items() if t == params), None)
     if name is not None:
         return name
-    return next((f"{n} (B_crit/b_noise {params.gns_calibration:g})"
-                 for n, t in preset.truths.items()
-                 if t.with_(gns_calibration=params.gns_calibration) == params), "custom")
+    return next(
+        (
+            f"{n} (B_crit/b_noise {params.gns_calibration:g})"
+            for n, t in preset.truths.items()
+            if t.with_(gns_calibration=params.gns_calibration) == params
+        ),
+        "custom",
+    )
 
 
 def oracle_speedups(cmp_, minutes: list[float | None] | None = None) -> list[float | None]:
@@ -287,8 +364,7 @@ def oracle_speedups(cmp_, minutes: list[float | None] | None = None) -> list[flo
     from copus.core.sim.oracle import scenario_oracle_minutes, speedup_pct
 
     sc = cmp_.scenario
-    minutes = dict(zip(sc.sim.target_losses,
-                       minutes if minutes is not None else scenario_oracle_minutes(sc)))
+    minutes = dict(zip(sc.sim.target_losses, minutes if minutes is not None else scenario_oracle_minutes(sc)))
     out = []
     for target in sorted(sc.sim.target_losses, reverse=True):
         base = cmp_.best(target, ("static", "cbs"))[1]
@@ -308,13 +384,18 @@ def _pct(x: float | None) -> str:
 def _print_summary(out) -> None:
     print("\n== COPUS Table 1 summary: average time-to-target speed-up over the fastest baseline ==")
     names = [n for n in out[0][1].goodput_runs()]
-    print(f"{'config':16s}{'truth':>10s}{'published':>11s}"
-          + "".join(f"{'sim ' + n:>20s}" for n in names) + f"{'oracle ceiling':>16s}")
+    print(
+        f"{'config':16s}{'truth':>10s}{'published':>11s}"
+        + "".join(f"{'sim ' + n:>20s}" for n in names)
+        + f"{'oracle ceiling':>16s}"
+    )
     for preset, cmp_ in out:
-        print(f"{preset.name:16s}{_truth_label(preset, cmp_.scenario.sim.trajectory):>10s}"
-              f"{_pct(preset.published_avg_speedup_pct):>11s}"
-              + "".join(f"{_pct(cmp_.average_speedup_pct(n)):>20s}" for n in names)
-              + f"{_pct(_mean(oracle_speedups(cmp_))):>16s}")
+        print(
+            f"{preset.name:16s}{_truth_label(preset, cmp_.scenario.sim.trajectory):>10s}"
+            f"{_pct(preset.published_avg_speedup_pct):>11s}"
+            + "".join(f"{_pct(cmp_.average_speedup_pct(n)):>20s}" for n in names)
+            + f"{_pct(_mean(oracle_speedups(cmp_))):>16s}"
+        )
 
 
 def yardstick_score(preset, cmp_, planner=None, yard=None) -> dict:
@@ -327,10 +408,12 @@ def yardstick_score(preset, cmp_, planner=None, yard=None) -> dict:
     if yard is None:
         yard = ys.build(sc, planner or Planner(sc), horizon_tokens=preset.token_budget)
     targets = yard.targets
-    simulated = {r.name: ys.seconds_to_minutes(r.time_to_target_s, targets) for r in cmp_.results
-                 if cmp_.families[r.name] in BASELINE_FAMILIES}
-    variants = {n: ys.seconds_to_minutes(cmp_.run(n).time_to_target_s, targets)
-                for n in cmp_.goodput_runs()}
+    simulated = {
+        r.name: ys.seconds_to_minutes(r.time_to_target_s, targets)
+        for r in cmp_.results
+        if cmp_.families[r.name] in BASELINE_FAMILIES
+    }
+    variants = {n: ys.seconds_to_minutes(cmp_.run(n).time_to_target_s, targets) for n in cmp_.goodput_runs()}
     return ys.score(yard, simulated, variants) | {"seed": sc.sim.seed}
 
 
@@ -342,17 +425,20 @@ def _json(preset, cmp_) -> dict:
         d["ceiling_ge_2pct"] = yard["ceiling_ge_2pct"]
         d["yardstick"] = yard
         for name, v in d["variants"].items():
-            d["variants"][name] = {"table1_speedups": v["speedups"],
-                                   "table1_average_speedup_pct": v["average_speedup_pct"]} | \
-                yard["variants"][name]
+            d["variants"][name] = {
+                "table1_speedups": v["speedups"],
+                "table1_average_speedup_pct": v["average_speedup_pct"],
+            } | yard["variants"][name]
     if preset is not None:
         d["preset"] = preset.name
         d["truth"] = _truth_label(preset, cmp_.scenario.sim.trajectory)
         d["crit_ratio"] = cmp_.scenario.sim.trajectory.gns_calibration
         d["oracle_speedup_pct"] = oracle_speedups(cmp_)
-        d["published"] = {"minutes": {k: list(v) for k, v in preset.published_minutes.items()},
-                          "speedup_pct": list(preset.published_speedup_pct),
-                          "average_speedup_pct": preset.published_avg_speedup_pct}
+        d["published"] = {
+            "minutes": {k: list(v) for k, v in preset.published_minutes.items()},
+            "speedup_pct": list(preset.published_speedup_pct),
+            "average_speedup_pct": preset.published_avg_speedup_pct,
+        }
     return d
 
 
@@ -392,15 +478,16 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     from copus.core.sim.simulator import compare_policies
 
     if "goodput" not in policies or not {"static", "cbs"} & set(policies):
-        raise ValueError(f"--policies={args.policies!r} is invalid with --truth-grid; allowed: "
-                         "goodput and at least one of static, cbs")
-    names = (list(COPUS_PRESETS) if args.preset in (None, "all")
-             else [get_preset(args.preset).name])
+        raise ValueError(
+            f"--policies={args.policies!r} is invalid with --truth-grid; allowed: "
+            "goodput and at least one of static, cbs"
+        )
+    names = list(COPUS_PRESETS) if args.preset in (None, "all") else [get_preset(args.preset).name]
     ratios = _numbers(args.crit_ratios, "--crit-ratios")
     seeds = _numbers(args.seeds, "--seeds", int) if args.seeds is not None else [args.seed]
     cells = tg.grid_cells(names, tg.GRID_TRUTHS, ratios)
 
-    yards: dict[tg.Cell, object] = {}    # the deterministic yardstick does not read the seed
+    yards: dict[tg.Cell, object] = {}  # the deterministic yardstick does not read the seed
 
     def run_one(cell: tg.Cell, seed: int) -> dict:
         from copus.core.sim import yardstick as ys
@@ -417,31 +504,45 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     def show(cell: dict) -> None:
         if args.json:
             return
-        parts = [f"{n} {_pct(v['speedup_pct'])} ({_capture(v['capture'])}, spread "
-                 f"{_cell(v['seed_spread_pct'])})" for n, v in cell["variants"].items()]
-        print(f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} honest ceiling "
-              f"{_pct(cell['honest_ceiling_pct']):>7s}{'' if cell['ceiling_ge_2pct'] else ' (<2 %)'}"
-              f"  best baseline {cell['best_baseline'][0]}  " + "  ".join(parts), flush=True)
+        parts = [
+            f"{n} {_pct(v['speedup_pct'])} ({_capture(v['capture'])}, spread {_cell(v['seed_spread_pct'])})"
+            for n, v in cell["variants"].items()
+        ]
+        print(
+            f"{cell['preset']:12s} {cell['truth']:9s} R={cell['crit_ratio']:<4g} honest ceiling "
+            f"{_pct(cell['honest_ceiling_pct']):>7s}{'' if cell['ceiling_ge_2pct'] else ' (<2 %)'}"
+            f"  best baseline {cell['best_baseline'][0]}  " + "  ".join(parts),
+            flush=True,
+        )
 
     if not args.json:
-        print(f"== truth grid: speed-up in time to the final target over the best baseline "
-              f"(capture = / honest ceiling), mean of seeds {','.join(map(str, seeds))} ==")
+        print(
+            f"== truth grid: speed-up in time to the final target over the best baseline "
+            f"(capture = / honest ceiling), mean of seeds {','.join(map(str, seeds))} =="
+        )
     out = tg.run_yardstick_grid(cells, seeds, run_one, show)
     variants = list(out[0]["variants"]) if out else []
-    result = {"seeds": seeds, "crit_ratios": ratios, "metric": out[0]["metric"] if out else None,
-              "policies": list(policies), "cells": out,
-              "goals": {n: tg.yardstick_goals(out, n) for n in variants}}
+    result = {
+        "seeds": seeds,
+        "crit_ratios": ratios,
+        "metric": out[0]["metric"] if out else None,
+        "policies": list(policies),
+        "cells": out,
+        "goals": {n: tg.yardstick_goals(out, n) for n in variants},
+    }
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
         for n in variants:
             g = result["goals"][n]
-            print(f"{n}: median capture {_capture(g['median_capture'])} over "
-                  f"{g['cells_counted']} of {g['cells']} cells with honest ceiling >= "
-                  f"{tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; below 0.5: "
-                  f"{', '.join(g['cells_below_0.5']) or 'none'}; > 1 % behind the best "
-                  f"baseline: {', '.join(g['cells_behind_1pct']) or 'none'}")
+            print(
+                f"{n}: median capture {_capture(g['median_capture'])} over "
+                f"{g['cells_counted']} of {g['cells']} cells with honest ceiling >= "
+                f"{tg.CEILING_FLOOR_PCT:g} %; min {_capture(g['min_capture'])}; below 0.5: "
+                f"{', '.join(g['cells_below_0.5']) or 'none'}; > 1 % behind the best "
+                f"baseline: {', '.join(g['cells_behind_1pct']) or 'none'}"
+            )
     return 0
 
 

@@ -45,48 +45,82 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         """What a run without --config/--set uses: the command's default, else the config's."""
         return DEFAULT_RUN.get((section, key), getattr(getattr(d, section), key))
 
-    p.add_argument("--config", metavar="FILE", help="TOML config file (docs/internals.md; "
-                   "default: none, built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable; "
-                   "default: none)")
-    p.add_argument("--nproc", type=int, help="local workers to start (parallel.nproc, default "
-                   f"{default('parallel', 'nproc')})")
-    p.add_argument("--run-dir", metavar="DIR", help="run folder, new or empty (default "
-                   "runs/<timestamp>)")
-    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps (train.max_steps, "
-                   f"default {default('train', 'max_steps')} = no step limit)")
-    p.add_argument("--max-tokens", type=int, help="stop after N tokens (train.max_tokens, default "
-                   f"{default('train', 'max_tokens')})")
-    p.add_argument("--policy", help="batch policy (batch.policy): constant, ramp, norm-test, "
-                                    "norm-test-lau, "
-                                    "inner-product-test, gns, goodput, goodput-copus, schedule (batch.schedule), "
-                                    "doubling (default "
-                                    f"{default('batch', 'policy')})")
-    p.add_argument("--model", help="model shape name or a Hugging Face config.json (model.name, "
-                   f"default {default('model', 'name')})")
-    p.add_argument("--init-from", metavar="HF_FOLDER",
-                   help="start from a Hugging Face model's weights (config.json + safetensors; "
-                        "model.init_from); its config.json is the model and its tokenizer the "
-                        "tokenizer unless --model / data.tokenizer say otherwise")
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML config file (docs/internals.md; default: none, built-in defaults)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config key (repeatable; default: none)",
+    )
+    p.add_argument(
+        "--nproc", type=int, help=f"local workers to start (parallel.nproc, default {default('parallel', 'nproc')})"
+    )
+    p.add_argument("--run-dir", metavar="DIR", help="run folder, new or empty (default runs/<timestamp>)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        help=f"stop after N optimizer steps (train.max_steps, default {default('train', 'max_steps')} = no step limit)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"stop after N tokens (train.max_tokens, default {default('train', 'max_tokens')})",
+    )
+    p.add_argument(
+        "--policy",
+        help="batch policy (batch.policy): constant, ramp, norm-test, "
+        "norm-test-lau, "
+        "inner-product-test, gns, goodput, goodput-copus, schedule (batch.schedule), "
+        "doubling (default "
+        f"{default('batch', 'policy')})",
+    )
+    p.add_argument(
+        "--model",
+        help=f"model shape name or a Hugging Face config.json (model.name, default {default('model', 'name')})",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="HF_FOLDER",
+        help="start from a Hugging Face model's weights (config.json + safetensors; "
+        "model.init_from); its config.json is the model and its tokenizer the "
+        "tokenizer unless --model / data.tokenizer say otherwise",
+    )
     p.add_argument("--seq-len", type=int, help="sequence length in tokens (model.seq_len; default 0 = the model's)")
     p.add_argument("--seed", type=int, help=f"seed (train.seed, default {default('train', 'seed')})")
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="auto",
-                   help="continue from the latest good checkpoint in --run-dir (any plan); "
-                        "'--resume auto': resume if --run-dir holds a complete checkpoint, else "
-                        "start fresh there (for requeue scripts; default: start a new run)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as TOML (file <- --set <- flags) and exit")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of failed local workers, each resuming from a checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="auto",
+        help="continue from the latest good checkpoint in --run-dir (any plan); "
+        "'--resume auto': resume if --run-dir holds a complete checkpoint, else "
+        "start fresh there (for requeue scripts; default: start a new run)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as TOML (file <- --set <- flags) and exit",
+    )
+    p.add_argument(
+        "--max-restarts", type=int, default=3, help="restarts of failed local workers, each resuming from a checkpoint"
+    )
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
     """Convenience flags as `section.key=value` overrides (they win over --set)."""
     out = []
-    for flag, key in (("nproc", "parallel.nproc"), ("max_steps", "train.max_steps"),
-                      ("max_tokens", "train.max_tokens"), ("seed", "train.seed"),
-                      ("seq_len", "model.seq_len")):
+    for flag, key in (
+        ("nproc", "parallel.nproc"),
+        ("max_steps", "train.max_steps"),
+        ("max_tokens", "train.max_tokens"),
+        ("seed", "train.seed"),
+        ("seq_len", "model.seq_len"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             out.append(f"{key}={int(value)}")
@@ -133,19 +167,19 @@ def resolve_config(args: argparse.Namespace):
     config_path = args.config
     run_dir = Path(args.run_dir) if args.run_dir else None
     if args.resume and config_path is None and run_dir and (run_dir / "config.toml").is_file():
-        config_path = str(run_dir / "config.toml")   # resume the run as it was configured
+        config_path = str(run_dir / "config.toml")  # resume the run as it was configured
     user = list(args.overrides) + flag_overrides(args)
     named = _named_keys(config_path, user)
     user += init_from_overrides(getattr(args, "init_from", None), named)
-    defaults = [] if args.resume else [f"{s}.{k}={_toml_value(v)}"
-                                       for (s, k), v in DEFAULT_RUN.items() if (s, k) not in named]
+    defaults = (
+        [] if args.resume else [f"{s}.{k}={_toml_value(v)}" for (s, k), v in DEFAULT_RUN.items() if (s, k) not in named]
+    )
     if ("train", "max_steps") in named and ("train", "max_tokens") not in named:
         defaults = [d for d in defaults if not d.startswith("train.max_tokens=")]
     cfg = load_config(config_path, defaults + user)
     if cfg.train.max_steps == 0 and cfg.train.max_tokens == 0:
         # (a decaying LR schedule without max_tokens decays over max_steps x initial batch)
-        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
-                         "(set one of them)")
+        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 (set one of them)")
     return cfg
 
 
@@ -231,25 +265,27 @@ def run(args: argparse.Namespace) -> int:
 
     rank0 = os.environ.get("RANK", "0") == "0"
     run_id = _elastic_run_id()
-    restart = False   # --resume auto on a folder whose attempt never saved a checkpoint
+    restart = False  # --resume auto on a folder whose attempt never saved a checkpoint
     if args.resume == "auto":
         if "RANK" in os.environ:
-            raise ValueError("--resume auto: allowed only with copus's own launcher (under torchrun "
-                             "copus resumes the same elastic run by itself; use --resume)")
+            raise ValueError(
+                "--resume auto: allowed only with copus's own launcher (under torchrun "
+                "copus resumes the same elastic run by itself; use --resume)"
+            )
         args.resume = has_complete_checkpoint(run_dir)
         restart = not args.resume and holds_failed_attempt(run_dir)
-    if rank0 and not restart:   # under torchrun the other ranks' processes see rank 0's folder appear
+    if rank0 and not restart:  # under torchrun the other ranks' processes see rank 0's folder appear
         run_folder.check_run_dir(run_dir, resume=args.resume, run_id=run_id)
     cfg = resolve_config(args)
     from copus.config import model_shape
 
-    if model_shape(cfg).unsupported:    # priceable by `copus plan`, not buildable (hf_config.py)
+    if model_shape(cfg).unsupported:  # priceable by `copus plan`, not buildable (hf_config.py)
         raise ValueError(model_shape(cfg).unsupported)
 
     from copus.runtime.train import launch, setup
 
     setup.validate_before_launch(cfg, setup.world_size(cfg))
-    if cfg.train.compile:   # inductor missing: one line, exit 2, before any worker starts
+    if cfg.train.compile:  # inductor missing: one line, exit 2, before any worker starts
         from copus.runtime.engine.parallelize import check_compile_available
 
         check_compile_available()
@@ -260,21 +296,27 @@ def run(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("safetensors") is None:
-            raise ValueError(f"model.init_from={cfg.model.init_from!r}: reading Hugging Face weights "
-                             "needs the safetensors package; allowed: pip install 'copus[export]'")
+            raise ValueError(
+                f"model.init_from={cfg.model.init_from!r}: reading Hugging Face weights "
+                "needs the safetensors package; allowed: pip install 'copus[export]'"
+            )
     if restart:
-        print(f"copus train: --resume auto: no complete checkpoint in {run_dir}; starting fresh "
-              f"(the earlier attempt's files: {set_aside(run_dir)})", file=sys.stderr)
+        print(
+            f"copus train: --resume auto: no complete checkpoint in {run_dir}; starting fresh "
+            f"(the earlier attempt's files: {set_aside(run_dir)})",
+            file=sys.stderr,
+        )
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         run_folder.write_state(run_dir, "running", run_id=run_id)
         print(f"copus train: run folder {run_dir}", file=sys.stderr)
     try:
-        result = launch.launch(cfg, str(run_dir), resume=args.resume,
-                               max_restarts=args.max_restarts)
+        result = launch.launch(cfg, str(run_dir), resume=args.resume, max_restarts=args.max_restarts)
     except Exception as exc:  # ChildFailedError and friends: one line, details are above
-        print(f"copus train: error: workers failed ({exc.__class__.__name__}); see the log "
-              f"above and {run_dir}", file=sys.stderr)
+        print(
+            f"copus train: error: workers failed ({exc.__class__.__name__}); see the log above and {run_dir}",
+            file=sys.stderr,
+        )
         return 1
     return _outcome(result, run_dir, rank0)
 
@@ -290,9 +332,12 @@ def _outcome(result: dict, run_dir: Path, rank0: bool) -> int:
 
     if result.get("aborted"):
         if rank0:
-            print(f"copus train: aborted by a second signal ({result['aborted']}); the last complete "
-                  f"checkpoint in {run_dir / 'checkpoints'} is kept; resume: copus train "
-                  f"--run-dir {run_dir} --resume", file=sys.stderr)
+            print(
+                f"copus train: aborted by a second signal ({result['aborted']}); the last complete "
+                f"checkpoint in {run_dir / 'checkpoints'} is kept; resume: copus train "
+                f"--run-dir {run_dir} --resume",
+                file=sys.stderr,
+            )
         return int(result["exit_code"])
     if result.get("stopped"):
         if rank0:

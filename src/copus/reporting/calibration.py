@@ -21,15 +21,20 @@ def probe_lines(run: Run) -> list[str]:
     probes = [d["probe"] for d in run.decisions if isinstance(d.get("probe"), dict)]
     if not probes:
         return []
-    lines = ["| step | tokens | B | branches | online b_noise | B_noise fit | measured c | c used "
-             "| chosen B | cost s | extra tokens |", "|" + "---|" * 11]
+    lines = [
+        "| step | tokens | B | branches | online b_noise | B_noise fit | measured c | c used "
+        "| chosen B | cost s | extra tokens |",
+        "|" + "---|" * 11,
+    ]
     for p in probes:
         branches = ",".join(str(b.get("global_batch_size")) for b in p.get("branches", []))
-        lines.append(f"| {p.get('step')} | {p.get('tokens')} | {p.get('base_batch')} | {branches} "
-                     f"| {_g(p.get('b_noise_online'))} | {_g(p.get('b_noise_fit'))} "
-                     f"| {_g(p.get('measured_c'))} | {_g(p.get('c_used'))} "
-                     f"| {p.get('chosen_batch')} | {_g(p.get('cost_s'), '.1f')} "
-                     f"| {p.get('cost_tokens')} |")
+        lines.append(
+            f"| {p.get('step')} | {p.get('tokens')} | {p.get('base_batch')} | {branches} "
+            f"| {_g(p.get('b_noise_online'))} | {_g(p.get('b_noise_fit'))} "
+            f"| {_g(p.get('measured_c'))} | {_g(p.get('c_used'))} "
+            f"| {p.get('chosen_batch')} | {_g(p.get('cost_s'), '.1f')} "
+            f"| {p.get('cost_tokens')} |"
+        )
     return lines
 
 
@@ -39,13 +44,17 @@ def posterior_lines(run: Run) -> list[str]:
     rows = [d for d in run.decisions if d.get("event") == "calibration"]
     if not rows:
         return []
-    lines = ["| step | batches | median b_noise | c (window ML) | c median | c mean | 5-95 % "
-             "| experiments |", "|" + "---|" * 8]
+    lines = [
+        "| step | batches | median b_noise | c (window ML) | c median | c mean | 5-95 % | experiments |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
         batches = ",".join(_g(b, "g") for b in r.get("batches", []))
-        lines.append(f"| {r.get('step')} | {batches} | {_g(r.get('b_noise'))} "
-                     f"| {_g(r.get('c_ml'))} | {_g(r.get('median'))} | {_g(r.get('mean'))} "
-                     f"| {_g(r.get('p05'))}–{_g(r.get('p95'))} | {r.get('experiments')} |")
+        lines.append(
+            f"| {r.get('step')} | {batches} | {_g(r.get('b_noise'))} "
+            f"| {_g(r.get('c_ml'))} | {_g(r.get('median'))} | {_g(r.get('mean'))} "
+            f"| {_g(r.get('p05'))}–{_g(r.get('p95'))} | {r.get('experiments')} |"
+        )
     return lines
 
 
@@ -65,12 +74,21 @@ def calibration_section(run: Run) -> list[str]:
         return []
     md = [f"## Calibration of {run.name}", ""]
     if posterior:
-        md += ["Posterior over c = B_crit / b_noise learnt from the loss around the run's own "
-               "batch changes (gns.calibration = \"auto\", docs/robust-goodput.md):", "",
-               *posterior, ""]
+        md += [
+            "Posterior over c = B_crit / b_noise learnt from the loss around the run's own "
+            'batch changes (gns.calibration = "auto", docs/robust-goodput.md):',
+            "",
+            *posterior,
+            "",
+        ]
     if probes:
-        md += ["Branch probes (gns.calibration = \"probe\"): the run continued from the chosen "
-               "branch; c = B_noise fit / online b_noise.", "", *probes, ""]
+        md += [
+            'Branch probes (gns.calibration = "probe"): the run continued from the chosen '
+            "branch; c = B_noise fit / online b_noise.",
+            "",
+            *probes,
+            "",
+        ]
     if table:
         md += ["Branching calibration (copus calibrate):", "", *table, ""]
     return md

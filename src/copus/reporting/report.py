@@ -43,8 +43,11 @@ def summary_rows(runs: list[Run], targets: list[float]) -> list[dict]:
         val = run.series("val_loss", run.evals) if run.evals else []
         val_t = run.series("wall_s", run.evals) if run.evals else []
         row = {
-            "run": run.name, "policy": run.policy, "steps": int(last.get("step", len(run.steps))),
-            "tokens": int(last.get("tokens") or 0), "wall_s": run_wall_s(run),
+            "run": run.name,
+            "policy": run.policy,
+            "steps": int(last.get("step", len(run.steps))),
+            "tokens": int(last.get("tokens") or 0),
+            "wall_s": run_wall_s(run),
             "final_loss": run.series("loss")[-1],
             "final_val_loss": val[-1] if val else float("nan"),
             "batch_start": int(run.steps[0].get("global_batch_size") or 0),
@@ -76,15 +79,34 @@ def _max(values: list[float]) -> float:
 
 def markdown_table(rows: list[dict], targets: list[float]) -> str:
     """The summary table; MFU is the median over steps, peak memory the largest of any rank."""
-    head = ["run", "policy", "steps", "tokens", "wall s", "final loss", "val loss", "batch",
-            "plans", "MFU", "peak GiB"] + [f"t→{t:g} (s)" for t in targets]
+    head = [
+        "run",
+        "policy",
+        "steps",
+        "tokens",
+        "wall s",
+        "final loss",
+        "val loss",
+        "batch",
+        "plans",
+        "MFU",
+        "peak GiB",
+    ] + [f"t→{t:g} (s)" for t in targets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["run"], r["policy"], str(r["steps"]), f"{r['tokens']:,}", _fmt(r["wall_s"], ".1f"),
-                 _fmt(r["final_loss"]), _fmt(r["final_val_loss"]),
-                 f"{r['batch_start']}→{r['batch_end']}", r["plans"],
-                 _fmt(r["mfu"] * 100, ".1f") + "%" if math.isfinite(r["mfu"]) else "–",
-                 _fmt(r["peak_memory_gib"], ".2f")]
+        cells = [
+            r["run"],
+            r["policy"],
+            str(r["steps"]),
+            f"{r['tokens']:,}",
+            _fmt(r["wall_s"], ".1f"),
+            _fmt(r["final_loss"]),
+            _fmt(r["final_val_loss"]),
+            f"{r['batch_start']}→{r['batch_end']}",
+            r["plans"],
+            _fmt(r["mfu"] * 100, ".1f") + "%" if math.isfinite(r["mfu"]) else "–",
+            _fmt(r["peak_memory_gib"], ".2f"),
+        ]
         cells += [_fmt(r[f"time_to_{t:g}"], ".1f") for t in targets]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -117,16 +139,20 @@ def plan_timeline(plt, runs: list[Run]) -> None:
     span = max((s[1] for run in runs for s in plan_segments(run)), default=1.0) or 1.0
     for i, run in enumerate(runs):
         for start, end, lab in plan_segments(run):
-            ax.barh(i, max(end - start, 1e-3), left=start, height=0.6, color=colors[lab],
-                    edgecolor="k", lw=0.3)
+            ax.barh(i, max(end - start, 1e-3), left=start, height=0.6, color=colors[lab], edgecolor="k", lw=0.3)
             if (end - start) / span > 0.12:
                 ax.text((start + end) / 2, i, lab, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(runs)), [r.name for r in runs])
     ax.set_ylim(-0.6, len(runs) - 0.4)
     ax.set(xlabel="wall time (s)", title="Parallel plan timeline (dp.tp.pp)")
-    ax.legend(handles=[matplotlib.patches.Patch(color=colors[lab], label=lab) for lab in labels],
-              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35),
-              ncol=min(4, max(1, len(labels))), frameon=False)
+    ax.legend(
+        handles=[matplotlib.patches.Patch(color=colors[lab], label=lab) for lab in labels],
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35),
+        ncol=min(4, max(1, len(labels))),
+        frameon=False,
+    )
 
 
 def write_plots(runs: list[Run], out: Path) -> list[Path]:
@@ -145,21 +171,28 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    for x_key, xlabel, name in (("wall_s", "wall time (s)", "loss_vs_time.png"),
-                                ("tokens", "tokens", "loss_vs_tokens.png")):
+    for x_key, xlabel, name in (
+        ("wall_s", "wall time (s)", "loss_vs_time.png"),
+        ("tokens", "tokens", "loss_vs_tokens.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _plot_lines(ax, runs, x_key, "loss", smooth=True)
         for run in runs:
             if run.evals:
-                ax.plot(run.series(x_key, run.evals), run.series("val_loss", run.evals), "o--",
-                        ms=3, label=f"{run.name} validation")
-        ax.set(xlabel=xlabel, ylabel="loss (nats/token)",
-               title="Training loss (smoothed) and validation loss")
+                ax.plot(
+                    run.series(x_key, run.evals),
+                    run.series("val_loss", run.evals),
+                    "o--",
+                    ms=3,
+                    label=f"{run.name} validation",
+                )
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title="Training loss (smoothed) and validation loss")
         ax.legend(fontsize=7)
         save(fig, name)
-    for y_key, ylabel, name, base in (("global_batch_size", "global batch (samples)",
-                                       "batch_vs_tokens.png", 2),
-                                      ("b_noise", "b_noise (samples)", "bnoise_vs_tokens.png", 10)):
+    for y_key, ylabel, name, base in (
+        ("global_batch_size", "global batch (samples)", "batch_vs_tokens.png", 2),
+        ("b_noise", "b_noise (samples)", "bnoise_vs_tokens.png", 10),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _plot_lines(ax, runs, "tokens", y_key)
         ax.set(xlabel="tokens", ylabel=ylabel, title=f"{ylabel} as training proceeds")
@@ -188,21 +221,27 @@ def considered_table(run: Run, max_rows: int = 40) -> list[str]:
     if len(rows) > max_rows:
         keep = {round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)}
         rows = [r for i, r in enumerate(rows) if i in keep]
-    lines = [f"## Moves weighed by {run.name}", "",
-             "At each decision point the plan over the rest of the run (expected seconds to its "
-             "end) and the best moves it refused: a layout, with the seconds it would save over "
-             "the rest of the run against the switch cost it had to clear; a larger batch, with "
-             "its expected rate against the chosen one's.", "",
-             "| step | plan | expected s | layout refused | saves s | needs s | larger batch | "
-             "rate vs chosen |", "|" + "---|" * 8]
+    lines = [
+        f"## Moves weighed by {run.name}",
+        "",
+        "At each decision point the plan over the rest of the run (expected seconds to its "
+        "end) and the best moves it refused: a layout, with the seconds it would save over "
+        "the rest of the run against the switch cost it had to clear; a larger batch, with "
+        "its expected rate against the chosen one's.",
+        "",
+        "| step | plan | expected s | layout refused | saves s | needs s | larger batch | rate vs chosen |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
         lay = next((x for x in r.get("refused", []) if x.get("move") == "layout"), {})
         big = next((x for x in r.get("refused", []) if x.get("move") == "batch (larger)"), {})
         rate = big.get("gain_pct")
-        lines.append(f"| {r.get('step')} | {r.get('chosen', '')} | {_fmt(r.get('expected_s'), '.0f')} "
-                     f"| {lay.get('plan', '–')} | {_fmt(lay.get('gain_s'), '.1f')} "
-                     f"| {_fmt(lay.get('needs_s'), '.1f')} | {big.get('global_batch_size', '–')} "
-                     f"| {'–' if rate is None else format(rate, '+.1f') + '%'} |")
+        lines.append(
+            f"| {r.get('step')} | {r.get('chosen', '')} | {_fmt(r.get('expected_s'), '.0f')} "
+            f"| {lay.get('plan', '–')} | {_fmt(lay.get('gain_s'), '.1f')} "
+            f"| {_fmt(lay.get('needs_s'), '.1f')} | {big.get('global_batch_size', '–')} "
+            f"| {'–' if rate is None else format(rate, '+.1f') + '%'} |"
+        )
     return lines + [""]
 
 
@@ -211,19 +250,26 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(runs, out)
     rows = summary_rows(runs, targets)
-    md = ["# copus report", "",
-          "Each row is one training run. *val loss* is the last validation loss; *t→X* is the "
-          "wall time at which the validation loss first reached X (– if never). *final loss* "
-          "and *wall s* are summary.txt's (the last step's loss; the run's wall time). *plans* "
-          "lists the dp.tp.pp layouts the run used, in order.", "",
-          markdown_table(rows, targets), ""]
+    md = [
+        "# copus report",
+        "",
+        "Each row is one training run. *val loss* is the last validation loss; *t→X* is the "
+        "wall time at which the validation loss first reached X (– if never). *final loss* "
+        "and *wall s* are summary.txt's (the last step's loss; the run's wall time). *plans* "
+        "lists the dp.tp.pp layouts the run used, in order.",
+        "",
+        markdown_table(rows, targets),
+        "",
+    ]
     for run in runs:
         if decision_rows(run):
             md += [f"## Decisions of {run.name}", ""]
             for d in decision_rows(run):
                 purpose = "" if d.get("purpose", "decide") == "decide" else f" ({d['purpose']})"
-                md.append(f"- step {d.get('step')}: {d.get('kind')}{purpose} -> {plan_label(d)} "
-                          f"B={d.get('global_batch_size')} — {d.get('reason', '')}")
+                md.append(
+                    f"- step {d.get('step')}: {d.get('kind')}{purpose} -> {plan_label(d)} "
+                    f"B={d.get('global_batch_size')} — {d.get('reason', '')}"
+                )
             md.append("")
         md += considered_table(run) + probe_table(run) + audit_table(run)
         md += calibration_section(run)

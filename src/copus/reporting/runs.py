@@ -19,7 +19,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)   # summary.json, when the run wrote one
+    summary: dict = field(default_factory=dict)  # summary.json, when the run wrote one
 
     @property
     def policy(self) -> str:
@@ -65,8 +65,11 @@ def latest_rows(rows: list[dict], *, keep_same_step: bool = False) -> list[dict]
     for row in rows:
         step = row.get("step")
         if isinstance(step, int):
-            while out and isinstance(out[-1].get("step"), int) and (
-                    out[-1]["step"] > step or (out[-1]["step"] == step and not keep_same_step)):
+            while (
+                out
+                and isinstance(out[-1].get("step"), int)
+                and (out[-1]["step"] > step or (out[-1]["step"] == step and not keep_same_step))
+            ):
                 out.pop()
         out.append(row)
     return out
@@ -88,9 +91,15 @@ def load_run(path: str | Path) -> Run:
         summary = json.loads((p / "summary.json").read_text())
     except (OSError, ValueError):
         pass
-    return Run(path=p, name=p.name, config=config, steps=steps, summary=summary,
-               evals=latest_rows(read_jsonl(p / "eval.jsonl")),
-               decisions=latest_rows(read_jsonl(p / "decisions.jsonl"), keep_same_step=True))
+    return Run(
+        path=p,
+        name=p.name,
+        config=config,
+        steps=steps,
+        summary=summary,
+        evals=latest_rows(read_jsonl(p / "eval.jsonl")),
+        decisions=latest_rows(read_jsonl(p / "decisions.jsonl"), keep_same_step=True),
+    )
 
 
 def first_time_below(times: list[float], losses: list[float], target: float) -> float:

@@ -21,30 +21,49 @@ STATE_VERSION = 2
 class ControllerBase:
     """Step-time model, switch costs, calibration and checkpointing of a goodput controller."""
 
-    def __init__(self, *, candidates: CandidateSet, initial_plan: ParallelPlan,
-                 fitter: OnlineFitter | None = None, model: StepTimePredictor | None = None,
-                 min_batch: int, max_batch: int, interval_steps: int = 10, warmup_steps: int = 10,
-                 calibration: float = 2.0, lr_aware: bool = False,
-                 lr_ref_batch: float | None = None, reconfig_cost_s: float = 2.0,
-                 allow_reconfigure: bool = True, refit_interval_steps: int = 20,
-                 refit_tolerance: float = 0.05, posterior: CalibrationPosterior | None = None,
-                 lr_warmup_tokens: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        candidates: CandidateSet,
+        initial_plan: ParallelPlan,
+        fitter: OnlineFitter | None = None,
+        model: StepTimePredictor | None = None,
+        min_batch: int,
+        max_batch: int,
+        interval_steps: int = 10,
+        warmup_steps: int = 10,
+        calibration: float = 2.0,
+        lr_aware: bool = False,
+        lr_ref_batch: float | None = None,
+        reconfig_cost_s: float = 2.0,
+        allow_reconfigure: bool = True,
+        refit_interval_steps: int = 20,
+        refit_tolerance: float = 0.05,
+        posterior: CalibrationPosterior | None = None,
+        lr_warmup_tokens: float = 0.0,
+    ) -> None:
         if fitter is None and model is None:
             raise ValueError("Controller needs a step-time model or an OnlineFitter")
         if interval_steps < 1 or warmup_steps < 0 or not calibration > 0:
-            raise ValueError(f"interval_steps={interval_steps}, warmup_steps={warmup_steps}, "
-                             f"calibration={calibration} are invalid; allowed: interval >= 1, "
-                             "warmup >= 0, calibration > 0")
+            raise ValueError(
+                f"interval_steps={interval_steps}, warmup_steps={warmup_steps}, "
+                f"calibration={calibration} are invalid; allowed: interval >= 1, "
+                "warmup >= 0, calibration > 0"
+            )
         self.candidates = candidates
         self.fitter = fitter
         self._fixed_model = model
-        self.search_options = dict(min_batch=min_batch, max_batch=max_batch,
-                                   allow_reconfigure=allow_reconfigure, lr_aware=lr_aware,
-                                   lr_ref_batch=lr_ref_batch or float(initial_plan.global_batch_size))
+        self.search_options = dict(
+            min_batch=min_batch,
+            max_batch=max_batch,
+            allow_reconfigure=allow_reconfigure,
+            lr_aware=lr_aware,
+            lr_ref_batch=lr_ref_batch or float(initial_plan.global_batch_size),
+        )
         self.interval_steps, self.warmup_steps = interval_steps, warmup_steps
         self.calibration = calibration
         self.posterior = posterior
-        self.lr_warmup_tokens = float(lr_warmup_tokens)   # no calibration evidence before
+        self.lr_warmup_tokens = float(lr_warmup_tokens)  # no calibration evidence before
         if posterior is not None:
             self.calibration = posterior.value()
         self.prior_reconfig_cost_s = reconfig_cost_s
@@ -57,7 +76,7 @@ class ControllerBase:
         self.seen_plan: ParallelPlan | None = None
         self.last_explanation: dict = {"action": "wait", "why": "no step observed yet"}
         self._predicted: tuple[object, np.ndarray] | None = None  # (model, step_s of every cand.)
-        self.events: list[dict] = []            # decisions.jsonl rows
+        self.events: list[dict] = []  # decisions.jsonl rows
 
     # ---- what decisions use --------------------------------------------------------------------
 
@@ -144,8 +163,9 @@ class ControllerBase:
         A closed window (an experiment) is logged to decisions.jsonl as a "calibration" row."""
         if self.posterior is None or record.skipped:
             return
-        row = self.posterior.observe(record.loss, record.plan.global_batch_size, record.b_noise,
-                                     usable=record.tokens >= self.lr_warmup_tokens)
+        row = self.posterior.observe(
+            record.loss, record.plan.global_batch_size, record.b_noise, usable=record.tokens >= self.lr_warmup_tokens
+        )
         if row is not None:
             self.calibration = self.posterior.value()
             self.events.append({"event": "calibration", "step": record.step, **row})
@@ -154,10 +174,11 @@ class ControllerBase:
         """Why no decision is taken at this step (None: decide)."""
         if record.step < self.warmup_steps:
             return f"warmup: step {record.step} < warmup_steps {self.warmup_steps}"
-        if self.last_decision_step is not None and \
-                record.step - self.last_decision_step < self.interval_steps:
-            return (f"next decision at step {self.last_decision_step + self.interval_steps} "
-                    f"(interval_steps {self.interval_steps})")
+        if self.last_decision_step is not None and record.step - self.last_decision_step < self.interval_steps:
+            return (
+                f"next decision at step {self.last_decision_step + self.interval_steps} "
+                f"(interval_steps {self.interval_steps})"
+            )
         if record.skipped:
             return "step skipped (non-finite statistics)"
         if not (math.isfinite(record.b_noise) and record.b_noise > 0):
@@ -199,17 +220,21 @@ class ControllerBase:
 
     def state_dict(self) -> dict:
         """JSON-able state: fitter (measurements + fitted coefficients), switch costs, history."""
-        return {"version": STATE_VERSION, "plan": _plan_list(self.plan),
-                "seen_plan": _plan_list(self.seen_plan), "elapsed_s": self.elapsed_s,
-                "switch_costs": list(self.switch_costs), "history": list(self.history),
-                "last_decision_step": self.last_decision_step,
-                "fitter": self.fitter.state_dict() if self.fitter is not None else None,
-                "posterior": self.posterior.state_dict() if self.posterior is not None else None}
+        return {
+            "version": STATE_VERSION,
+            "plan": _plan_list(self.plan),
+            "seen_plan": _plan_list(self.seen_plan),
+            "elapsed_s": self.elapsed_s,
+            "switch_costs": list(self.switch_costs),
+            "history": list(self.history),
+            "last_decision_step": self.last_decision_step,
+            "fitter": self.fitter.state_dict() if self.fitter is not None else None,
+            "posterior": self.posterior.state_dict() if self.posterior is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"controller state version={state.get('version')!r} is invalid; "
-                             f"allowed: {STATE_VERSION}")
+            raise ValueError(f"controller state version={state.get('version')!r} is invalid; allowed: {STATE_VERSION}")
         self.plan = _plan_of(state["plan"])
         self.seen_plan = _plan_of(state["seen_plan"])
         self.elapsed_s = float(state["elapsed_s"])
@@ -221,7 +246,6 @@ class ControllerBase:
         if self.posterior is not None and state.get("posterior") is not None:
             self.posterior.load_state_dict(state["posterior"])
             self.calibration = self.posterior.value()
-
 
 
 def _plan_list(plan: ParallelPlan | None) -> list[int] | None:

@@ -39,11 +39,19 @@ from copus.core.specs.hardware import HardwareProfile, get_hardware
 from copus.core.specs.models import ModelShape
 from copus.core.stats.calibration_posterior import CalibrationPosterior
 
+
 class Controller(ControllerBase):
     """COPUS's rule (`goodput-copus`): the module docstring."""
 
-    def __init__(self, *, margin: float = 0.10, max_growth: float = 2.0,
-                 allow_shrink: bool = False, max_rel_err: float = 1e9, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        margin: float = 0.10,
+        max_growth: float = 2.0,
+        allow_shrink: bool = False,
+        max_rel_err: float = 1e9,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self.search_options.update(margin=margin, max_growth=max_growth, allow_shrink=allow_shrink)
         self.max_rel_err = float(max_rel_err)
@@ -54,20 +62,25 @@ class Controller(ControllerBase):
         self._account(record)
         why = self._gate(record)
         if why is None and not record.b_noise_rel_err <= self.max_rel_err:
-            why = (f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > "
-                   f"max_rel_err {self.max_rel_err:g}")
+            why = f"gns not ready: rel. error {record.b_noise_rel_err:.3g} > max_rel_err {self.max_rel_err:g}"
         if why is not None:
             self.last_explanation = {"step": record.step, "action": "wait", "why": why}
             return None
         self._maybe_refit()
-        result = evaluate(self.candidates, self.decision_model(),
-                          self.calibration * record.b_noise, record.plan,
-                          reconfig_cost_s=self.reconfig_cost_s, elapsed_s=self.elapsed_s,
-                          useful_s=self.useful_s, step=record.step,
-                          step_s=self.predicted_step_s(), **self.search_options)
+        result = evaluate(
+            self.candidates,
+            self.decision_model(),
+            self.calibration * record.b_noise,
+            record.plan,
+            reconfig_cost_s=self.reconfig_cost_s,
+            elapsed_s=self.elapsed_s,
+            useful_s=self.useful_s,
+            step=record.step,
+            step_s=self.predicted_step_s(),
+            **self.search_options,
+        )
         self.last_decision_step = record.step
-        self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise,
-                                 "calibration": self.calibration}
+        self.last_explanation = {**result.explanation, "b_noise_raw": record.b_noise, "calibration": self.calibration}
         decision = result.decision
         if decision is None:
             return None
@@ -86,21 +99,34 @@ def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> lis
     return sorted(sizes | {initial_plan.micro_batch_size})
 
 
-def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
-                    shape: ModelShape, *, policy: str = "goodput",
-                    step_time_model: StepTimePredictor | None = None,
-                    memory_capacity_bytes: float | None = None,
-                    hardware: HardwareProfile | str | None = None,
-                    micro_batch_sizes: Iterable[int] | None = None, margin: float = 0.10,
-                    lr_aware: bool = False, reconfig_cost_s: float = 2.0,
-                    allow_reconfigure: bool = True,
-                    profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
-                    refit_interval_steps: int = 20, memory_model: MemoryModel | None = None,
-                    batch_grid: str = "multiples", online_fit: bool = True,
-                    allow_shrink: bool = False, cores: int | None = None,
-                    plan_options: dict | None = None, lr_warmup_tokens: float = 0.0,
-                    horizon_tokens: float = 0.0, posterior_options: dict | None = None,
-                    planner_options: dict | None = None) -> ControllerBase:
+def make_controller(
+    settings: Any,
+    initial_plan: ParallelPlan,
+    world_size: int,
+    shape: ModelShape,
+    *,
+    policy: str = "goodput",
+    step_time_model: StepTimePredictor | None = None,
+    memory_capacity_bytes: float | None = None,
+    hardware: HardwareProfile | str | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+    margin: float = 0.10,
+    lr_aware: bool = False,
+    reconfig_cost_s: float = 2.0,
+    allow_reconfigure: bool = True,
+    profile_observations: Iterable[tuple[ParallelPlan, float]] | None = None,
+    refit_interval_steps: int = 20,
+    memory_model: MemoryModel | None = None,
+    batch_grid: str = "multiples",
+    online_fit: bool = True,
+    allow_shrink: bool = False,
+    cores: int | None = None,
+    plan_options: dict | None = None,
+    lr_warmup_tokens: float = 0.0,
+    horizon_tokens: float = 0.0,
+    posterior_options: dict | None = None,
+    planner_options: dict | None = None,
+) -> ControllerBase:
     """`make_policy("goodput" | "goodput-copus", ...)`: the planning controller
     (`core.control.planner.PlanningController`) or COPUS's (`Controller`).
 
@@ -121,18 +147,26 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     initial_plan.validate(world_size, shape)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     min_b, max_b = int(settings.min), int(settings.max)
-    mbs = list(micro_batch_sizes) if micro_batch_sizes is not None else \
-        default_micro_batch_sizes(initial_plan, max_b)
+    mbs = list(micro_batch_sizes) if micro_batch_sizes is not None else default_micro_batch_sizes(initial_plan, max_b)
     if memory_capacity_bytes is not None and memory_model is None:
         memory_model = MemoryModel(shape=shape, mixed_precision=(hw is None or hw.dtype_bytes == 2))
     if plan_options and memory_model is not None:
         memory_model = memory_model.with_plan_options(**plan_options)
-    cands = build_candidates(world_size, shape, min_batch=min_b, max_batch=max_b,
-                             micro_batch_sizes=mbs, batch_grid=batch_grid,
-                             memory_model=memory_model, memory_capacity_bytes=memory_capacity_bytes)
+    cands = build_candidates(
+        world_size,
+        shape,
+        min_batch=min_b,
+        max_batch=max_b,
+        micro_batch_sizes=mbs,
+        batch_grid=batch_grid,
+        memory_model=memory_model,
+        memory_capacity_bytes=memory_capacity_bytes,
+    )
     if not len(cands):
-        raise ValueError(f"no plan fits: world_size={world_size}, batch [{min_b}, {max_b}], "
-                         f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}")
+        raise ValueError(
+            f"no plan fits: world_size={world_size}, batch [{min_b}, {max_b}], "
+            f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}"
+        )
     fitter, fixed = None, None
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
@@ -150,25 +184,43 @@ def make_controller(settings: Any, initial_plan: ParallelPlan, world_size: int,
     if getattr(settings, "calibration_mode", "fixed") == "auto":
         # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
         # (docs/robust-goodput.md §6)
-        opts = ({"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}) | \
-            (posterior_options or {})
-        posterior = CalibrationPosterior(prior_c=float(settings.calibration),
-                                         quantile=float(getattr(settings, "calibration_quantile", 0.5)),
-                                         **opts)
-    common = dict(candidates=cands, initial_plan=initial_plan, fitter=fitter, model=fixed,
-                  min_batch=min_b, max_batch=max_b, interval_steps=int(settings.interval_steps),
-                  warmup_steps=int(settings.warmup_steps), calibration=float(settings.calibration),
-                  lr_aware=lr_aware, lr_ref_batch=float(settings.initial),
-                  reconfig_cost_s=reconfig_cost_s, allow_reconfigure=allow_reconfigure,
-                  refit_interval_steps=refit_interval_steps, posterior=posterior,
-                  lr_warmup_tokens=lr_warmup_tokens)
+        opts = ({"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}) | (posterior_options or {})
+        posterior = CalibrationPosterior(
+            prior_c=float(settings.calibration), quantile=float(getattr(settings, "calibration_quantile", 0.5)), **opts
+        )
+    common = dict(
+        candidates=cands,
+        initial_plan=initial_plan,
+        fitter=fitter,
+        model=fixed,
+        min_batch=min_b,
+        max_batch=max_b,
+        interval_steps=int(settings.interval_steps),
+        warmup_steps=int(settings.warmup_steps),
+        calibration=float(settings.calibration),
+        lr_aware=lr_aware,
+        lr_ref_batch=float(settings.initial),
+        reconfig_cost_s=reconfig_cost_s,
+        allow_reconfigure=allow_reconfigure,
+        refit_interval_steps=refit_interval_steps,
+        posterior=posterior,
+        lr_warmup_tokens=lr_warmup_tokens,
+    )
     if policy == "goodput-copus":
-        return Controller(margin=margin, max_growth=float(settings.max_growth),
-                          allow_shrink=allow_shrink, max_rel_err=float(settings.max_rel_err),
-                          **common)
-    return PlanningController(horizon_tokens=horizon_tokens, seq_len=shape.seq_len,
-                              prior_bcrit=initial_critical_batch(shape),
-                              **(planner_options or {}), **common)
+        return Controller(
+            margin=margin,
+            max_growth=float(settings.max_growth),
+            allow_shrink=allow_shrink,
+            max_rel_err=float(settings.max_rel_err),
+            **common,
+        )
+    return PlanningController(
+        horizon_tokens=horizon_tokens,
+        seq_len=shape.seq_len,
+        prior_bcrit=initial_critical_batch(shape),
+        **(planner_options or {}),
+        **common,
+    )
 
 
 def initial_critical_batch(shape: ModelShape) -> float:

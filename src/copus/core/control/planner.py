@@ -52,24 +52,39 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
 from copus.core.stats.step_uncertainty import median_error, relative_spread
 
-PRIOR_SLOPE = 0.8         # d log φ / d log E before the run has measured it (docstring)
+PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
-QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))   # ±sqrt(3/2)σ: a 3-point Gauss rule
+QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ: a 3-point Gauss rule
 
 
 class PlanningController(ControllerBase):
     """observe(record) -> Decision | None by the module docstring's rule."""
 
-    def __init__(self, *, horizon_tokens: float = 0.0, seq_len: int = 1, c_points: int = 5,
-                 grid_points: int = 32, prior_slope: float = PRIOR_SLOPE, fit_octaves: float = 3.0,
-                 explore: bool = True, probe_steps: int = 5, prior_bcrit: float = 1.0,
-                 slope_sd: float = 0.3, fit_after_steps: int = 60, start: str = "fastest",
-                 batch_steps: int = 0, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        horizon_tokens: float = 0.0,
+        seq_len: int = 1,
+        c_points: int = 5,
+        grid_points: int = 32,
+        prior_slope: float = PRIOR_SLOPE,
+        fit_octaves: float = 3.0,
+        explore: bool = True,
+        probe_steps: int = 5,
+        prior_bcrit: float = 1.0,
+        slope_sd: float = 0.3,
+        fit_after_steps: int = 60,
+        start: str = "fastest",
+        batch_steps: int = 0,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         if c_points < 1 or grid_points < 2 or probe_steps < 1 or not 0 <= prior_slope <= MAX_SLOPE:
-            raise ValueError(f"c_points={c_points}, grid_points={grid_points}, probe_steps="
-                             f"{probe_steps}, prior_slope={prior_slope} are invalid; allowed: "
-                             f">= 1, >= 2, >= 1, 0..{MAX_SLOPE}")
+            raise ValueError(
+                f"c_points={c_points}, grid_points={grid_points}, probe_steps="
+                f"{probe_steps}, prior_slope={prior_slope} are invalid; allowed: "
+                f">= 1, >= 2, >= 1, 0..{MAX_SLOPE}"
+            )
         self.horizon_tokens, self.seq_len = float(horizon_tokens), max(int(seq_len), 1)
         self.c_points, self.grid_points = int(c_points), int(grid_points)
         self.prior_slope, self.fit_octaves = float(prior_slope), float(fit_octaves)
@@ -77,9 +92,9 @@ class PlanningController(ControllerBase):
         self.prior_bcrit = float(prior_bcrit)
         self.slope_sd = float(slope_sd)
         self.fit_after_steps, self.start = int(fit_after_steps), start
-        self.batch_steps = int(batch_steps)    # B_crit at the first step (samples; prior)
-        self.chunks: list[list[float]] = []     # [batch, steps, Σφ, steps with φ, first step]
-        self.step_misses: list[float] = []      # measured/predicted − 1 of each new layout
+        self.batch_steps = int(batch_steps)  # B_crit at the first step (samples; prior)
+        self.chunks: list[list[float]] = []  # [batch, steps, Σφ, steps with φ, first step]
+        self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
         self._shrunk: tuple | None = None
         self._layouts()
 
@@ -131,8 +146,7 @@ class PlanningController(ControllerBase):
         if self.posterior is None or self.c_points == 1:
             return np.array([self.calibration]), np.array([1.0])
         q = (np.arange(self.c_points) + 0.5) / self.c_points
-        return (np.array([self.posterior.quantile_c(float(x)) for x in q]),
-                np.full(self.c_points, 1.0 / self.c_points))
+        return (np.array([self.posterior.quantile_c(float(x)) for x in q]), np.full(self.c_points, 1.0 / self.c_points))
 
     def clock(self, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(E_c at the end of each stretch (K, n), mean φ of each stretch (n,), steps (n,))."""
@@ -153,7 +167,7 @@ class PlanningController(ControllerBase):
         beta = np.full(len(cs), self.prior_slope)
         phi_now = np.full(len(cs), phi[ok][-1] if ok.any() else np.nan)
         for k in range(len(cs)):
-            use = late & (e[k] >= e_now[k] * 2.0 ** -self.fit_octaves)
+            use = late & (e[k] >= e_now[k] * 2.0**-self.fit_octaves)
             if use.sum() < 4:
                 continue
             x, y, w = np.log(e[k, use]), np.log(phi[use]), n[use] / n[use].sum()
@@ -165,7 +179,7 @@ class PlanningController(ControllerBase):
             resid = float(w @ (y - ym - fit * (x - xm)) ** 2)
             # the EMA'd φ of neighbouring stretches is correlated: a third of them count
             se2 = max(resid, 0.02) / (sxx * max(int(use.sum()) / 3.0 - 1.0, 1.0))
-            prec = 1.0 / self.slope_sd ** 2
+            prec = 1.0 / self.slope_sd**2
             post = (self.prior_slope * prec + fit / se2) / (prec + 1.0 / se2)
             beta[k] = float(np.clip(post, 0.0, MAX_SLOPE))
             phi_now[k] = math.exp(ym + beta[k] * (math.log(e_now[k]) - xm))
@@ -206,16 +220,23 @@ class PlanningController(ControllerBase):
         s = step_s[idx]
         bc = np.asarray(bc, dtype=float)[..., None]
         r = b * bc / (bc + b) / s
-        if self.search_options["lr_aware"]:       # COPUS Eq. 8's sqrt(B) factor, when configured
+        if self.search_options["lr_aware"]:  # COPUS Eq. 8's sqrt(B) factor, when configured
             r = r * np.sqrt(b / self.search_options["lr_ref_batch"])
         return np.where(np.isfinite(r) & (s > 0), r, 0.0)
 
-    def end_clock(self, e_now: np.ndarray, phi_now: np.ndarray, beta: np.ndarray,
-                  cs: np.ndarray, step_s: np.ndarray, samples_left: float) -> np.ndarray:
+    def end_clock(
+        self,
+        e_now: np.ndarray,
+        phi_now: np.ndarray,
+        beta: np.ndarray,
+        cs: np.ndarray,
+        step_s: np.ndarray,
+        samples_left: float,
+    ) -> np.ndarray:
         """E_end per hypothesis: where the forecast run has spent `samples_left` samples, each
         stretch at the best plan's batch B* (ΔS = ΔE·(cφ + B*)/cφ): E grows more slowly per
         sample as the batch grows, faster as φ grows."""
-        top = e_now + max(samples_left, 1.0)             # E ≤ samples: E(B) ≤ 1 per sample
+        top = e_now + max(samples_left, 1.0)  # E ≤ samples: E(B) ≤ 1 per sample
         frac = np.linspace(0.0, 1.0, self.grid_points + 1)
         edges = e_now[:, None] * (top / e_now)[:, None] ** frac[None, :]
         mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
@@ -223,20 +244,26 @@ class PlanningController(ControllerBase):
         idx = self.frontier(step_s)
         b = self.candidates.global_batch_size[idx[np.argmax(self.rates(bc, step_s, idx), axis=-1)]]
         spent = np.cumsum(np.diff(edges, axis=1) * (bc + b) / bc, axis=1)
-        return np.array([np.interp(samples_left, spent[k], edges[k, 1:], right=edges[k, -1])
-                         for k in range(len(cs))])
+        return np.array([np.interp(samples_left, spent[k], edges[k, 1:], right=edges[k, -1]) for k in range(len(cs))])
 
-    def layout_times(self, e_now: np.ndarray, e_end: np.ndarray, phi_now: np.ndarray,
-                     beta: np.ndarray, cs: np.ndarray, step_s: np.ndarray) -> np.ndarray:
+    def layout_times(
+        self,
+        e_now: np.ndarray,
+        e_end: np.ndarray,
+        phi_now: np.ndarray,
+        beta: np.ndarray,
+        cs: np.ndarray,
+        step_s: np.ndarray,
+    ) -> np.ndarray:
         """h[k, L]: seconds from E_now to E_end starting on layout L (already there), under
         hypothesis k, switching later where the programme says so (module docstring)."""
         g_pts = self.grid_points
         frac = np.linspace(0.0, 1.0, g_pts + 1)
-        edges = e_now[:, None] * (e_end / e_now)[:, None] ** frac[None, :]     # (K, G+1)
+        edges = e_now[:, None] * (e_end / e_now)[:, None] ** frac[None, :]  # (K, G+1)
         mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
         bc = (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
         idx = self.frontier(step_s)
-        r = self.rates(bc, step_s, idx)                                        # (K, G, N')
+        r = self.rates(bc, step_s, idx)  # (K, G, N')
         best = np.full(r.shape[:2] + (len(self._keys),), 0.0)
         best[..., self._ids[idx[self._frontier[2]]]] = np.maximum.reduceat(r, self._frontier[2], axis=2)
         de = np.diff(edges, axis=1)[..., None]
@@ -258,28 +285,42 @@ class PlanningController(ControllerBase):
         left = self.end_samples(samples) - samples
         e_end = np.maximum(self.end_clock(e_now, phi_now, beta, cs, step_s, left), e_now * 1.001)
         h = self.layout_times(e_now, e_end, phi_now, beta, cs, step_s)
-        return self._choose(w @ np.where(np.isfinite(h), h, 1e30), cs * phi_now, w, step_s,
-                            extra={"c": cs.tolist(), "phi_now": phi_now.tolist(),
-                                   "slope": beta.tolist(), "e_end": e_end})
+        return self._choose(
+            w @ np.where(np.isfinite(h), h, 1e30),
+            cs * phi_now,
+            w,
+            step_s,
+            extra={"c": cs.tolist(), "phi_now": phi_now.tolist(), "slope": beta.tolist(), "e_end": e_end},
+        )
 
-    def _choose(self, h: np.ndarray, bc_now: np.ndarray, w: np.ndarray, step_s: np.ndarray,
-                extra: dict) -> dict:
+    def _choose(self, h: np.ndarray, bc_now: np.ndarray, w: np.ndarray, step_s: np.ndarray, extra: dict) -> dict:
         """The layout with the least expected time (switch cost added off the current one)
         and, on it, the batch with the highest expected relative rate at φ_now."""
         cur = self._key_index(self.plan)
         switch = np.full(len(h), self.reconfig_cost_s)
         if cur is not None:
             switch[cur] = 0.0
-        allowed = np.ones(len(h), bool) if self.search_options["allow_reconfigure"] or cur is None \
+        allowed = (
+            np.ones(len(h), bool)
+            if self.search_options["allow_reconfigure"] or cur is None
             else np.arange(len(h)) == cur
+        )
         total = np.where(allowed, h + switch, np.inf)
         lay = int(np.argmin(total))
-        r = self.rates(bc_now, step_s)                                      # (K, N)
+        r = self.rates(bc_now, step_s)  # (K, N)
         score = w @ (r / np.maximum(r.max(axis=1, keepdims=True), 1e-300))
         on = self.ladder(np.flatnonzero(self._ids == lay))
         i = int(on[np.argmax(score[on])])
-        return {"layout": lay, "index": i, "J": total, "h": h, "score": score, "switch": switch,
-                "allowed": allowed, **extra}
+        return {
+            "layout": lay,
+            "index": i,
+            "J": total,
+            "h": h,
+            "score": score,
+            "switch": switch,
+            "allowed": allowed,
+            **extra,
+        }
 
     def ladder(self, idx: np.ndarray) -> np.ndarray:
         """The candidates of `idx` on the batch ladder B0·2^(k/`batch_steps`) (per rung the
@@ -326,16 +367,21 @@ class PlanningController(ControllerBase):
         if probe is not None:
             return self._decide(record, probe[0], probe[1], "probe")
         if target == record.plan:
-            self.last_explanation = {"step": record.step, "action": "stay",
-                                     "why": self.events[-1]["why"]}
+            self.last_explanation = {"step": record.step, "action": "stay", "why": self.events[-1]["why"]}
             return None
         return self._decide(record, target, self.events[-1]["why"], "decide")
 
     def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
         kind = decision_kind(record.plan, plan)
-        decision = Decision(kind=kind, plan=plan, reason=why, step=record.step,
-                            b_noise=self.calibration * record.b_noise, purpose=purpose,
-                            calibration=self.posterior.summary() if self.posterior else None)
+        decision = Decision(
+            kind=kind,
+            plan=plan,
+            reason=why,
+            step=record.step,
+            b_noise=self.calibration * record.b_noise,
+            purpose=purpose,
+            calibration=self.posterior.summary() if self.posterior else None,
+        )
         self.last_explanation = {"step": record.step, "action": kind, "why": why}
         self.history.append(decision.to_dict())
         return decision
@@ -361,8 +407,7 @@ class PlanningController(ControllerBase):
         if f is None or record.skipped:
             return
         times = f.times.get(record.plan, [])
-        if len(times) == 3 and not any(p.layout == record.plan.layout and p != record.plan
-                                       for p in f.times):
+        if len(times) == 3 and not any(p.layout == record.plan.layout and p != record.plan for p in f.times):
             pred = float(np.asarray(self.model.predict_plans([record.plan])).reshape(-1)[0])
             if pred > 0:
                 self.step_misses.append(float(np.median(times)) / pred - 1.0)
@@ -407,9 +452,11 @@ class PlanningController(ControllerBase):
                 best = (self.candidates.plan(i), value - cost, value, cost)
         if best is None:
             return None
-        return best[0], (f"probe {best[0].describe()}: the value of measuring it "
-                         f"{best[2]:.1f}s > its cost {best[3]:.1f}s (two switches and slower "
-                         f"steps; model error σ={sigma:.2f})")
+        return best[0], (
+            f"probe {best[0].describe()}: the value of measuring it "
+            f"{best[2]:.1f}s > its cost {best[3]:.1f}s (two switches and slower "
+            f"steps; model error σ={sigma:.2f})"
+        )
 
     # ---- the record ----------------------------------------------------------------------------
 
@@ -418,38 +465,60 @@ class PlanningController(ControllerBase):
         cands, J, h = self.candidates, plan["J"], plan["h"]
         lay, i = plan["layout"], plan["index"]
         chosen = cands.plan(i)
-        out = {"event": "considered", "step": record.step, "tokens": record.tokens,
-               "current": record.plan.describe(), "chosen": chosen.describe(),
-               "global_batch_size": chosen.global_batch_size, "expected_s": _f(J[lay]),
-               "switch_cost_s": self.reconfig_cost_s, "b_noise": record.b_noise,
-               "c": plan["c"], "phi_now": plan["phi_now"], "slope": plan["slope"],
-               "e_end": plan["e_end"].tolist(),
-               "refused": []}
+        out = {
+            "event": "considered",
+            "step": record.step,
+            "tokens": record.tokens,
+            "current": record.plan.describe(),
+            "chosen": chosen.describe(),
+            "global_batch_size": chosen.global_batch_size,
+            "expected_s": _f(J[lay]),
+            "switch_cost_s": self.reconfig_cost_s,
+            "b_noise": record.b_noise,
+            "c": plan["c"],
+            "phi_now": plan["phi_now"],
+            "slope": plan["slope"],
+            "e_end": plan["e_end"].tolist(),
+            "refused": [],
+        }
         others = [k for k in np.argsort(J) if k != lay and np.isfinite(J[k])]
         if others:
             k = int(others[0])
             on_k = self.ladder(np.flatnonzero(self._ids == k))
             j = int(on_k[np.argmax(plan["score"][on_k])])
             gain, need = h[lay] - h[k], plan["switch"][k] - plan["switch"][lay]
-            out["refused"].append({
-                "move": "layout", "plan": cands.plan(j).describe(),
-                "global_batch_size": int(cands.global_batch_size[j]), "gain_s": _f(gain),
-                "needs_s": _f(need),
-                "why": f"saves {gain:.1f}s over the rest of the run, needs {need:.1f}s"})
+            out["refused"].append(
+                {
+                    "move": "layout",
+                    "plan": cands.plan(j).describe(),
+                    "global_batch_size": int(cands.global_batch_size[j]),
+                    "gain_s": _f(gain),
+                    "needs_s": _f(need),
+                    "why": f"saves {gain:.1f}s over the rest of the run, needs {need:.1f}s",
+                }
+            )
         on = self.ladder(np.flatnonzero(self._ids == lay))
         b = cands.global_batch_size
         for side, pick in (("larger", on[b[on] > b[i]]), ("smaller", on[b[on] < b[i]])):
             if len(pick):
                 j = int(pick[np.argmax(plan["score"][pick])])
                 gain = 100.0 * (plan["score"][j] / max(plan["score"][i], 1e-300) - 1.0)
-                out["refused"].append({
-                    "move": f"batch ({side})", "plan": cands.plan(j).describe(),
-                    "global_batch_size": int(b[j]), "gain_pct": _f(gain), "needs_pct": 0.0,
-                    "why": f"B={b[j]} expected rate {gain:+.1f}% vs B={b[i]} under the posterior"})
+                out["refused"].append(
+                    {
+                        "move": f"batch ({side})",
+                        "plan": cands.plan(j).describe(),
+                        "global_batch_size": int(b[j]),
+                        "gain_pct": _f(gain),
+                        "needs_pct": 0.0,
+                        "why": f"B={b[j]} expected rate {gain:+.1f}% vs B={b[i]} under the posterior",
+                    }
+                )
         what = "stay on" if chosen == record.plan else "take"
-        out["why"] = (f"plan: {what} {chosen.describe()} (expected {_f(J[lay]):.0f}s to the run's "
-                      f"end; c {_span(plan['c'])}, φ {_span(plan['phi_now'])}, slope "
-                      f"{_span(plan['slope'])})")
+        out["why"] = (
+            f"plan: {what} {chosen.describe()} (expected {_f(J[lay]):.0f}s to the run's "
+            f"end; c {_span(plan['c'])}, φ {_span(plan['phi_now'])}, slope "
+            f"{_span(plan['slope'])})"
+        )
         if probe is not None:
             out["probe"] = probe[1]
         return out
@@ -479,8 +548,7 @@ class PlanningController(ControllerBase):
         return self.plan if not ok.any() else self.candidates.plan(best)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "chunks": [list(c) for c in self.chunks],
-                "step_misses": list(self.step_misses)}
+        return {**super().state_dict(), "chunks": [list(c) for c in self.chunks], "step_misses": list(self.step_misses)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -36,13 +36,27 @@ from copus.core.stats.gns import lower_bound
 from copus.core.specs.models import ModelShape
 from copus.core.plan.plan import ParallelPlan, default_micro_batch_size
 from copus.core.plan.records import Decision, StepRecord
-from copus.core.control.schedules import (STEP_SCHEDULE_UNITS, BatchSchedule, StepSchedule,
-                                          parse_step_schedule,
-                                          round_down)
+from copus.core.control.schedules import (
+    STEP_SCHEDULE_UNITS,
+    BatchSchedule,
+    StepSchedule,
+    parse_step_schedule,
+    round_down,
+)
 
-POLICY_NAMES = ("constant", "ramp", "norm-test", "norm-test-lau", "inner-product-test", "gns",
-                "goodput", "goodput-copus", "doubling", "schedule")
-GOODPUT_POLICIES = ("goodput", "goodput-copus")   # the controller; see core.policy_presets
+POLICY_NAMES = (
+    "constant",
+    "ramp",
+    "norm-test",
+    "norm-test-lau",
+    "inner-product-test",
+    "gns",
+    "goodput",
+    "goodput-copus",
+    "doubling",
+    "schedule",
+)
+GOODPUT_POLICIES = ("goodput", "goodput-copus")  # the controller; see core.policy_presets
 
 
 class Policy(Protocol):
@@ -68,67 +82,71 @@ class PolicySettings:
     ramp_samples: int = 20000
     ramp_steps: int = 4
     norm_test_eta: float = 0.5
-    norm_test_form: str = "per-sample"   # per-sample | micro-batch | paper (core.stats.batch_tests)
-    ip_theta: float = 0.5                # AdAdaGrad's θ (Lau, Liu, Kolar 2024, README example)
-    orth_nu: float = 5.84                # Bollapragada et al. 2018's ν (≈ tan 80°, as cockpit cites)
+    norm_test_form: str = "per-sample"  # per-sample | micro-batch | paper (core.stats.batch_tests)
+    ip_theta: float = 0.5  # AdAdaGrad's θ (Lau, Liu, Kolar 2024, README example)
+    orth_nu: float = 5.84  # Bollapragada et al. 2018's ν (≈ tan 80°, as cockpit cites)
     gns_c: float = 2.0
-    max_rel_err: float = 0.5      # [gns]; only with confidence = 0
-    calibration: float = 1.0      # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
+    max_rel_err: float = 0.5  # [gns]; only with confidence = 0
+    calibration: float = 1.0  # [gns]; the goodput controller's c (GnsPolicy uses gns_c)
     # "auto": c learnt in the run (core.stats.calibration_posterior), `calibration` its prior
     # median; "fixed": `calibration` as is (a number, or "probe"'s measured value)
     calibration_mode: str = "fixed"
-    calibration_quantile: float = 0.5   # "auto": the posterior quantile of c decisions use
-    confidence: float = 1.645     # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
-    recovery_steps: int = 20      # [gns]; hold after a batch change
+    calibration_quantile: float = 0.5  # "auto": the posterior quantile of c decisions use
+    confidence: float = 1.645  # [gns]; z of the lower bound (one-sided 95 %); 0: point est.
+    recovery_steps: int = 20  # [gns]; hold after a batch change
     # batch.policy = "schedule": "0:768,250B:1536,..." (thresholds in tokens, K/M/B/T
     # suffixes; batches in `schedule_unit`); "" = the initial batch throughout
     schedule: str = ""
     schedule_unit: str = "samples"
 
     def __post_init__(self) -> None:
-        for name, lo in (("initial", 1), ("min", 1), ("max", 1), ("interval_steps", 1),
-                         ("warmup_steps", 0), ("ramp_to", 1), ("ramp_samples", 1),
-                         ("ramp_steps", 1), ("recovery_steps", 0)):
+        for name, lo in (
+            ("initial", 1),
+            ("min", 1),
+            ("max", 1),
+            ("interval_steps", 1),
+            ("warmup_steps", 0),
+            ("ramp_to", 1),
+            ("ramp_samples", 1),
+            ("ramp_steps", 1),
+            ("recovery_steps", 0),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:
                 raise ValueError(f"batch.{name}={value!r} is invalid; allowed: an integer >= {lo}")
         if self.max < self.min:
             raise ValueError(f"batch.max={self.max} is invalid; allowed: >= batch.min={self.min}")
-        if not self.max_growth >= 1.0:   # inf: no growth cap (Lau et al.)
-            raise ValueError(f"batch.max_growth={self.max_growth!r} is invalid; allowed: >= 1 "
-                             "(inf: no cap)")
-        for name in ("norm_test_eta", "ip_theta", "orth_nu", "gns_c", "max_rel_err",
-                     "calibration"):
+        if not self.max_growth >= 1.0:  # inf: no growth cap (Lau et al.)
+            raise ValueError(f"batch.max_growth={self.max_growth!r} is invalid; allowed: >= 1 (inf: no cap)")
+        for name in ("norm_test_eta", "ip_theta", "orth_nu", "gns_c", "max_rel_err", "calibration"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number > 0")
-        if not (isinstance(self.confidence, int | float) and self.confidence >= 0
-                and math.isfinite(self.confidence)):
-            raise ValueError(f"confidence={self.confidence!r} is invalid; allowed: a finite "
-                             "number >= 0")
+        if not (isinstance(self.confidence, int | float) and self.confidence >= 0 and math.isfinite(self.confidence)):
+            raise ValueError(f"confidence={self.confidence!r} is invalid; allowed: a finite number >= 0")
         if not 0.0 < self.calibration_quantile < 1.0:
-            raise ValueError(f"calibration_quantile={self.calibration_quantile!r} is invalid; "
-                             "allowed: 0 < q < 1")
+            raise ValueError(f"calibration_quantile={self.calibration_quantile!r} is invalid; allowed: 0 < q < 1")
         if self.calibration_mode not in CALIBRATION_MODES:
-            raise ValueError(f"calibration_mode={self.calibration_mode!r} is invalid; allowed: "
-                             f"{', '.join(CALIBRATION_MODES)}")
+            raise ValueError(
+                f"calibration_mode={self.calibration_mode!r} is invalid; allowed: {', '.join(CALIBRATION_MODES)}"
+            )
         if self.ramp_kind not in ("linear", "stepwise"):
-            raise ValueError(f"batch.ramp_kind={self.ramp_kind!r} is invalid; "
-                             "allowed: linear, stepwise")
+            raise ValueError(f"batch.ramp_kind={self.ramp_kind!r} is invalid; allowed: linear, stepwise")
         if self.schedule_unit not in STEP_SCHEDULE_UNITS:
-            raise ValueError(f"batch.schedule_unit={self.schedule_unit!r} is invalid; allowed: "
-                             f"{', '.join(STEP_SCHEDULE_UNITS)}")
+            raise ValueError(
+                f"batch.schedule_unit={self.schedule_unit!r} is invalid; allowed: {', '.join(STEP_SCHEDULE_UNITS)}"
+            )
         if self.schedule and self.schedule_unit == "samples":
-            parse_step_schedule(self.schedule)          # one-line error naming the bad entry
+            parse_step_schedule(self.schedule)  # one-line error naming the bad entry
         if self.norm_test_form not in bt.NORM_TEST_FORMS:
-            raise ValueError(f"batch.norm_test_form={self.norm_test_form!r} is invalid; "
-                             f"allowed: {', '.join(bt.NORM_TEST_FORMS)}")
+            raise ValueError(
+                f"batch.norm_test_form={self.norm_test_form!r} is invalid; allowed: {', '.join(bt.NORM_TEST_FORMS)}"
+            )
 
     @classmethod
     def from_config(cls, config: Any) -> PolicySettings:
         """From a `copus.config.Config` (or anything with `.batch` and `.gns` sections)."""
-        kw = {f.name: getattr(config.batch, f.name) for f in fields(cls)
-              if hasattr(config.batch, f.name)}
+        kw = {f.name: getattr(config.batch, f.name) for f in fields(cls) if hasattr(config.batch, f.name)}
         for name in ("max_rel_err", "calibration", "confidence", "recovery_steps"):
             kw[name] = getattr(config.gns, name)
         if kw["calibration"] == "probe":  # measured by runtime/train/probe.py; this prior until then
@@ -138,8 +156,8 @@ class PolicySettings:
         return cls(**kw)
 
 
-AUTO_CALIBRATION_PRIOR = 1.0   # gns.calibration="probe" before the first probe (runtime/train/probe.py)
-POSTERIOR_PRIOR_C = 4.0        # gns.calibration="auto": prior median of c (docs/robust-goodput.md)
+AUTO_CALIBRATION_PRIOR = 1.0  # gns.calibration="probe" before the first probe (runtime/train/probe.py)
+POSTERIOR_PRIOR_C = 4.0  # gns.calibration="auto": prior median of c (docs/robust-goodput.md)
 CALIBRATION_MODES = ("fixed", "auto")
 
 
@@ -168,11 +186,12 @@ class _Window:
         self.count, self.sums = 0, {}
 
     def state(self) -> dict:
-        plan = None if self.plan is None else {
-            f: getattr(self.plan, f) for f in ("dp", "tp", "pp", "micro_batch_size",
-                                               "num_microbatches")}
-        return {"plan": plan, "count": self.count, "sums": dict(self.sums),
-                "last": list(self.last)}
+        plan = (
+            None
+            if self.plan is None
+            else {f: getattr(self.plan, f) for f in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")}
+        )
+        return {"plan": plan, "count": self.count, "sums": dict(self.sums), "last": list(self.last)}
 
     def load(self, state: dict) -> None:
         self.plan = None if state["plan"] is None else ParallelPlan(**state["plan"])
@@ -193,8 +212,8 @@ class _BatchPolicy:
         self.num_decisions = 0
         self._last_check_step = 0
         self._window = _Window()
-        self._batch: int | None = None          # global batch of the previous record
-        self._batch_change_step = -(1 << 62)    # step at which it last changed
+        self._batch: int | None = None  # global batch of the previous record
+        self._batch_change_step = -(1 << 62)  # step at which it last changed
 
     # --- per-step -------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> Decision | None:
@@ -209,8 +228,10 @@ class _BatchPolicy:
             self._window.add(record.plan, terms, (record.num_small, record.small_batch))
         if record.step < s.warmup_steps or record.step - self._last_check_step < s.interval_steps:
             return None
-        if self.gns_based and (record.step - self._batch_change_step < s.recovery_steps or (
-                s.confidence == 0 and not record.b_noise_rel_err <= s.max_rel_err)):
+        if self.gns_based and (
+            record.step - self._batch_change_step < s.recovery_steps
+            or (s.confidence == 0 and not record.b_noise_rel_err <= s.max_rel_err)
+        ):
             return None
         self._last_check_step = record.step
         target = self._target(record)
@@ -230,15 +251,14 @@ class _BatchPolicy:
     def _decide(self, record: StepRecord, target: float, why: str) -> Decision | None:
         s, plan = self.settings, record.plan
         cur, m = plan.global_batch_size, plan.dp * plan.micro_batch_size
-        lo = max(bt.round_up(s.min, m), m * plan.pp)           # num_microbatches >= pp
+        lo = max(bt.round_up(s.min, m), m * plan.pp)  # num_microbatches >= pp
         hi = s.max // m * m
-        growth_cap = math.inf if math.isinf(s.max_growth) else \
-            math.floor(s.max_growth * cur / m + 1e-9) * m
+        growth_cap = math.inf if math.isinf(s.max_growth) else math.floor(s.max_growth * cur / m + 1e-9) * m
         notes = [f"target {target:.1f} rounded up to a multiple of dp*micro_batch_size={m}"]
         if target > growth_cap:
             new = growth_cap
             notes.append(f"growth capped at {s.max_growth:g}x")
-        elif target >= hi:                                   # also an infinite target
+        elif target >= hi:  # also an infinite target
             new = hi
             notes.append(f"capped at max={s.max}")
         else:
@@ -253,19 +273,24 @@ class _BatchPolicy:
             return None
         self.num_decisions += 1
         reason = f"{why}: B {cur} -> {new} ({'; '.join(notes)})"
-        return Decision(kind="batch", plan=plan.with_batch(new), reason=reason, step=record.step,
-                        b_noise=record.b_noise)
+        return Decision(
+            kind="batch", plan=plan.with_batch(new), reason=reason, step=record.step, b_noise=record.b_noise
+        )
 
     # --- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"name": self.name, "num_decisions": self.num_decisions,
-                "last_check_step": self._last_check_step, "window": self._window.state(),
-                "batch": self._batch, "batch_change_step": self._batch_change_step}
+        return {
+            "name": self.name,
+            "num_decisions": self.num_decisions,
+            "last_check_step": self._last_check_step,
+            "window": self._window.state(),
+            "batch": self._batch,
+            "batch_change_step": self._batch_change_step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
-            raise ValueError(f"policy state for {state.get('name')!r} is invalid for policy "
-                             f"{self.name!r}")
+            raise ValueError(f"policy state for {state.get('name')!r} is invalid for policy {self.name!r}")
         self.num_decisions = int(state["num_decisions"])
         self._last_check_step = int(state["last_check_step"])
         self._window.load(state["window"])
@@ -291,18 +316,25 @@ class RampPolicy(_BatchPolicy):
     def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan) -> None:
         super().__init__(settings, initial_plan)
         if settings.ramp_to < settings.initial:
-            raise ValueError(f"batch.ramp_to={settings.ramp_to} is invalid; allowed: >= "
-                             f"batch.initial={settings.initial}")
-        self.schedule = BatchSchedule(kind=settings.ramp_kind, start=settings.initial,
-                                      end=max(settings.initial, min(settings.ramp_to, settings.max)),
-                                      duration=settings.ramp_samples,
-                                      num_steps=settings.ramp_steps, unit="samples")
+            raise ValueError(
+                f"batch.ramp_to={settings.ramp_to} is invalid; allowed: >= batch.initial={settings.initial}"
+            )
+        self.schedule = BatchSchedule(
+            kind=settings.ramp_kind,
+            start=settings.initial,
+            end=max(settings.initial, min(settings.ramp_to, settings.max)),
+            duration=settings.ramp_samples,
+            num_steps=settings.ramp_steps,
+            unit="samples",
+        )
 
     def _target(self, record: StepRecord) -> tuple[float, str] | None:
         m = record.plan.dp * record.plan.micro_batch_size
         target = round_down(self.schedule.unrounded(record.samples), m)
-        why = (f"{self.settings.ramp_kind} ramp {self.schedule.start}->{self.schedule.end} over "
-               f"{self.schedule.duration:g} samples at {record.samples} samples: target {target}")
+        why = (
+            f"{self.settings.ramp_kind} ramp {self.schedule.start}->{self.schedule.end} over "
+            f"{self.schedule.duration:g} samples at {record.samples} samples: target {target}"
+        )
         return float(target), why
 
 
@@ -311,13 +343,17 @@ def check_small_gradients(name: str, settings: PolicySettings, plan: ParallelPla
     needs J ≥ 2 small gradients per step, and the norm test's "paper" form needs per-worker
     gradients, i.e. dp ≥ 2 (Lau et al. eq. 5 over J workers)."""
     if settings.norm_test_form == "paper" and name.startswith("norm-test") and plan.dp < 2:
-        raise ValueError(f"batch.norm_test_form='paper' is invalid at dp={plan.dp}; allowed: "
-                         "dp >= 2 (eq. 5 is over per-worker gradients), or 'micro-batch' (the "
-                         "same formula over micro-batches) or 'per-sample'")
+        raise ValueError(
+            f"batch.norm_test_form='paper' is invalid at dp={plan.dp}; allowed: "
+            "dp >= 2 (eq. 5 is over per-worker gradients), or 'micro-batch' (the "
+            "same formula over micro-batches) or 'per-sample'"
+        )
     if plan.dp * plan.num_microbatches < 2:
-        raise ValueError(f"batch.policy={name!r} is invalid with dp*num_microbatches=1 at the "
-                         f"initial batch {plan.global_batch_size}; allowed: an initial batch of "
-                         f">= 2 micro-batches (>= {2 * plan.micro_batch_size}) or dp >= 2")
+        raise ValueError(
+            f"batch.policy={name!r} is invalid with dp*num_microbatches=1 at the "
+            f"initial batch {plan.global_batch_size}; allowed: an initial batch of "
+            f">= 2 micro-batches (>= {2 * plan.micro_batch_size}) or dp >= 2"
+        )
 
 
 class NormTestPolicy(_BatchPolicy):
@@ -335,8 +371,13 @@ class NormTestPolicy(_BatchPolicy):
         if not _usable(record):
             return None
         _check_form_inputs(self.settings.norm_test_form, record)
-        var, sq = bt.norm_test_terms(record.small_sqnorm, record.big_sqnorm, record.num_small,
-                                     record.small_batch, form=self.settings.norm_test_form)
+        var, sq = bt.norm_test_terms(
+            record.small_sqnorm,
+            record.big_sqnorm,
+            record.num_small,
+            record.small_batch,
+            form=self.settings.norm_test_form,
+        )
         return {"var": var, "sq": sq}
 
     def _target(self, record: StepRecord) -> tuple[float, str] | None:
@@ -347,8 +388,10 @@ class NormTestPolicy(_BatchPolicy):
         cur = record.plan.global_batch_size
         if t <= cur:
             return None
-        why = (f"norm test ({s.norm_test_form}, eta={s.norm_test_eta:g}): T={t:.1f} > B={cur} "
-               f"over {w.count} steps (J={w.last[0]}, b={w.last[1]:g})")
+        why = (
+            f"norm test ({s.norm_test_form}, eta={s.norm_test_eta:g}): T={t:.1f} > B={cur} "
+            f"over {w.count} steps (J={w.last[0]}, b={w.last[1]:g})"
+        )
         return t, why
 
 
@@ -363,11 +406,9 @@ class InnerProductTestPolicy(_BatchPolicy):
         check_small_gradients(self.name, settings, initial_plan)
 
     def _terms(self, record: StepRecord) -> dict[str, float] | None:
-        if not _usable(record) or record.ip_sq_mean is None or not math.isfinite(
-                record.ip_sq_mean):
+        if not _usable(record) or record.ip_sq_mean is None or not math.isfinite(record.ip_sq_mean):
             return None
-        args = (record.small_sqnorm, record.big_sqnorm, record.num_small, record.small_batch,
-                record.ip_sq_mean)
+        args = (record.small_sqnorm, record.big_sqnorm, record.num_small, record.small_batch, record.ip_sq_mean)
         ip_var, ip_den = bt.inner_product_terms(*args)
         orth_var, orth_den = bt.orthogonality_terms(*args)
         return {"ip_var": ip_var, "ip_den": ip_den, "orth_var": orth_var, "orth_den": orth_den}
@@ -381,9 +422,11 @@ class InnerProductTestPolicy(_BatchPolicy):
         t, cur = max(t_ip, t_orth), record.plan.global_batch_size
         if t <= cur:
             return None
-        why = (f"augmented inner-product test: T_ip={t_ip:.1f} (theta={s.ip_theta:g}), "
-               f"T_orth={t_orth:.1f} (nu={s.orth_nu:g}) > B={cur} over {w.count} steps "
-               f"(J={w.last[0]}, b={w.last[1]:g})")
+        why = (
+            f"augmented inner-product test: T_ip={t_ip:.1f} (theta={s.ip_theta:g}), "
+            f"T_orth={t_orth:.1f} (nu={s.orth_nu:g}) > B={cur} over {w.count} steps "
+            f"(J={w.last[0]}, b={w.last[1]:g})"
+        )
         return t, why
 
 
@@ -405,8 +448,10 @@ class GnsPolicy(_BatchPolicy):
             return None
         target = s.gns_c * b
         bound = f" -> lower bound (z={s.confidence:g}) {b:.1f}" if s.confidence > 0 else ""
-        why = (f"gns: b_noise={record.b_noise:.1f} (rel. err {record.b_noise_rel_err:.2f})"
-               f"{bound} x gns_c={s.gns_c:g} = {target:.1f}")
+        why = (
+            f"gns: b_noise={record.b_noise:.1f} (rel. err {record.b_noise_rel_err:.2f})"
+            f"{bound} x gns_c={s.gns_c:g} = {target:.1f}"
+        )
         return target, why
 
 
@@ -426,8 +471,9 @@ class DoublingPolicy(_BatchPolicy):
         cur = record.plan.global_batch_size
         if math.isnan(b) or not s.gns_c * b > 2 * cur:
             return None
-        return 2.0 * cur, (f"doubling: critical batch gns_c={s.gns_c:g} x b_noise={b:.1f} = "
-                           f"{s.gns_c * b:.1f} > 2 x B={cur}")
+        return 2.0 * cur, (
+            f"doubling: critical batch gns_c={s.gns_c:g} x b_noise={b:.1f} = {s.gns_c * b:.1f} > 2 x B={cur}"
+        )
 
 
 class SchedulePolicy(_BatchPolicy):
@@ -437,8 +483,7 @@ class SchedulePolicy(_BatchPolicy):
 
     name = "schedule"
 
-    def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan,
-                 seq_len: int | None = None) -> None:
+    def __init__(self, settings: PolicySettings, initial_plan: ParallelPlan, seq_len: int | None = None) -> None:
         super().__init__(settings, initial_plan)
         text = settings.schedule or f"0:{initial_plan.global_batch_size}"
         unit = settings.schedule_unit if settings.schedule else "samples"
@@ -455,11 +500,12 @@ class SchedulePolicy(_BatchPolicy):
             dp, _, pp = layout
             m = dp * (micro_batch_size or 1)
             if batch % m or batch // m < pp:
-                what = f"dp*micro_batch_size={dp}*{micro_batch_size}" if micro_batch_size \
-                    else f"dp={dp}"
-                raise ValueError(f"batch.schedule entry '{entry}' is invalid on layout "
-                                 f"dp{dp}.tp{layout[1]}.pp{pp}: {batch} is not a multiple of {what} "
-                                 f"with >= {pp} micro-batches; allowed: multiples of {m} (>= {m * pp})")
+                what = f"dp*micro_batch_size={dp}*{micro_batch_size}" if micro_batch_size else f"dp={dp}"
+                raise ValueError(
+                    f"batch.schedule entry '{entry}' is invalid on layout "
+                    f"dp{dp}.tp{layout[1]}.pp{pp}: {batch} is not a multiple of {what} "
+                    f"with >= {pp} micro-batches; allowed: multiples of {m} (>= {m * pp})"
+                )
 
     def observe(self, record: StepRecord) -> Decision | None:
         if record.skipped:
@@ -469,29 +515,42 @@ class SchedulePolicy(_BatchPolicy):
         if target <= plan.global_batch_size:
             return None
         if target % plan.dp:
-            raise ValueError(f"batch.schedule batch {target} is invalid on {plan.describe()}: not a "
-                             f"multiple of dp={plan.dp}; allowed: multiples of {plan.dp}")
+            raise ValueError(
+                f"batch.schedule batch {target} is invalid on {plan.describe()}: not a "
+                f"multiple of dp={plan.dp}; allowed: multiples of {plan.dp}"
+            )
         per_dp = target // plan.dp
         mbs = plan.micro_batch_size
         if per_dp % mbs or per_dp // mbs < plan.pp:
             mbs = default_micro_batch_size(per_dp, plan.pp, cap=mbs)
         self.num_decisions += 1
-        reason = (f"schedule {self.schedule.describe()} at {record.tokens} tokens: "
-                  f"B {plan.global_batch_size} -> {target}")
-        return Decision(kind="batch", plan=plan.with_batch(target, mbs), reason=reason,
-                        step=record.step, b_noise=record.b_noise)
+        reason = (
+            f"schedule {self.schedule.describe()} at {record.tokens} tokens: B {plan.global_batch_size} -> {target}"
+        )
+        return Decision(
+            kind="batch", plan=plan.with_batch(target, mbs), reason=reason, step=record.step, b_noise=record.b_noise
+        )
 
 
 _CLASSES: dict[str, type[_BatchPolicy]] = {
-    "constant": ConstantPolicy, "ramp": RampPolicy, "norm-test": NormTestPolicy,
-    "norm-test-lau": NormTestPolicy,     # its settings: core.control.policy_presets
-    "inner-product-test": InnerProductTestPolicy, "gns": GnsPolicy, "doubling": DoublingPolicy,
+    "constant": ConstantPolicy,
+    "ramp": RampPolicy,
+    "norm-test": NormTestPolicy,
+    "norm-test-lau": NormTestPolicy,  # its settings: core.control.policy_presets
+    "inner-product-test": InnerProductTestPolicy,
+    "gns": GnsPolicy,
+    "doubling": DoublingPolicy,
 }
 
 
-def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
-                world_size: int | None = None, shape: ModelShape | None = None,
-                **kw: Any) -> Policy:
+def make_policy(
+    name: str,
+    settings: PolicySettings,
+    initial_plan: ParallelPlan,
+    world_size: int | None = None,
+    shape: ModelShape | None = None,
+    **kw: Any,
+) -> Policy:
     """The policy called `name` (POLICY_NAMES). "goodput" is `copus.core.control.controller
     .make_controller(settings, initial_plan, world_size, shape, **kw)`; the other policies
     change only the batch and ignore `world_size`, `shape` and `kw`."""
@@ -499,8 +558,7 @@ def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
         raise ValueError(f"batch.policy={name!r} is invalid; allowed: {', '.join(POLICY_NAMES)}")
     if name in GOODPUT_POLICIES:
         controller = importlib.import_module("copus.core.control.controller")
-        return controller.make_controller(settings, initial_plan, world_size, shape, policy=name,
-                                          **kw)
+        return controller.make_controller(settings, initial_plan, world_size, shape, policy=name, **kw)
     if name == "schedule":
         return SchedulePolicy(settings, initial_plan, None if shape is None else shape.seq_len)
     return _CLASSES[name](settings, initial_plan)
@@ -508,8 +566,7 @@ def make_policy(name: str, settings: PolicySettings, initial_plan: ParallelPlan,
 
 def _usable(record: StepRecord) -> bool:
     values = (record.small_sqnorm, record.big_sqnorm, record.small_batch)
-    return record.num_small >= 2 and all(math.isfinite(v) for v in values) and \
-        record.small_batch > 0
+    return record.num_small >= 2 and all(math.isfinite(v) for v in values) and record.small_batch > 0
 
 
 def _check_form_inputs(form: str, record: StepRecord) -> None:
@@ -519,7 +576,9 @@ def _check_form_inputs(form: str, record: StepRecord) -> None:
     p = record.plan
     want = {"paper": p.dp, "micro-batch": p.dp * p.num_microbatches}.get(form)
     if want is not None and record.num_small != want:
-        raise ValueError(f"batch.norm_test_form={form!r} needs J={want} "
-                         f"{'per-worker' if form == 'paper' else 'micro-batch'} gradients, got "
-                         f"J={record.num_small}; allowed: gns.small="
-                         f"{bt.FORM_SMALL_GRADIENTS[form]!r} with this form")
+        raise ValueError(
+            f"batch.norm_test_form={form!r} needs J={want} "
+            f"{'per-worker' if form == 'paper' else 'micro-batch'} gradients, got "
+            f"J={record.num_small}; allowed: gns.small="
+            f"{bt.FORM_SMALL_GRADIENTS[form]!r} with this form"
+        )

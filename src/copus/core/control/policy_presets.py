@@ -29,24 +29,32 @@ from typing import Any
 
 POLICY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "goodput-copus": {
-        "gns": {"calibration": 2.0,            # c = 2 on tr(Σ) (COPUS §1.2)
-                "estimator": "ema",            # separate EMAs, per step (COPUS §3.2)
-                "decay": 0.95, "decay_late": 0.99, "decay_switch_tokens": 8_000_000,
-                "confidence": 0.0,             # point estimate, as soon as there is one:
-                "max_rel_err": 1e9,            # the paper has no accuracy gate (issue 26)
-                "recovery_steps": 0},          # no hold after a batch change
-        "controller": {"lr_aware": True,       # goodput × sqrt(B) (COPUS Eqs. 7-8)
-                       "margin": 0.10},        # 10 % switching margin (§6.1), batch and layout
-        "train": {"lr_rule": "sqrt"},          # LR ∝ sqrt(B) (COPUS Eq. 9)
-        "batch": {"max_growth": 2.0},          # ≤ 2× per decision (§6.1)
+        "gns": {
+            "calibration": 2.0,  # c = 2 on tr(Σ) (COPUS §1.2)
+            "estimator": "ema",  # separate EMAs, per step (COPUS §3.2)
+            "decay": 0.95,
+            "decay_late": 0.99,
+            "decay_switch_tokens": 8_000_000,
+            "confidence": 0.0,  # point estimate, as soon as there is one:
+            "max_rel_err": 1e9,  # the paper has no accuracy gate (issue 26)
+            "recovery_steps": 0,
+        },  # no hold after a batch change
+        "controller": {
+            "lr_aware": True,  # goodput × sqrt(B) (COPUS Eqs. 7-8)
+            "margin": 0.10,
+        },  # 10 % switching margin (§6.1), batch and layout
+        "train": {"lr_rule": "sqrt"},  # LR ∝ sqrt(B) (COPUS Eq. 9)
+        "batch": {"max_growth": 2.0},  # ≤ 2× per decision (§6.1)
     },
     "norm-test-lau": {
-        "batch": {"interval_steps": 1,         # the test at every step (Lau et al. App. C) ...
-                  "warmup_steps": 0,           # ... from the first step, on that step alone
-                  "max_growth": float("inf"),  # no growth cap: b_{k+1} = ⌈T_k⌉ (Algorithm 1)
-                  "norm_test_form": "per-sample",
-                  "norm_test_eta": 0.2},
-        "train": {"lr_rule": "none"},          # "optimizer scaling rule: None" (App. C)
+        "batch": {
+            "interval_steps": 1,  # the test at every step (Lau et al. App. C) ...
+            "warmup_steps": 0,  # ... from the first step, on that step alone
+            "max_growth": float("inf"),  # no growth cap: b_{k+1} = ⌈T_k⌉ (Algorithm 1)
+            "norm_test_form": "per-sample",
+            "norm_test_eta": 0.2,
+        },
+        "train": {"lr_rule": "none"},  # "optimizer scaling rule: None" (App. C)
     },
 }
 
@@ -65,7 +73,12 @@ def apply_policy_preset(data: Mapping[str, Any]) -> dict[str, Any]:
     batch = out.get("batch")
     form = batch.get("norm_test_form") if isinstance(batch, Mapping) else None
     gns = out.get("gns", {})
-    if form == "paper" and isinstance(name, str) and name.startswith("norm-test") and \
-            isinstance(gns, Mapping) and "small" not in gns:
-        out["gns"] = {**gns, "small": "rank"}   # eq. 5 is over per-worker gradients
+    if (
+        form == "paper"
+        and isinstance(name, str)
+        and name.startswith("norm-test")
+        and isinstance(gns, Mapping)
+        and "small" not in gns
+    ):
+        out["gns"] = {**gns, "small": "rank"}  # eq. 5 is over per-worker gradients
     return out

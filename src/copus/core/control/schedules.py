@@ -40,8 +40,7 @@ class BatchSchedule:
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULE_KINDS:
-            raise ValueError(f"ramp_kind={self.kind!r} is invalid; allowed: "
-                             f"{', '.join(SCHEDULE_KINDS)}")
+            raise ValueError(f"ramp_kind={self.kind!r} is invalid; allowed: {', '.join(SCHEDULE_KINDS)}")
         if self.unit not in SCHEDULE_UNITS:
             raise ValueError(f"unit={self.unit!r} is invalid; allowed: {', '.join(SCHEDULE_UNITS)}")
         if self.start < 1:
@@ -81,16 +80,16 @@ def constant(batch: int, *, multiple: int = 1) -> BatchSchedule:
     return BatchSchedule(kind="constant", start=batch, multiple=multiple)
 
 
-def linear_ramp(start: int, end: int, duration: float, *, unit: str = "samples",
-                multiple: int = 1) -> BatchSchedule:
-    return BatchSchedule(kind="linear", start=start, end=end, duration=duration, unit=unit,
-                         multiple=multiple)
+def linear_ramp(start: int, end: int, duration: float, *, unit: str = "samples", multiple: int = 1) -> BatchSchedule:
+    return BatchSchedule(kind="linear", start=start, end=end, duration=duration, unit=unit, multiple=multiple)
 
 
-def stepwise_ramp(start: int, end: int, duration: float, num_steps: int, *,
-                  unit: str = "samples", multiple: int = 1) -> BatchSchedule:
-    return BatchSchedule(kind="stepwise", start=start, end=end, duration=duration,
-                         num_steps=num_steps, unit=unit, multiple=multiple)
+def stepwise_ramp(
+    start: int, end: int, duration: float, num_steps: int, *, unit: str = "samples", multiple: int = 1
+) -> BatchSchedule:
+    return BatchSchedule(
+        kind="stepwise", start=start, end=end, duration=duration, num_steps=num_steps, unit=unit, multiple=multiple
+    )
 
 
 # ------------------------------------------------------------------ token-denominated step schedules
@@ -109,8 +108,10 @@ def parse_tokens(text: str) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"token count {text.strip()!r} is invalid; allowed: a number >= 0 with "
-                         "an optional K, M, B or T suffix (e.g. 250B)")
+        raise ValueError(
+            f"token count {text.strip()!r} is invalid; allowed: a number >= 0 with "
+            "an optional K, M, B or T suffix (e.g. 250B)"
+        )
     return value
 
 
@@ -127,20 +128,24 @@ class StepSchedule:
 
     def __post_init__(self) -> None:
         if not self.entries or self.entries[0][0] != 0:
-            raise ValueError("batch.schedule is invalid: its first entry must start at 0 tokens; "
-                             "allowed: '0:B0,T1:B1,...'")
+            raise ValueError(
+                "batch.schedule is invalid: its first entry must start at 0 tokens; allowed: '0:B0,T1:B1,...'"
+            )
         for (t0, b0), (t1, b1) in zip(self.entries, self.entries[1:]):
             if not t1 > t0:
-                raise ValueError(f"batch.schedule entry '{_fmt_tokens(t1)}:{b1}' is invalid: its "
-                                 f"threshold is not above the previous {_fmt_tokens(t0)}; allowed: "
-                                 "strictly increasing token thresholds")
+                raise ValueError(
+                    f"batch.schedule entry '{_fmt_tokens(t1)}:{b1}' is invalid: its "
+                    f"threshold is not above the previous {_fmt_tokens(t0)}; allowed: "
+                    "strictly increasing token thresholds"
+                )
             if b1 < b0:
-                raise ValueError(f"batch.schedule entry '{_fmt_tokens(t1)}:{b1}' is invalid: the "
-                                 f"batch falls from {b0}; allowed: non-decreasing batches")
+                raise ValueError(
+                    f"batch.schedule entry '{_fmt_tokens(t1)}:{b1}' is invalid: the "
+                    f"batch falls from {b0}; allowed: non-decreasing batches"
+                )
         for t, b in self.entries:
             if not (isinstance(b, int) and b >= 1):
-                raise ValueError(f"batch.schedule entry '{_fmt_tokens(t)}:{b}' is invalid; "
-                                 "allowed: a batch >= 1")
+                raise ValueError(f"batch.schedule entry '{_fmt_tokens(t)}:{b}' is invalid; allowed: a batch >= 1")
 
     def __call__(self, tokens: float) -> int:
         """The global batch (samples) after `tokens` tokens."""
@@ -159,9 +164,11 @@ class StepSchedule:
         """Every batch must be a multiple of `multiple` (one-line error naming the entry)."""
         for t, b in self.entries:
             if b % multiple:
-                raise ValueError(f"batch.schedule entry '{_fmt_tokens(t)}:{b}' is invalid: {b} "
-                                 f"samples is not a multiple of {what}={multiple}; allowed: "
-                                 f"multiples of {multiple}")
+                raise ValueError(
+                    f"batch.schedule entry '{_fmt_tokens(t)}:{b}' is invalid: {b} "
+                    f"samples is not a multiple of {what}={multiple}; allowed: "
+                    f"multiples of {multiple}"
+                )
 
     def describe(self) -> str:
         return ",".join(f"{_fmt_tokens(t)}:{b}" for t, b in self.entries)
@@ -179,8 +186,7 @@ def parse_step_schedule(text: str, *, unit: str = "samples", seq_len: int | None
     batch values are samples (sequences), or tokens with `unit="tokens"` (then each must be a
     multiple of `seq_len` and is divided by it). One-line ValueError naming the bad entry."""
     if unit not in STEP_SCHEDULE_UNITS:
-        raise ValueError(f"batch.schedule_unit={unit!r} is invalid; allowed: "
-                         f"{', '.join(STEP_SCHEDULE_UNITS)}")
+        raise ValueError(f"batch.schedule_unit={unit!r} is invalid; allowed: {', '.join(STEP_SCHEDULE_UNITS)}")
     entries = []
     for raw in str(text).split(","):
         item = raw.strip()
@@ -188,24 +194,26 @@ def parse_step_schedule(text: str, *, unit: str = "samples", seq_len: int | None
             continue
         threshold, sep, value = item.partition(":")
         if not sep:
-            raise ValueError(f"batch.schedule entry {item!r} is invalid; allowed: "
-                             "'TOKENS:BATCH' (e.g. 250B:1536)")
+            raise ValueError(f"batch.schedule entry {item!r} is invalid; allowed: 'TOKENS:BATCH' (e.g. 250B:1536)")
         t = parse_tokens(threshold)
         try:
             batch = parse_tokens(value) if unit == "tokens" else float(value)
         except ValueError:
             batch = math.nan
         if not (math.isfinite(batch) and batch >= 1 and batch == int(batch)):
-            raise ValueError(f"batch.schedule entry {item!r} is invalid: batch {value.strip()!r}; "
-                             f"allowed: a whole number of {unit} >= 1")
+            raise ValueError(
+                f"batch.schedule entry {item!r} is invalid: batch {value.strip()!r}; "
+                f"allowed: a whole number of {unit} >= 1"
+            )
         batch = int(batch)
         if unit == "tokens":
             if not seq_len or batch % seq_len:
-                raise ValueError(f"batch.schedule entry {item!r} is invalid: {batch} tokens is not "
-                                 f"a multiple of seq_len={seq_len}; allowed: whole sequences")
+                raise ValueError(
+                    f"batch.schedule entry {item!r} is invalid: {batch} tokens is not "
+                    f"a multiple of seq_len={seq_len}; allowed: whole sequences"
+                )
             batch //= seq_len
         entries.append((t, batch))
     if not entries:
-        raise ValueError(f"batch.schedule={text!r} is invalid; allowed: '0:B0,T1:B1,...' "
-                         "(e.g. 0:768,250B:1536)")
+        raise ValueError(f"batch.schedule={text!r} is invalid; allowed: '0:B0,T1:B1,...' (e.g. 0:768,250B:1536)")
     return StepSchedule(tuple(entries))

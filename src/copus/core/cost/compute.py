@@ -43,9 +43,9 @@ import numpy as np
 # transpose (8): 390. megatron: fused kernels, 2 norms × 6 passes + 2 residual adds × 6 passes,
 # bf16 (`core.cost.megatron_cost`).
 ELEMENTWISE_BYTES = {"fsdp2": 390.0, "megatron": 48.0}
-LOSS_BYTES = 16.0          # bytes per logit: bf16 logits read, fp32 log-softmax written and read back
-FLASH_FLOPS = 7.0          # executed causal FlashAttention-2 FLOPs, × b·s²·q/tp (module docstring)
-EAGER_FLOPS = 12.0         # non-causal QKᵀ + AV, forward + backward, × b·s²·q/tp
+LOSS_BYTES = 16.0  # bytes per logit: bf16 logits read, fp32 log-softmax written and read back
+FLASH_FLOPS = 7.0  # executed causal FlashAttention-2 FLOPs, × b·s²·q/tp (module docstring)
+EAGER_FLOPS = 12.0  # non-causal QKᵀ + AV, forward + backward, × b·s²·q/tp
 
 
 def _f(x) -> np.ndarray:
@@ -69,7 +69,7 @@ def block_terms(model, tp, micro_batch_size, sequence_parallel=False) -> dict[st
     e = float(model.dtype_bytes)
     M = b * s.seq_len
     dims, weights = gemm_dims(s)
-    sum_kn = sum(k + n for k, n, _ in dims)      # Σ (K + N) split: each term has one sharded side
+    sum_kn = sum(k + n for k, n, _ in dims)  # Σ (K + N) split: each term has one sharded side
     sharded = sum(n if col else k for k, n, col in dims)
     edge = (sum_kn - sharded) + sharded / tp_f
     gemm = 6.0 * M * weights / tp_f / peak + 3.0 * e * (M * edge + weights / tp_f) / hw.memory_bw
@@ -110,9 +110,11 @@ def recompute_factors(model, ac) -> dict[str, np.ndarray]:
     r_g = (s.dim * kv + q * s.dim + s.dim * s.ffn_dim) / gemm_dims(s)[1]
     attn_full = 1.0 + (1.0 / 3.5 if model.flash_attention else 1.0 / 3.0)
     full, sel = ac == 2, ac == 1
-    return {"gemm_s": np.where(full, 4.0 / 3.0, np.where(sel, 1.0 + r_g / 3.0, 1.0)),
-            "attention_s": np.where(full, attn_full, 1.0),
-            "elementwise_s": np.where(full | sel, 4.0 / 3.0, 1.0)}
+    return {
+        "gemm_s": np.where(full, 4.0 / 3.0, np.where(sel, 1.0 + r_g / 3.0, 1.0)),
+        "attention_s": np.where(full, attn_full, 1.0),
+        "elementwise_s": np.where(full | sel, 4.0 / 3.0, 1.0),
+    }
 
 
 def roofline(model) -> bool:
@@ -135,8 +137,14 @@ def stage_compute_flops(model, tp, pp, micro_batch_size, ac, sequence_parallel=F
         base = model.stage_flops_per_sample(pp, "none") * _f(micro_batch_size) / _f(tp)
         total = base * rf
         zero = np.zeros_like(total)
-        return {"total": total, "recompute": total - base, "gemm": base, "attention": zero,
-                "elementwise": zero, "head": zero}
+        return {
+            "total": total,
+            "recompute": total - base,
+            "gemm": base,
+            "attention": zero,
+            "elementwise": zero,
+            "head": zero,
+        }
     scale = model.hardware.sustained_flops * model.hardware.gemm_efficiency
     parts = block_terms(model, tp, micro_batch_size, sequence_parallel)
     block = parts["gemm_s"] + parts["attention_s"] + parts["elementwise_s"]
@@ -144,6 +152,11 @@ def stage_compute_flops(model, tp, pp, micro_batch_size, ac, sequence_parallel=F
     extra = sum(parts[k] * (factors[k] - 1.0) for k in ("gemm_s", "attention_s", "elementwise_s"))
     head = head_s(model, tp, micro_batch_size)
     total = (layers * (block + extra) + head) * scale
-    return {"total": total, "recompute": layers * extra * scale,
-            "gemm": layers * parts["gemm_s"] * scale, "attention": layers * parts["attention_s"] * scale,
-            "elementwise": layers * parts["elementwise_s"] * scale, "head": head * scale + 0.0 * total}
+    return {
+        "total": total,
+        "recompute": layers * extra * scale,
+        "gemm": layers * parts["gemm_s"] * scale,
+        "attention": layers * parts["attention_s"] * scale,
+        "elementwise": layers * parts["elementwise_s"] * scale,
+        "head": head * scale + 0.0 * total,
+    }

@@ -76,7 +76,6 @@ from copus.core.cost.throughput import (
 )
 
 
-
 def _f(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
@@ -87,8 +86,7 @@ def shared_core_bound(out: dict[str, np.ndarray], world: np.ndarray, cores: int)
     share = np.maximum(world / cores, 1.0)
     busy = out["step_s"] - out["bubble_s"]
     shared = share * busy
-    out.update(busy_s=busy, shared_s=shared, critical_s=out["step_s"],
-               step_s=np.maximum(out["step_s"], shared))
+    out.update(busy_s=busy, shared_s=shared, critical_s=out["step_s"], step_s=np.maximum(out["step_s"], shared))
     return out
 
 
@@ -97,8 +95,15 @@ class SharedCoreStepTimeModel(StepTimeModel):
 
     unused_params: tuple[str, ...] = ()
 
-    def __init__(self, params: StepTimeParams, shape: ModelShape,
-                 hardware: HardwareProfile | None = None, *, cores: int, **options) -> None:
+    def __init__(
+        self,
+        params: StepTimeParams,
+        shape: ModelShape,
+        hardware: HardwareProfile | None = None,
+        *,
+        cores: int,
+        **options,
+    ) -> None:
         if not (isinstance(cores, int) and cores >= 1):
             raise ValueError(f"cores={cores!r} is invalid; allowed: an integer >= 1")
         super().__init__(params, shape, hardware, **options)
@@ -106,10 +111,16 @@ class SharedCoreStepTimeModel(StepTimeModel):
 
     def with_params(self, params: StepTimeParams) -> SharedCoreStepTimeModel:
         return type(self)(
-            params, self.shape, self.hardware, cores=self.cores,
-            world_size=self.world_size, dtype_bytes=self.dtype_bytes,
-            param_bytes=self.param_bytes, activation_checkpointing=self.activation_checkpointing,
-            reshard_after_forward=self.reshard_after_forward)
+            params,
+            self.shape,
+            self.hardware,
+            cores=self.cores,
+            world_size=self.world_size,
+            dtype_bytes=self.dtype_bytes,
+            param_bytes=self.param_bytes,
+            activation_checkpointing=self.activation_checkpointing,
+            reshard_after_forward=self.reshard_after_forward,
+        )
 
     def critical_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches) -> dict[str, np.ndarray]:
         """The terms of one rank with its own processor; "step_s" is the critical path."""
@@ -131,7 +142,7 @@ class GlooCpuStepTimeModel(SharedCoreStepTimeModel):
         """(all-reduces, all-gathers) of tensor parallelism per micro-batch on the last stage."""
         layers = self.stage_layers(_f(pp))
         per_block = TP_ALLREDUCES_PER_BLOCK + self.tp_recompute_per_block(self.ac_codes())
-        ends = np.where(_f(pp) > 1, 1.0, 2.0)        # embedding forward (pp = 1) + head backward
+        ends = np.where(_f(pp) > 1, 1.0, 2.0)  # embedding forward (pp = 1) + head backward
         on = _f(tp) > 1
         return np.where(on, per_block * layers + ends, 0.0), np.where(on, 1.0, 0.0)
 
@@ -156,22 +167,34 @@ class GlooCpuStepTimeModel(SharedCoreStepTimeModel):
 
         compute = p.layer_overhead_s * units + p.s_per_flop * self.stage_flops_per_sample(pp_f) * b / tp_f
         n_ar, n_ag = self.tp_calls(tp_f, pp_f)
-        tp_s = ((n_ar + n_ag) * p.tp_latency_s
-                + (n_ar * 2 * (tp_f - 1) / tp_f * act_bytes + n_ag * (tp_f - 1) / tp_f * logit_bytes)
-                * p.tp_s_per_byte)
+        tp_s = (n_ar + n_ag) * p.tp_latency_s + (
+            n_ar * 2 * (tp_f - 1) / tp_f * act_bytes + n_ag * (tp_f - 1) / tp_f * logit_bytes
+        ) * p.tp_s_per_byte
         dp_on = dp_f > 1
         dp_frac = (dp_f - 1) / dp_f
         k = self.fsdp_gathers_per_unit(dp_f, pp_f)
         allgather = k * (units * p.dp_latency_s + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte)
         p2p = np.where(pp_f > 1, 2.0 * (p.pp_latency_s + act_bytes * p.pp_s_per_byte), 0.0)
         microbatch = compute + tp_s + allgather + p2p
-        gathers_per_step = np.where(dp_on & (k == 0), 1.0, 0.0)   # reshard_after_forward=False
-        sync = np.where(dp_on, (1.0 + gathers_per_step) * units * p.dp_latency_s
-                        + dp_frac * local_params * (GRAD_BYTES + gathers_per_step * self.param_bytes)
-                        * p.dp_s_per_byte, 0.0)
+        gathers_per_step = np.where(dp_on & (k == 0), 1.0, 0.0)  # reshard_after_forward=False
+        sync = np.where(
+            dp_on,
+            (1.0 + gathers_per_step) * units * p.dp_latency_s
+            + dp_frac * local_params * (GRAD_BYTES + gathers_per_step * self.param_bytes) * p.dp_s_per_byte,
+            0.0,
+        )
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
         step = (m + pp_f - 1.0) * microbatch + sync + optimizer
-        return {"compute_s": compute, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
-                "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
-                "bubble_s": (pp_f - 1.0) * microbatch, "step_s": step,
-                "tp_calls": n_ar + n_ag, "fsdp_calls": k * units}
+        return {
+            "compute_s": compute,
+            "tp_s": tp_s,
+            "p2p_s": p2p,
+            "allgather_s": allgather,
+            "microbatch_s": microbatch,
+            "sync_s": sync,
+            "optimizer_s": optimizer,
+            "bubble_s": (pp_f - 1.0) * microbatch,
+            "step_s": step,
+            "tp_calls": n_ar + n_ag,
+            "fsdp_calls": k * units,
+        }

@@ -28,14 +28,15 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.cost.throughput import StepTimeModel, StepTimeParams, plan_columns
 
 GAMMA_BOUNDS = (1.0, 10.0)
-LOG_RANGE = math.log(1e6)        # coefficients may move at most 10⁶× from the prior
+LOG_RANGE = math.log(1e6)  # coefficients may move at most 10⁶× from the prior
 
 
 def _clean(observations: Iterable[tuple[ParallelPlan, float]]) -> list[tuple[ParallelPlan, float]]:
     out = [(p, float(s)) for p, s in observations if np.isfinite(s) and s > 0]
     if not out:
-        raise ValueError("observations contain no finite step time > 0; allowed: (ParallelPlan, step_s) "
-                         "pairs with step_s > 0")
+        raise ValueError(
+            "observations contain no finite step time > 0; allowed: (ParallelPlan, step_s) pairs with step_s > 0"
+        )
     return out
 
 
@@ -53,9 +54,14 @@ def pinned_names(plans: Sequence[ParallelPlan]) -> set[str]:
     return pinned
 
 
-def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTimeModel, *,
-              prior_weight: float = 1e-3, fixed: Iterable[str] = (),
-              start: StepTimeParams | None = None) -> StepTimeModel:
+def fit_model(
+    observations: Iterable[tuple[ParallelPlan, float]],
+    base: StepTimeModel,
+    *,
+    prior_weight: float = 1e-3,
+    fixed: Iterable[str] = (),
+    start: StepTimeParams | None = None,
+) -> StepTimeModel:
     """`base` with coefficients fitted to `observations`; base.params is the prior θ⁰.
 
     `start` (e.g. the previous fit) is the initial point of a single local search; without it
@@ -72,7 +78,7 @@ def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTime
     # rescale the prior so that its median prediction matches the data
     k = float(np.exp(np.median(log_obs - np.log(base.predict(*cols)))))
     prior = base.params.scaled_time(k)
-    unused = set(getattr(base, "unused_params", ()))    # terms the model's equation has not
+    unused = set(getattr(base, "unused_params", ()))  # terms the model's equation has not
     free = [n for n in names if n not in pinned_names(plans) | set(fixed) | unused]
     if not free:
         return base.with_params(prior)
@@ -98,8 +104,7 @@ def fit_model(observations: Iterable[tuple[ParallelPlan, float]], base: StepTime
                 starts[-1][free.index("gamma")] = g
     best = None
     for x in starts:
-        res = least_squares(residuals, np.clip(x, lo, hi), bounds=(lo, hi), loss="soft_l1",
-                            f_scale=0.1, max_nfev=200)
+        res = least_squares(residuals, np.clip(x, lo, hi), bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200)
         if best is None or res.cost < best.cost:
             best = res
     return base.with_params(params_of(best.x))
@@ -113,15 +118,25 @@ def _from_x(name: str, x: float) -> float:
     return float(x) if name == "gamma" else math.exp(x)
 
 
-def fit_step_time(observations: Iterable[tuple[ParallelPlan, float]], shape: ModelShape,
-                  hardware: HardwareProfile | str | None = None, world_size: int | None = None,
-                  **options) -> StepTimeParams:
+def fit_step_time(
+    observations: Iterable[tuple[ParallelPlan, float]],
+    shape: ModelShape,
+    hardware: HardwareProfile | str | None = None,
+    world_size: int | None = None,
+    **options,
+) -> StepTimeParams:
     """Fitted `StepTimeParams` from (plan, step_s) pairs; `options` go to `StepTimeModel`."""
     return fit_model(observations, prior_model(shape, hardware, world_size, **options)).params
 
 
-def prior_model(shape: ModelShape, hardware: HardwareProfile | str | None, world_size: int | None = None,
-                *, cores: int | None = None, **options) -> StepTimeModel:
+def prior_model(
+    shape: ModelShape,
+    hardware: HardwareProfile | str | None,
+    world_size: int | None = None,
+    *,
+    cores: int | None = None,
+    **options,
+) -> StepTimeModel:
     """The analytic model of `hardware`; with None, the "cpu" coefficients on a one-tier topology,
     and, when `world_size` ranks share fewer `cores`, `GlooCpuStepTimeModel` (core.cpu_model:
     counted gloo collectives priced per call, shared-core bound)."""
@@ -132,8 +147,7 @@ def prior_model(shape: ModelShape, hardware: HardwareProfile | str | None, world
         if cores is not None and world_size is not None and world_size > cores:
             from copus.core.cost.cpu_model import GlooCpuStepTimeModel
 
-            return GlooCpuStepTimeModel(params, shape, None, cores=cores,
-                                        world_size=world_size, **options)
+            return GlooCpuStepTimeModel(params, shape, None, cores=cores, world_size=world_size, **options)
         return StepTimeModel(params, shape, None, world_size=world_size, **options)
     return StepTimeModel.analytic(shape, hardware, world_size, **options)
 
@@ -146,12 +160,21 @@ class OnlineFitter:
     JSON-able (plans as 5-int lists, params as a dict).
     """
 
-    def __init__(self, shape: ModelShape, hardware: HardwareProfile | str | None = None,
-                 world_size: int | None = None, *, refit_every: int = 20, max_per_plan: int = 32,
-                 prior_weight: float = 1e-3, **options) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        hardware: HardwareProfile | str | None = None,
+        world_size: int | None = None,
+        *,
+        refit_every: int = 20,
+        max_per_plan: int = 32,
+        prior_weight: float = 1e-3,
+        **options,
+    ) -> None:
         if refit_every < 1 or max_per_plan < 1:
-            raise ValueError(f"refit_every={refit_every}, max_per_plan={max_per_plan} are invalid; "
-                             "allowed: integers >= 1")
+            raise ValueError(
+                f"refit_every={refit_every}, max_per_plan={max_per_plan} are invalid; allowed: integers >= 1"
+            )
         self.prior = prior_model(shape, hardware, world_size, **options)
         self.model = self.prior
         self.refit_every = refit_every
@@ -171,7 +194,7 @@ class OnlineFitter:
             return False
         times = self.times.setdefault(plan, [])
         times.append(float(step_s))
-        del times[:-self.max_per_plan]
+        del times[: -self.max_per_plan]
         self.since_fit += 1
         if self.since_fit >= self.refit_every:
             self.refit()
@@ -196,10 +219,14 @@ class OnlineFitter:
         return self.model
 
     def state_dict(self) -> dict:
-        return {"params": self.model.params.to_dict(), "since_fit": self.since_fit,
-                "num_fits": self.num_fits,
-                "times": [[[p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches], list(t)]
-                          for p, t in self.times.items()]}
+        return {
+            "params": self.model.params.to_dict(),
+            "since_fit": self.since_fit,
+            "num_fits": self.num_fits,
+            "times": [
+                [[p.dp, p.tp, p.pp, p.micro_batch_size, p.num_microbatches], list(t)] for p, t in self.times.items()
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model = self.prior.with_params(StepTimeParams.from_dict(state["params"]))
@@ -211,7 +238,7 @@ class OnlineFitter:
             self.times[plan] = [float(x) for x in t]
 
 
-_KEY_BITS = (10, 10, 10, 12, 20)     # dp, tp, pp, micro_batch_size, num_microbatches
+_KEY_BITS = (10, 10, 10, 12, 20)  # dp, tp, pp, micro_batch_size, num_microbatches
 
 
 def _plan_keys(dp, tp, pp, micro_batch_size, num_microbatches) -> tuple[np.ndarray, np.ndarray]:

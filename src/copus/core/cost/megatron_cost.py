@@ -44,9 +44,9 @@ from copus.core.cost.compute import roofline, stage_compute_flops
 from copus.core.cost.overlap import gamma_sum
 from copus.core.specs.hardware import link_tier
 
-GRAD_BYTES = 4        # fp32 gradient all-reduce / reduce-scatter (Megatron, bf16 training)
+GRAD_BYTES = 4  # fp32 gradient all-reduce / reduce-scatter (Megatron, bf16 training)
 PARAM_GATHER_BYTES = 2  # bf16 parameter all-gather of the distributed optimizer
-BUCKET_ELEMENTS = 4e7   # Megatron DDP bucket_size default: max(40M, 1M·dp) elements
+BUCKET_ELEMENTS = 4e7  # Megatron DDP bucket_size default: max(40M, 1M·dp) elements
 ELEMENTWISE_BYTES = 48.0  # bytes moved per s·b·h element per block by the unsplit element-wise ops
 
 
@@ -54,8 +54,9 @@ def _f(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *, ac=None, chunks=1.0,
-                       sequence_parallel=False) -> dict[str, np.ndarray]:
+def megatron_breakdown(
+    model, dp, tp, pp, micro_batch_size, num_microbatches, *, ac=None, chunks=1.0, sequence_parallel=False
+) -> dict[str, np.ndarray]:
     """Every term of the module equation (seconds), broadcast; "step_s" is the total.
 
     `model` is a `copus.core.cost.throughput.StepTimeModel` (params, shape, tiers, options);
@@ -75,17 +76,24 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     tp_eff = model.hardware.tp_efficiency if model.hardware is not None else 1.0
     work = stage_compute_flops(model, tp_f, pp_f, b, ac, sequence_parallel)
     slow = tp_eff ** np.log2(tp_f) * model.compile_speedup
-    compute = (p.layer_overhead_s * units + p.s_per_flop * work["total"] / slow
-               + model.attention_scores_s(tp_f, pp_f, b, ac))
+    compute = (
+        p.layer_overhead_s * units + p.s_per_flop * work["total"] / slow + model.attention_scores_s(tp_f, pp_f, b, ac)
+    )
     n_tp = (4.0 + model.tp_recompute_per_block(ac)) * layers + 2.0
-    tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
-                   + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * slow_tp)
+    tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * slow_tp)
     v = _f(chunks)
     p2p = np.where(pp_f > 1, 2.0 * v * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * slow_pp), 0.0)
     memory_bw = model.hardware.memory_bw if model.hardware is not None else np.inf
-    elementwise = (layers * b * s.seq_len * s.dim * ELEMENTWISE_BYTES / memory_bw
-                   / np.where(np.asarray(sequence_parallel) & (tp_f > 1), tp_f, 1.0))
-    if roofline(model):     # the roofline's compute term holds the element-wise traffic already
+    elementwise = (
+        layers
+        * b
+        * s.seq_len
+        * s.dim
+        * ELEMENTWISE_BYTES
+        / memory_bw
+        / np.where(np.asarray(sequence_parallel) & (tp_f > 1), tp_f, 1.0)
+    )
+    if roofline(model):  # the roofline's compute term holds the element-wise traffic already
         elementwise = np.zeros_like(elementwise)
     microbatch = compute + elementwise + tp_s + p2p
 
@@ -97,10 +105,20 @@ def megatron_breakdown(model, dp, tp, pp, micro_batch_size, num_microbatches, *,
     bubble = (pp_f - 1.0) / v * microbatch
     step = (m - 1.0) * microbatch + bubble + last + emb + optimizer
     zero = np.zeros_like(step)
-    return {"compute_s": compute, "recompute_s": p.s_per_flop * work["recompute"] / slow,
-            "elementwise_s": elementwise, "tp_s": tp_s, "p2p_s": p2p, "allgather_s": zero,
-            "microbatch_s": microbatch, "sync_s": grad, "embedding_sync_s": emb,
-            "optimizer_s": optimizer, "bubble_s": bubble, "step_s": step}
+    return {
+        "compute_s": compute,
+        "recompute_s": p.s_per_flop * work["recompute"] / slow,
+        "elementwise_s": elementwise,
+        "tp_s": tp_s,
+        "p2p_s": p2p,
+        "allgather_s": zero,
+        "microbatch_s": microbatch,
+        "sync_s": grad,
+        "embedding_sync_s": emb,
+        "optimizer_s": optimizer,
+        "bubble_s": bubble,
+        "step_s": step,
+    }
 
 
 def grad_sync_s(model, dp_f: np.ndarray, local_params: np.ndarray, slow_dp: np.ndarray) -> np.ndarray:

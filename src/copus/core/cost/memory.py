@@ -123,15 +123,15 @@ class MemoryModel:
 
     shape: ModelShape
     _: KW_ONLY
-    bytes_per_param: int | None = None       # unsharded parameter bytes; None: from the regime
+    bytes_per_param: int | None = None  # unsharded parameter bytes; None: from the regime
     optimizer: str = "adamw"
     mixed_precision: bool = True
-    autocast: bool = True                    # bf16 autocast over fp32 params (the runtime passes False)
-    activation_checkpointing: bool | str = False   # False/"none", "selective", True/"full"
+    autocast: bool = True  # bf16 autocast over fp32 params (the runtime passes False)
+    activation_checkpointing: bool | str = False  # False/"none", "selective", True/"full"
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"
     flash_attention: bool = True
-    activation_factor: float | None = None   # None: RUNTIME_ACTIVATION_FACTOR; 1.0: the paper
+    activation_factor: float | None = None  # None: RUNTIME_ACTIVATION_FACTOR; 1.0: the paper
     # "fsdp2" (copus's runtime, the regimes above) or "megatron" (Megatron-LM as COPUS ran it:
     # bf16 params, fp32 main grads, fp32 master + moments, nothing sharded over dp: 18 bytes per
     # parameter; with `distributed_optimizer` 6 + 12/dp; Megatron-LM README, "Distributed
@@ -140,13 +140,13 @@ class MemoryModel:
     distributed_optimizer: bool = False
     virtual_stages: int = 1
     sequence_parallel: bool = False
-    loss_parallel: bool = False              # logits sharded over tp along the vocabulary
-    logit_bytes: float | None = None         # bytes per logit at the loss peak; None: e + 4 (torchtitan: 12)
-    allocator_overhead: float = 0.0          # reserved/allocated − 1 (ALLOCATOR_OVERHEAD: fitted)
-    accumulation_buffers: bool = True        # unsharded fp32 grads (+ params under pp) when m ≥ 2
-    unsharded_accumulation: bool = False     # pp = 1 also without gradient sync until the last
+    loss_parallel: bool = False  # logits sharded over tp along the vocabulary
+    logit_bytes: float | None = None  # bytes per logit at the loss peak; None: e + 4 (torchtitan: 12)
+    allocator_overhead: float = 0.0  # reserved/allocated − 1 (ALLOCATOR_OVERHEAD: fitted)
+    accumulation_buffers: bool = True  # unsharded fp32 grads (+ params under pp) when m ≥ 2
+    unsharded_accumulation: bool = False  # pp = 1 also without gradient sync until the last
     #                                          micro-batch (the runtime's gns.small = "rank")
-    comm_bytes_per_group: float = 0.0        # communicator buffers per process group (> 1 rank)
+    comm_bytes_per_group: float = 0.0  # communicator buffers per process group (> 1 rank)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_BYTES:
@@ -166,9 +166,13 @@ class MemoryModel:
 
     def with_plan_options(self, **options) -> MemoryModel:
         """This model with a plan's options (`ParallelPlan.options` keys) as its defaults."""
-        names = {"activation_checkpointing": "activation_checkpointing", "pipeline_schedule": "pp_schedule",
-                 "virtual_stages": "virtual_stages", "sequence_parallel": "sequence_parallel",
-                 "reshard_after_forward": "reshard_after_forward"}
+        names = {
+            "activation_checkpointing": "activation_checkpointing",
+            "pipeline_schedule": "pp_schedule",
+            "virtual_stages": "virtual_stages",
+            "sequence_parallel": "sequence_parallel",
+            "reshard_after_forward": "reshard_after_forward",
+        }
         unknown = set(options) - set(names)
         if unknown:
             raise ValueError(f"unknown plan options {sorted(unknown)}; allowed: {', '.join(names)}")
@@ -183,7 +187,7 @@ class MemoryModel:
 
     @property
     def regime(self) -> str:
-        """"fp32", "autocast" or "bf16" (module docstring)."""
+        """ "fp32", "autocast" or "bf16" (module docstring)."""
         if not self.mixed_precision:
             return "fp32"
         return "autocast" if self.autocast and self.stack == "fsdp2" else "bf16"
@@ -213,7 +217,7 @@ class MemoryModel:
 
     def megatron_bytes_per_param(self, dp) -> np.ndarray:
         """Megatron-LM, bf16 params + fp32 grads: 18 replicated, 6 + 12/dp distributed (README)."""
-        moments = 4.0 + OPTIMIZER_BYTES[self.optimizer]          # fp32 master + Adam moments
+        moments = 4.0 + OPTIMIZER_BYTES[self.optimizer]  # fp32 master + Adam moments
         if self.distributed_optimizer:
             return 6.0 + moments / _f(dp)
         return 6.0 + moments + 0.0 * _f(dp)
@@ -234,7 +238,7 @@ class MemoryModel:
         return 1.0 if self.stack == "megatron" else RUNTIME_ACTIVATION_FACTOR[self.regime]
 
     def activation_bytes_per_block(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
-        """"none": Korthikanti eq. 2 (eq. 4 with sequence parallel) × factor; bytes, one block, one micro-batch."""
+        """ "none": Korthikanti eq. 2 (eq. 4 with sequence parallel) × factor; bytes, one block, one micro-batch."""
         s = self.shape
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         tp = _f(tp)
@@ -245,18 +249,21 @@ class MemoryModel:
         return out * (self.compute_bytes / 2.0) * self._factor()
 
     def selective_bytes_per_block(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
-        """"selective" (torchtitan op policy): s·b·[r·h/t_sp + (e·(2h + kv + f) + 4·a)/t + e·h/t_sp] bytes."""
+        """ "selective" (torchtitan op policy): s·b·[r·h/t_sp + (e·(2h + kv + f) + 4·a)/t + e·h/t_sp] bytes."""
         s = self.shape
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         tp = _f(tp)
         t_sp = np.where(sp, tp, 1.0)
         kv = s.n_kv_heads * s.head_dim
         e, r = float(self.compute_bytes), float(self.residual_bytes)
-        return s.seq_len * _f(micro_batch_size) * (r * s.dim / t_sp + (e * (2 * s.dim + kv + s.ffn_dim)
-                                                                        + 4.0 * s.n_heads) / tp + e * s.dim / t_sp)
+        return (
+            s.seq_len
+            * _f(micro_batch_size)
+            * (r * s.dim / t_sp + (e * (2 * s.dim + kv + s.ffn_dim) + 4.0 * s.n_heads) / tp + e * s.dim / t_sp)
+        )
 
     def full_bytes_per_block(self, tp, micro_batch_size, sequence_parallel=None) -> np.ndarray:
-        """"full": the block's input, s·b·h·r/t_sp bytes (Korthikanti §4.3)."""
+        """ "full": the block's input, s·b·h·r/t_sp bytes (Korthikanti §4.3)."""
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         t_sp = np.where(sp, _f(tp), 1.0)
         return self.shape.seq_len * _f(micro_batch_size) * self.shape.dim * float(self.residual_bytes) / t_sp
@@ -343,9 +350,20 @@ class MemoryModel:
 
     # ---- totals ---------------------------------------------------------------------------------
 
-    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches, *, activation_checkpointing=None,
-                  pipeline_schedule=None, virtual_stages=None, sequence_parallel=None,
-                  reshard_after_forward=None) -> dict[str, np.ndarray]:
+    def breakdown(
+        self,
+        dp,
+        tp,
+        pp,
+        micro_batch_size,
+        num_microbatches,
+        *,
+        activation_checkpointing=None,
+        pipeline_schedule=None,
+        virtual_stages=None,
+        sequence_parallel=None,
+        reshard_after_forward=None,
+    ) -> dict[str, np.ndarray]:
         """Every component of the fuller of the first and last stage (bytes); "total" = bytes_per_rank.
 
         "states", "buffers" (= params_gathered + grads_unsharded + weight_copies + communicators) and
@@ -356,8 +374,9 @@ class MemoryModel:
         b = _f(micro_batch_size)
         ac = option_codes(activation_checkpointing, self.ac_mode, AC_MODES, "activation_checkpointing")
         sp = np.asarray(self.sequence_parallel if sequence_parallel is None else sequence_parallel) & (tp > 1)
-        reshard = np.asarray(self.reshard_after_forward if reshard_after_forward is None
-                             else reshard_after_forward).astype(np.int64)
+        reshard = np.asarray(
+            self.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
+        ).astype(np.int64)
         layers = np.ceil(self.shape.n_layers / pp)
         unit = max(self.shape.layer_params(), self.shape.vocab_size * self.shape.dim) / tp
         full_set = self.activation_bytes_per_block(tp, b, sp)
@@ -376,7 +395,8 @@ class MemoryModel:
                 # without sync the sharded gradient is created by the last micro-batch's
                 # reduce-scatter, after the peak (the previous step's was freed by zero_grad)
                 parts["states"] = parts["states"] - np.where(
-                    self._no_sync(m, pp, dp), params / (tp * dp) * self.param_bytes, 0.0)
+                    self._no_sync(m, pp, dp), params / (tp * dp) * self.param_bytes, 0.0
+                )
             parts["weight_copies"] = self.weight_copy_bytes(params, unit, tp, flight, ac)
             parts["communicators"] = self.comm_bytes(dp, tp, pp) + zero
             parts["blocks"] = flight * layers * stored
@@ -384,8 +404,9 @@ class MemoryModel:
             parts["sp_gather"] = self.sp_gather_bytes(tp, b, sp) + zero
             head = self.logits_bytes(tp, b)
             parts["logits"] = (head if last else np.where(pp > 1, 0.0, head)) + zero
-            parts["buffers"] = (parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"]
-                                + parts["communicators"])
+            parts["buffers"] = (
+                parts["params_gathered"] + parts["grads_unsharded"] + parts["weight_copies"] + parts["communicators"]
+            )
             parts["activations"] = parts["blocks"] + parts["recompute"] + parts["sp_gather"] + parts["logits"]
             raw = parts["states"] + parts["buffers"] + parts["activations"]
             parts["allocator"] = raw * self.allocator_overhead
@@ -401,8 +422,7 @@ class MemoryModel:
         """Peak bytes on the fullest rank of the plan (vectorised); `options` as `breakdown`."""
         return self.breakdown(dp, tp, pp, micro_batch_size, num_microbatches, **options)["total"]
 
-    def fits(self, dp, tp, pp, micro_batch_size, num_microbatches, capacity_bytes: float,
-             **options) -> np.ndarray:
+    def fits(self, dp, tp, pp, micro_batch_size, num_microbatches, capacity_bytes: float, **options) -> np.ndarray:
         """Boolean mask: bytes_per_rank ≤ capacity_bytes."""
         if not capacity_bytes > 0:
             raise ValueError(f"capacity_bytes={capacity_bytes!r} is invalid; allowed: a number > 0")

@@ -75,11 +75,11 @@ from copus.core.specs.models import ModelShape
 from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, ac_mode_name, option_codes
 
 GRAD_BYTES = 4  # FSDP2 reduce-scatters gradients in fp32 (MixedPrecisionPolicy reduce_dtype)
-TP_ALLREDUCES_PER_BLOCK = 7      # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
-TP_RECOMPUTE_PER_BLOCK = 2       # activation checkpointing repeats the 2 forward all-reduces
+TP_ALLREDUCES_PER_BLOCK = 7  # copus's DTensor TP: 2 forward (wo, w2) + 5 backward (wq, wk, wv, w1, w3)
+TP_RECOMPUTE_PER_BLOCK = 2  # activation checkpointing repeats the 2 forward all-reduces
 ATTN_SCORE_BYTES = (30.0, 13.0)  # eager attention: bytes per score (fwd + bwd, per recomputed fwd)
-TP_COLLECTIVES_SP = 4           # sequence parallel: 2 all-gathers + 2 reduce-scatters, fwd and bwd
-TP_RECOMPUTE_SELECTIVE = 1       # torchtitan's op policy recomputes wo (row-wise): 1 all-reduce
+TP_COLLECTIVES_SP = 4  # sequence parallel: 2 all-gathers + 2 reduce-scatters, fwd and bwd
+TP_RECOMPUTE_SELECTIVE = 1  # torchtitan's op policy recomputes wo (row-wise): 1 all-reduce
 # torch.compile's speed-up of the compute term, fitted on torchtitan's 8B FSDP 8 (5,762 → 6,667
 # tokens/s/GPU, Table 1) by bench/published.py; Table 3 (128 GPUs) held out.
 COMPILE_SPEEDUP = 1.16
@@ -93,17 +93,17 @@ COMPUTE_EFFICIENCY = 0.85
 class StepTimeParams:
     """Coefficients of the step-time model (seconds, seconds/FLOP, seconds/byte; γ ≥ 1)."""
 
-    layer_overhead_s: float      # α_c: fixed time per block (or head) per micro-batch
-    s_per_flop: float            # β_c: 1 / achieved FLOP/s
-    tp_latency_s: float          # α_tp: per ring step of a tensor-parallel all-reduce
-    tp_s_per_byte: float         # β_tp: per byte moved over tier 0
-    dp_latency_s: float          # α_dp: per ring step per FSDP unit
-    dp_s_per_byte: float         # β_dp
-    pp_latency_s: float          # α_pp: per point-to-point message
-    pp_s_per_byte: float         # β_pp
+    layer_overhead_s: float  # α_c: fixed time per block (or head) per micro-batch
+    s_per_flop: float  # β_c: 1 / achieved FLOP/s
+    tp_latency_s: float  # α_tp: per ring step of a tensor-parallel all-reduce
+    tp_s_per_byte: float  # β_tp: per byte moved over tier 0
+    dp_latency_s: float  # α_dp: per ring step per FSDP unit
+    dp_s_per_byte: float  # β_dp
+    pp_latency_s: float  # α_pp: per point-to-point message
+    pp_s_per_byte: float  # β_pp
     optimizer_s_per_param: float  # β_opt: optimizer step per local parameter
-    step_overhead_s: float       # c_step: fixed per optimizer step
-    gamma: float = 1.0           # overlap exponent, Pollux's γ ∈ [1, 10]
+    step_overhead_s: float  # c_step: fixed per optimizer step
+    gamma: float = 1.0  # overlap exponent, Pollux's γ ∈ [1, 10]
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -139,14 +139,24 @@ class StepTimeParams:
         2 moments; fp32), so β_opt = 32 / memory_bw.
         """
         bw0 = hardware.link_bw[0]
-        achieved = (hardware.achieved_flops if hardware.gemm_efficiency is None
-                    else hardware.sustained_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY)
-        return cls(layer_overhead_s=hardware.layer_overhead_s, s_per_flop=1.0 / achieved,
-                   tp_latency_s=hardware.latency_s, tp_s_per_byte=1.0 / bw0,
-                   dp_latency_s=hardware.latency_s, dp_s_per_byte=1.0 / bw0,
-                   pp_latency_s=hardware.latency_s, pp_s_per_byte=1.0 / bw0,
-                   optimizer_s_per_param=32.0 / hardware.memory_bw,
-                   step_overhead_s=hardware.step_overhead_s, gamma=hardware.overlap_gamma)
+        achieved = (
+            hardware.achieved_flops
+            if hardware.gemm_efficiency is None
+            else hardware.sustained_flops * hardware.gemm_efficiency * COMPUTE_EFFICIENCY
+        )
+        return cls(
+            layer_overhead_s=hardware.layer_overhead_s,
+            s_per_flop=1.0 / achieved,
+            tp_latency_s=hardware.latency_s,
+            tp_s_per_byte=1.0 / bw0,
+            dp_latency_s=hardware.latency_s,
+            dp_s_per_byte=1.0 / bw0,
+            pp_latency_s=hardware.latency_s,
+            pp_s_per_byte=1.0 / bw0,
+            optimizer_s_per_param=32.0 / hardware.memory_bw,
+            step_overhead_s=hardware.step_overhead_s,
+            gamma=hardware.overlap_gamma,
+        )
 
 
 def _i(x) -> np.ndarray:
@@ -161,12 +171,25 @@ class StepTimeModel:
     candidate as dp·tp·pp, so one model scores plans of any world size.
     """
 
-    def __init__(self, params: StepTimeParams, shape: ModelShape, hardware: HardwareProfile | None = None,
-                 *, world_size: int | None = None, dtype_bytes: int | None = None, param_bytes: int = 4,
-                 activation_checkpointing: bool | str = False, reshard_after_forward: bool = True,
-                 stack: str | None = None, distributed_optimizer: bool | None = None,
-                 pipeline_schedule: str = "1f1b", virtual_stages: int = 1, sequence_parallel: bool = False,
-                 compile_speedup: float = 1.0, flash_attention: bool = True) -> None:
+    def __init__(
+        self,
+        params: StepTimeParams,
+        shape: ModelShape,
+        hardware: HardwareProfile | None = None,
+        *,
+        world_size: int | None = None,
+        dtype_bytes: int | None = None,
+        param_bytes: int = 4,
+        activation_checkpointing: bool | str = False,
+        reshard_after_forward: bool = True,
+        stack: str | None = None,
+        distributed_optimizer: bool | None = None,
+        pipeline_schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        sequence_parallel: bool = False,
+        compile_speedup: float = 1.0,
+        flash_attention: bool = True,
+    ) -> None:
         self.params = params
         self.shape = shape
         self.hardware = hardware
@@ -187,29 +210,40 @@ class StepTimeModel:
         self.stack = stack or (hardware.stack if hardware else "fsdp2")
         if self.stack not in STACKS:
             raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
-        self.distributed_optimizer = bool(hardware.distributed_optimizer if distributed_optimizer is None
-                                          and hardware else distributed_optimizer)
+        self.distributed_optimizer = bool(
+            hardware.distributed_optimizer if distributed_optimizer is None and hardware else distributed_optimizer
+        )
         self._slow = np.asarray(hardware.tier_slowdown if hardware else (1.0, 1.0, 1.0))
         self._domains = (hardware.nvlink_group, hardware.gpus_per_node) if hardware else (2**62, 2**62)
         self._shared_nic = bool(hardware and hardware.shared_nic)
 
     @classmethod
-    def analytic(cls, shape: ModelShape, hardware: HardwareProfile | str, world_size: int | None = None,
-                 **options) -> StepTimeModel:
+    def analytic(
+        cls, shape: ModelShape, hardware: HardwareProfile | str, world_size: int | None = None, **options
+    ) -> StepTimeModel:
         """A model priced from datasheet figures (`StepTimeParams.analytic`); no measurement."""
         hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
         return cls(StepTimeParams.analytic(hw), shape, hw, world_size=world_size, **options)
 
     def with_params(self, params: StepTimeParams) -> StepTimeModel:
         """The same model (shape, topology, options) with other coefficients."""
-        return StepTimeModel(params, self.shape, self.hardware, world_size=self.world_size,
-                             dtype_bytes=self.dtype_bytes, param_bytes=self.param_bytes,
-                             activation_checkpointing=self.activation_checkpointing,
-                             reshard_after_forward=self.reshard_after_forward, stack=self.stack,
-                             distributed_optimizer=self.distributed_optimizer,
-                             pipeline_schedule=self.pipeline_schedule, virtual_stages=self.virtual_stages,
-                             sequence_parallel=self.sequence_parallel, compile_speedup=self.compile_speedup,
-                             flash_attention=self.flash_attention)
+        return StepTimeModel(
+            params,
+            self.shape,
+            self.hardware,
+            world_size=self.world_size,
+            dtype_bytes=self.dtype_bytes,
+            param_bytes=self.param_bytes,
+            activation_checkpointing=self.activation_checkpointing,
+            reshard_after_forward=self.reshard_after_forward,
+            stack=self.stack,
+            distributed_optimizer=self.distributed_optimizer,
+            pipeline_schedule=self.pipeline_schedule,
+            virtual_stages=self.virtual_stages,
+            sequence_parallel=self.sequence_parallel,
+            compile_speedup=self.compile_speedup,
+            flash_attention=self.flash_attention,
+        )
 
     # ---- shape arithmetic -------------------------------------------------------------------
 
@@ -277,14 +311,24 @@ class StepTimeModel:
         dp, tp, pp = np.asarray(dp), np.asarray(tp), np.asarray(pp)
         world = dp * tp * pp
         g, n = self._domains
-        return (link_tier(tp, 1, world, g, n), link_tier(dp, tp, world, g, n),
-                link_tier(pp, dp * tp, world, g, n))
+        return (link_tier(tp, 1, world, g, n), link_tier(dp, tp, world, g, n), link_tier(pp, dp * tp, world, g, n))
 
     # ---- the model ----------------------------------------------------------------------------
 
-    def breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches, *, activation_checkpointing=None,
-                  pipeline_schedule=None, virtual_stages=None, sequence_parallel=None,
-                  reshard_after_forward=None) -> dict[str, np.ndarray]:
+    def breakdown(
+        self,
+        dp,
+        tp,
+        pp,
+        micro_batch_size,
+        num_microbatches,
+        *,
+        activation_checkpointing=None,
+        pipeline_schedule=None,
+        virtual_stages=None,
+        sequence_parallel=None,
+        reshard_after_forward=None,
+    ) -> dict[str, np.ndarray]:
         """Every term of the equation (seconds), broadcast over the inputs; "step_s" is the total.
 
         The keywords are the plan options per candidate (names, or code / bool arrays as
@@ -294,8 +338,9 @@ class StepTimeModel:
         v = self.bubble_chunks(pp, pipeline_schedule, virtual_stages)
         sp = self.sequence_parallel if sequence_parallel is None else np.asarray(sequence_parallel)
         if self.stack == "megatron":
-            return megatron_breakdown(self, dp, tp, pp, micro_batch_size, num_microbatches,
-                                      ac=ac, chunks=v, sequence_parallel=sp)
+            return megatron_breakdown(
+                self, dp, tp, pp, micro_batch_size, num_microbatches, ac=ac, chunks=v, sequence_parallel=sp
+            )
         raf = self.reshard_after_forward if reshard_after_forward is None else np.asarray(reshard_after_forward)
         p = self.params
         dp_f, tp_f, pp_f, b, m = (_i(x) for x in (dp, tp, pp, micro_batch_size, num_microbatches))
@@ -306,28 +351,43 @@ class StepTimeModel:
         act_bytes = b * self.shape.seq_len * self.shape.dim * self.dtype_bytes
 
         work = stage_compute_flops(self, tp_f, pp_f, b, ac, sp)
-        compute = (p.layer_overhead_s * units + p.s_per_flop * work["total"] / self.compile_speedup
-                   + self.attention_scores_s(tp_f, pp_f, b, ac))
+        compute = (
+            p.layer_overhead_s * units
+            + p.s_per_flop * work["total"] / self.compile_speedup
+            + self.attention_scores_s(tp_f, pp_f, b, ac)
+        )
         per_block = np.where(np.asarray(sp) & (tp_f > 1), TP_COLLECTIVES_SP, TP_ALLREDUCES_PER_BLOCK)
         n_tp = (per_block + self.tp_recompute_per_block(ac)) * layers + 2.0
-        tp_s = n_tp * (2 * (tp_f - 1) * p.tp_latency_s
-                       + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier])
+        tp_s = n_tp * (
+            2 * (tp_f - 1) * p.tp_latency_s + 2 * (tp_f - 1) / tp_f * act_bytes * p.tp_s_per_byte * self._slow[t_tier]
+        )
         p2p = np.where(pp_f > 1, 2.0 * v * (p.pp_latency_s + act_bytes * p.pp_s_per_byte * self._slow[p_tier]), 0.0)
         dp_frac = (dp_f - 1) / dp_f
         n_ag = np.where(raf, 2.0, 1.0)
-        allgather = n_ag * ((dp_f - 1) * units * p.dp_latency_s
-                            + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte * self._slow[d_tier])
+        allgather = n_ag * (
+            (dp_f - 1) * units * p.dp_latency_s
+            + dp_frac * local_params * self.param_bytes * p.dp_s_per_byte * self._slow[d_tier]
+        )
         microbatch = gamma_sum(compute, allgather, p.gamma) + tp_s + p2p
-        sync = ((dp_f - 1) * units * p.dp_latency_s
-                + dp_frac * local_params * GRAD_BYTES * p.dp_s_per_byte * self._slow[d_tier])
+        sync = (dp_f - 1) * units * p.dp_latency_s + dp_frac * local_params * GRAD_BYTES * p.dp_s_per_byte * self._slow[
+            d_tier
+        ]
         last = gamma_sum(microbatch, sync, p.gamma)
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
         bubble = (pp_f - 1.0) / v * microbatch
         step = (m - 1.0) * microbatch + bubble + last + optimizer
-        return {"compute_s": compute, "recompute_s": p.s_per_flop * work["recompute"] / self.compile_speedup,
-                "tp_s": tp_s, "p2p_s": p2p, "allgather_s": allgather,
-                "microbatch_s": microbatch, "sync_s": sync, "optimizer_s": optimizer,
-                "bubble_s": bubble, "step_s": step}
+        return {
+            "compute_s": compute,
+            "recompute_s": p.s_per_flop * work["recompute"] / self.compile_speedup,
+            "tp_s": tp_s,
+            "p2p_s": p2p,
+            "allgather_s": allgather,
+            "microbatch_s": microbatch,
+            "sync_s": sync,
+            "optimizer_s": optimizer,
+            "bubble_s": bubble,
+            "step_s": step,
+        }
 
     def slowdowns(self, dp, tp, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Seconds per byte of the tp, dp and pp groups relative to tier 0 (module docstring).
@@ -343,8 +403,11 @@ class StepTimeModel:
         if self._shared_nic:
             dp_f, tp_f = _i(dp), _i(tp)
             gpn = float(self._domains[1])
-            shares = (np.minimum(tp_f, gpn), np.minimum(dp_f, np.maximum(1.0, np.floor(gpn / tp_f))),
-                      gpn / np.minimum(dp_f * tp_f, gpn))
+            shares = (
+                np.minimum(tp_f, gpn),
+                np.minimum(dp_f, np.maximum(1.0, np.floor(gpn / tp_f))),
+                gpn / np.minimum(dp_f * tp_f, gpn),
+            )
             slow = [np.where(tier == 2, s / k, s) for tier, s, k in zip((t_tier, d_tier, p_tier), slow, shares)]
         return tuple(slow)
 
@@ -382,13 +445,22 @@ def time_split(model: StepTimeModel, dp, tp, pp, micro_batch_size, num_microbatc
     mb = bd["microbatch_s"]
     exposed_ag = np.maximum(mb - bd["compute_s"] - elementwise - bd["tp_s"] - bd["p2p_s"], 0.0)
     last = bd["step_s"] - (m - 1.0) * mb - bd["bubble_s"] - emb - bd["optimizer_s"]
-    return {"compute_s": m * (bd["compute_s"] - bd["recompute_s"] + elementwise), "recompute_s": m * bd["recompute_s"],
-            "fsdp_allgather_s": m * exposed_ag, "tp_s": m * bd["tp_s"], "pp_p2p_s": m * bd["p2p_s"],
-            "grad_sync_s": last - mb, "embedding_sync_s": emb + zero, "bubble_s": bd["bubble_s"] + zero,
-            "optimizer_s": bd["optimizer_s"] + zero}
+    return {
+        "compute_s": m * (bd["compute_s"] - bd["recompute_s"] + elementwise),
+        "recompute_s": m * bd["recompute_s"],
+        "fsdp_allgather_s": m * exposed_ag,
+        "tp_s": m * bd["tp_s"],
+        "pp_p2p_s": m * bd["p2p_s"],
+        "grad_sync_s": last - mb,
+        "embedding_sync_s": emb + zero,
+        "bubble_s": bd["bubble_s"] + zero,
+        "optimizer_s": bd["optimizer_s"] + zero,
+    }
 
 
 def plan_columns(plans: Sequence[ParallelPlan]) -> tuple[np.ndarray, ...]:
     """(dp, tp, pp, micro_batch_size, num_microbatches) of `plans` as int64 arrays."""
-    return tuple(np.array([getattr(pl, f) for pl in plans], dtype=np.int64)
-                 for f in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches"))
+    return tuple(
+        np.array([getattr(pl, f) for pl in plans], dtype=np.int64)
+        for f in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
+    )

@@ -37,10 +37,20 @@ from copus.core.plan.plan import AC_MODES, PIPELINE_SCHEDULES, ParallelPlan, lay
 
 BATCH_GRIDS = ("multiples", "geometric")
 _FIELDS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
-_OPTIONS = ("activation_checkpointing", "pipeline_schedule", "virtual_stages", "sequence_parallel",
-            "reshard_after_forward")
-_DEFAULTS = {"activation_checkpointing": "none", "pipeline_schedule": "1f1b", "virtual_stages": 1,
-             "sequence_parallel": False, "reshard_after_forward": True}
+_OPTIONS = (
+    "activation_checkpointing",
+    "pipeline_schedule",
+    "virtual_stages",
+    "sequence_parallel",
+    "reshard_after_forward",
+)
+_DEFAULTS = {
+    "activation_checkpointing": "none",
+    "pipeline_schedule": "1f1b",
+    "virtual_stages": 1,
+    "sequence_parallel": False,
+    "reshard_after_forward": True,
+}
 
 
 class StepTimePredictor(Protocol):
@@ -84,11 +94,13 @@ class CandidateSet:
         if self.options is None:
             return {}
         o = self.options
-        return {"activation_checkpointing": AC_MODES[int(o["activation_checkpointing"][i])],
-                "pipeline_schedule": PIPELINE_SCHEDULES[int(o["pipeline_schedule"][i])],
-                "virtual_stages": int(o["virtual_stages"][i]),
-                "sequence_parallel": bool(o["sequence_parallel"][i]),
-                "reshard_after_forward": bool(o["reshard_after_forward"][i])}
+        return {
+            "activation_checkpointing": AC_MODES[int(o["activation_checkpointing"][i])],
+            "pipeline_schedule": PIPELINE_SCHEDULES[int(o["pipeline_schedule"][i])],
+            "virtual_stages": int(o["virtual_stages"][i]),
+            "sequence_parallel": bool(o["sequence_parallel"][i]),
+            "reshard_after_forward": bool(o["reshard_after_forward"][i]),
+        }
 
     def option_kwargs(self, indices: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The option columns as model keywords (of `indices` only); {} without options."""
@@ -119,11 +131,11 @@ class CandidateSet:
 
     def subset(self, mask: np.ndarray) -> CandidateSet:
         opts = None if self.options is None else {k: v[mask] for k, v in self.options.items()}
-        return CandidateSet(**{f: getattr(self, f)[mask] for f in (*_FIELDS, "global_batch_size",
-                                                                    "memory_bytes")}, options=opts)
+        return CandidateSet(
+            **{f: getattr(self, f)[mask] for f in (*_FIELDS, "global_batch_size", "memory_bytes")}, options=opts
+        )
 
-    def predict_step_s(self, model: StepTimePredictor, indices: np.ndarray | None = None
-                       ) -> np.ndarray:
+    def predict_step_s(self, model: StepTimePredictor, indices: np.ndarray | None = None) -> np.ndarray:
         """Predicted seconds per optimizer step of every candidate, or of `indices` only."""
         cols = [getattr(self, f) for f in _FIELDS]
         if indices is not None:
@@ -138,37 +150,48 @@ def option_columns(option_sets: Sequence[dict]) -> dict[str, np.ndarray]:
     unknown = {k for o in option_sets for k in o} - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown plan options {sorted(unknown)}; allowed: {', '.join(_OPTIONS)}")
-    for o in full:   # validates the names
+    for o in full:  # validates the names
         ParallelPlan(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=1, **o)
-    return {"activation_checkpointing": np.array([AC_MODES.index(o["activation_checkpointing"]) for o in full]),
-            "pipeline_schedule": np.array([PIPELINE_SCHEDULES.index(o["pipeline_schedule"]) for o in full]),
-            "virtual_stages": np.array([int(o["virtual_stages"]) for o in full], dtype=np.int64),
-            "sequence_parallel": np.array([bool(o["sequence_parallel"]) for o in full]),
-            "reshard_after_forward": np.array([bool(o["reshard_after_forward"]) for o in full])}
+    return {
+        "activation_checkpointing": np.array([AC_MODES.index(o["activation_checkpointing"]) for o in full]),
+        "pipeline_schedule": np.array([PIPELINE_SCHEDULES.index(o["pipeline_schedule"]) for o in full]),
+        "virtual_stages": np.array([int(o["virtual_stages"]) for o in full], dtype=np.int64),
+        "sequence_parallel": np.array([bool(o["sequence_parallel"]) for o in full]),
+        "reshard_after_forward": np.array([bool(o["reshard_after_forward"]) for o in full]),
+    }
 
 
-def option_grid(ac_modes: Sequence[str] = AC_MODES, schedules: Sequence[str] = ("1f1b",),
-                virtual_stages: Sequence[int] = (2,), sequence_parallel: Sequence[bool] = (False,),
-                reshard_after_forward: Sequence[bool] = (True,)) -> list[dict]:
+def option_grid(
+    ac_modes: Sequence[str] = AC_MODES,
+    schedules: Sequence[str] = ("1f1b",),
+    virtual_stages: Sequence[int] = (2,),
+    sequence_parallel: Sequence[bool] = (False,),
+    reshard_after_forward: Sequence[bool] = (True,),
+) -> list[dict]:
     """Every combination of the given choices (interleaved-1f1b once per v, the others with v = 1)."""
     out = []
     for ac in ac_modes:
         for sched in schedules:
-            for v in (virtual_stages if sched == "interleaved-1f1b" else (1,)):
+            for v in virtual_stages if sched == "interleaved-1f1b" else (1,):
                 for sp in sequence_parallel:
                     for raf in reshard_after_forward:
-                        out.append({"activation_checkpointing": ac, "pipeline_schedule": sched,
-                                    "virtual_stages": int(v), "sequence_parallel": bool(sp),
-                                    "reshard_after_forward": bool(raf)})
+                        out.append(
+                            {
+                                "activation_checkpointing": ac,
+                                "pipeline_schedule": sched,
+                                "virtual_stages": int(v),
+                                "sequence_parallel": bool(sp),
+                                "reshard_after_forward": bool(raf),
+                            }
+                        )
     return out
 
 
-def _option_valid(cols: dict[str, np.ndarray], option: dict[str, np.ndarray], shape: ModelShape | None
-                  ) -> np.ndarray:
+def _option_valid(cols: dict[str, np.ndarray], option: dict[str, np.ndarray], shape: ModelShape | None) -> np.ndarray:
     """`plan_problems`' option rules, vectorised over plans for one option set (code scalars)."""
     tp, pp, m = cols["tp"], cols["pp"], cols["num_microbatches"]
     ok = np.ones(tp.shape, dtype=bool)
-    if int(option["pipeline_schedule"]) != 0:   # without a pipeline the schedule is moot: 1f1b only
+    if int(option["pipeline_schedule"]) != 0:  # without a pipeline the schedule is moot: 1f1b only
         ok &= pp >= 2
     if int(option["pipeline_schedule"]) == 2:
         v = int(option["virtual_stages"])
@@ -180,8 +203,9 @@ def _option_valid(cols: dict[str, np.ndarray], option: dict[str, np.ndarray], sh
     return ok
 
 
-def batch_values(min_batch: int, max_batch: int, step: int, *, batch_grid: str = "multiples",
-                 steps_per_octave: int = 4) -> np.ndarray:
+def batch_values(
+    min_batch: int, max_batch: int, step: int, *, batch_grid: str = "multiples", steps_per_octave: int = 4
+) -> np.ndarray:
     """Global batches reachable with `step = dp·micro_batch_size` samples per micro-step."""
     lo = -(-min_batch // step) * step
     if batch_grid == "multiples":
@@ -195,24 +219,30 @@ def batch_values(min_batch: int, max_batch: int, step: int, *, batch_grid: str =
     raise ValueError(f"batch_grid={batch_grid!r} is invalid; allowed: {', '.join(BATCH_GRIDS)}")
 
 
-def _check_range(world_size: int, min_batch: int, max_batch: int,
-                 micro_batch_sizes: Sequence[int]) -> None:
+def _check_range(world_size: int, min_batch: int, max_batch: int, micro_batch_sizes: Sequence[int]) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid; allowed: an integer >= 1")
     if min_batch < 1 or max_batch < min_batch:
-        raise ValueError(f"batch range [{min_batch}, {max_batch}] is invalid; "
-                         "allowed: 1 <= min_batch <= max_batch")
+        raise ValueError(f"batch range [{min_batch}, {max_batch}] is invalid; allowed: 1 <= min_batch <= max_batch")
     if not micro_batch_sizes or any(int(m) != m or m < 1 for m in micro_batch_sizes):
-        raise ValueError(f"micro_batch_sizes={list(micro_batch_sizes)!r} is invalid; "
-                         "allowed: a non-empty list of integers >= 1")
+        raise ValueError(
+            f"micro_batch_sizes={list(micro_batch_sizes)!r} is invalid; allowed: a non-empty list of integers >= 1"
+        )
 
 
-def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: int,
-                     max_batch: int, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                     batch_grid: str = "multiples", steps_per_octave: int = 4,
-                     memory_model: MemoryPredictor | None = None,
-                     memory_capacity_bytes: float | None = None,
-                     options: Sequence[dict] | None = None) -> CandidateSet:
+def build_candidates(
+    world_size: int,
+    shape: ModelShape | None,
+    *,
+    min_batch: int,
+    max_batch: int,
+    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    batch_grid: str = "multiples",
+    steps_per_octave: int = 4,
+    memory_model: MemoryPredictor | None = None,
+    memory_capacity_bytes: float | None = None,
+    options: Sequence[dict] | None = None,
+) -> CandidateSet:
     """Every valid plan for `world_size` ranks with global batch in [min_batch, max_batch].
 
     Plans whose predicted per-rank memory exceeds `memory_capacity_bytes` are pruned (needs
@@ -224,8 +254,7 @@ def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: in
     cols: dict[str, list[np.ndarray]] = {f: [] for f in _FIELDS}
     for dp, tp, pp in layouts(world_size, shape):
         for mbs in sorted({int(m) for m in micro_batch_sizes}):
-            gbs = batch_values(min_batch, max_batch, dp * mbs, batch_grid=batch_grid,
-                               steps_per_octave=steps_per_octave)
+            gbs = batch_values(min_batch, max_batch, dp * mbs, batch_grid=batch_grid, steps_per_octave=steps_per_octave)
             nmb = gbs // (dp * mbs)
             nmb = nmb[nmb >= pp] if pp > 1 else nmb
             for f, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch_size", mbs)):
@@ -238,8 +267,10 @@ def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: in
     gbs = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_microbatches"]
     mem = np.full(gbs.shape, np.nan)
     if memory_model is not None and gbs.size:
-        mem = np.broadcast_to(np.asarray(memory_model.bytes_per_rank(
-            *(arrays[f] for f in _FIELDS), **(opts or {})), dtype=float), gbs.shape).copy()
+        mem = np.broadcast_to(
+            np.asarray(memory_model.bytes_per_rank(*(arrays[f] for f in _FIELDS), **(opts or {})), dtype=float),
+            gbs.shape,
+        ).copy()
     cands = CandidateSet(**arrays, global_batch_size=gbs, memory_bytes=mem, options=opts)
     if memory_capacity_bytes is not None:
         if memory_model is None:
@@ -248,8 +279,9 @@ def build_candidates(world_size: int, shape: ModelShape | None, *, min_batch: in
     return cands
 
 
-def _cross_options(arrays: dict[str, np.ndarray], table: dict[str, np.ndarray],
-                   shape: ModelShape | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _cross_options(
+    arrays: dict[str, np.ndarray], table: dict[str, np.ndarray], shape: ModelShape | None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Every plan × every option set (rows of `table`) that `_option_valid` admits."""
     out: dict[str, list[np.ndarray]] = {f: [] for f in (*_FIELDS, *_OPTIONS)}
     for j in range(len(table["activation_checkpointing"])):
@@ -263,9 +295,15 @@ def _cross_options(arrays: dict[str, np.ndarray], table: dict[str, np.ndarray],
     return {f: cat[f] for f in _FIELDS}, {k: cat[k] for k in _OPTIONS}
 
 
-def goodput(step_s: np.ndarray, global_batch_size: np.ndarray, b_noise: float, *,
-            lr_aware: bool = True, ref_batch: float = 1.0,
-            lr_ref_batch: float | None = None) -> np.ndarray:
+def goodput(
+    step_s: np.ndarray,
+    global_batch_size: np.ndarray,
+    b_noise: float,
+    *,
+    lr_aware: bool = True,
+    ref_batch: float = 1.0,
+    lr_ref_batch: float | None = None,
+) -> np.ndarray:
     """Goodput = samples_per_s × E(B) [× sqrt(B / B_lr_ref) when LR-aware].
 
     E(B) = (b_noise + B0) / (b_noise + B) with B0 = `ref_batch` (COPUS Eq. 6 takes B0 = 1);
@@ -309,7 +347,7 @@ def rank(scores: np.ndarray, step_s: np.ndarray | None = None, top: int | None =
             pos = np.flatnonzero(np.r_[tied, False] | np.r_[False, tied])
             sub = order[pos]
             steps = np.nan_to_num(np.asarray(step_s, float)[idx][sub], nan=np.inf)
-            key = np.empty(pos.size, dtype=complex)   # numpy sorts complex by (real, imag)
+            key = np.empty(pos.size, dtype=complex)  # numpy sorts complex by (real, imag)
             key.real, key.imag = ordered[pos], steps
             order[pos] = sub[np.argsort(key, kind="stable")]
     return idx[order][:top]

@@ -74,8 +74,9 @@ def parse_layout_map(text: str) -> LayoutMap | None:
         try:
             layout = parse_layout(spec)
         except ValueError:
-            raise _bad(text, f"entry {raw.strip()!r} is invalid",
-                       "each of dp, tp, pp at most once, each >= 1") from None
+            raise _bad(
+                text, f"entry {raw.strip()!r} is invalid", "each of dp, tp, pp at most once, each >= 1"
+            ) from None
         entries.append((int(min_batch), layout))
     batches = [b for b, _ in entries]
     if batches != sorted(set(batches)) or batches[0] < 1:
@@ -83,21 +84,24 @@ def parse_layout_map(text: str) -> LayoutMap | None:
     return LayoutMap(tuple(entries))
 
 
-def check_layout_map(layouts: LayoutMap, world_size: int, initial_batch: int,
-                     shape: ModelShape | None = None) -> None:
+def check_layout_map(layouts: LayoutMap, world_size: int, initial_batch: int, shape: ModelShape | None = None) -> None:
     """ValueError unless every layout uses the whole world, fits the model, and the first entry
     covers the initial batch."""
     text = layouts.describe()
     if layouts.entries[0][0] > initial_batch:
-        raise _bad(text, f"no layout for batch.initial={initial_batch}",
-                   f"a first entry with MIN_BATCH <= {initial_batch}")
+        raise _bad(
+            text, f"no layout for batch.initial={initial_batch}", f"a first entry with MIN_BATCH <= {initial_batch}"
+        )
     for _, layout in layouts.entries:
         dp, tp, pp = layout
         probe = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=1, num_microbatches=pp)
         problems = plan_problems(probe, world_size, shape)
         if problems:
-            raise _bad(text, f"layout {_name(layout)}: {problems[0]}",
-                       f"layouts with dp*tp*pp = {world_size} that fit the model")
+            raise _bad(
+                text,
+                f"layout {_name(layout)}: {problems[0]}",
+                f"layouts with dp*tp*pp = {world_size} that fit the model",
+            )
 
 
 def plan_in_layout(plan: ParallelPlan, layout: Layout) -> ParallelPlan:
@@ -107,13 +111,11 @@ def plan_in_layout(plan: ParallelPlan, layout: Layout) -> ParallelPlan:
     dp, tp, pp = layout
     batch = plan.global_batch_size
     if batch % dp:
-        raise ValueError(f"global batch {batch} is not a multiple of dp={dp} of layout "
-                         f"{_name(layout)}")
+        raise ValueError(f"global batch {batch} is not a multiple of dp={dp} of layout {_name(layout)}")
     per_dp, mbs = batch // dp, plan.micro_batch_size
     if per_dp % mbs or per_dp // mbs < pp:
         mbs = default_micro_batch_size(per_dp, pp, cap=mbs)
-    return ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
-                        num_microbatches=per_dp // mbs)
+    return ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=per_dp // mbs)
 
 
 class LayoutMappedPolicy:
@@ -139,14 +141,22 @@ class LayoutMappedPolicy:
         try:
             plan = plan_in_layout(decision.plan, layout)
         except ValueError as err:
-            return Decision(kind=decision.kind, plan=decision.plan, step=decision.step,
-                            b_noise=decision.b_noise,
-                            reason=f"{decision.reason}; layout map not applied: {err}")
+            return Decision(
+                kind=decision.kind,
+                plan=decision.plan,
+                step=decision.step,
+                b_noise=decision.b_noise,
+                reason=f"{decision.reason}; layout map not applied: {err}",
+            )
         kind = "batch" if layout == record.plan.layout else "reconfigure"
-        return Decision(kind=kind, plan=plan, step=decision.step, b_noise=decision.b_noise,
-                        candidates=decision.candidates,
-                        reason=f"{decision.reason}; layout {plan.describe()} from "
-                               f"parallel.layouts ({self.layouts.describe()})")
+        return Decision(
+            kind=kind,
+            plan=plan,
+            step=decision.step,
+            b_noise=decision.b_noise,
+            candidates=decision.candidates,
+            reason=f"{decision.reason}; layout {plan.describe()} from parallel.layouts ({self.layouts.describe()})",
+        )
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
@@ -157,6 +167,6 @@ class LayoutMappedPolicy:
     def __getattr__(self, item: str) -> Any:
         """Everything else (statistics, names) is the inner policy's."""
         inner = self.__dict__.get("inner")
-        if inner is None:                   # not built yet (e.g. while unpickling)
+        if inner is None:  # not built yet (e.g. while unpickling)
             raise AttributeError(item)
         return getattr(inner, item)

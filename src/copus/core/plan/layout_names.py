@@ -16,14 +16,15 @@ from __future__ import annotations
 import re
 
 Layout = tuple[int, int, int]
-LAYOUT_SYNTAX = ("dpX.tpY.ppZ (omitted degrees 1, e.g. dp2.pp2) or DPxTPxPP (e.g. 2x1x2)")
+LAYOUT_SYNTAX = "dpX.tpY.ppZ (omitted degrees 1, e.g. dp2.pp2) or DPxTPxPP (e.g. 2x1x2)"
 _TRIPLE = re.compile(r"^(\d+)\s*[x×]\s*(\d+)\s*[x×]\s*(\d+)$")
 _DEGREE = re.compile(r"^(dp|tp|pp)(\d+)$")
 _SEPARATORS = re.compile(r"[.·,_\s]+")
 
 
-def layout_name(dp: int, tp: int, pp: int, micro_batch_size: int | None = None,
-                num_microbatches: int | None = None) -> str:
+def layout_name(
+    dp: int, tp: int, pp: int, micro_batch_size: int | None = None, num_microbatches: int | None = None
+) -> str:
     """`dp2.tp1.pp2`, with micro-batching `dp2.tp1.pp2 mb8x1` (or `mb8` without the count)."""
     text = f"dp{dp}.tp{tp}.pp{pp}"
     if micro_batch_size is None:
@@ -49,6 +50,7 @@ def parse_layout(text: str) -> Layout:
             break
         found[m.group(1)] = int(m.group(2))
     if not found:
-        raise ValueError(f"layout {text!r} is invalid; allowed: {LAYOUT_SYNTAX}, each degree "
-                         ">= 1 and named at most once")
+        raise ValueError(
+            f"layout {text!r} is invalid; allowed: {LAYOUT_SYNTAX}, each degree >= 1 and named at most once"
+        )
     return (found.get("dp", 1), found.get("tp", 1), found.get("pp", 1))

@@ -79,16 +79,21 @@ class ParallelPlan:
         check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         interleaved = self.pipeline_schedule == "interleaved-1f1b"
         if interleaved != (self.virtual_stages > 1):
-            raise ValueError(f"virtual_stages={self.virtual_stages} is invalid with pipeline_schedule="
-                             f"{self.pipeline_schedule!r}; allowed: >= 2 with interleaved-1f1b, else 1")
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} is invalid with pipeline_schedule="
+                f"{self.pipeline_schedule!r}; allowed: >= 2 with interleaved-1f1b, else 1"
+            )
 
     @property
     def options(self) -> dict:
         """The per-rank execution choices (everything but the degrees and micro-batching)."""
-        return {"activation_checkpointing": self.activation_checkpointing,
-                "pipeline_schedule": self.pipeline_schedule, "virtual_stages": self.virtual_stages,
-                "sequence_parallel": self.sequence_parallel,
-                "reshard_after_forward": self.reshard_after_forward}
+        return {
+            "activation_checkpointing": self.activation_checkpointing,
+            "pipeline_schedule": self.pipeline_schedule,
+            "virtual_stages": self.virtual_stages,
+            "sequence_parallel": self.sequence_parallel,
+            "reshard_after_forward": self.reshard_after_forward,
+        }
 
     def options_suffix(self) -> str:
         """' ac=full pp=interleaved-1f1b/v2 sp no-reshard': the non-default options ('' if none)."""
@@ -127,16 +132,17 @@ class ParallelPlan:
         per_step = self.dp * mbs
         if global_batch_size % per_step:
             raise ValueError(
-                f"global_batch_size={global_batch_size} is not a multiple of "
-                f"dp*micro_batch_size={per_step}"
+                f"global_batch_size={global_batch_size} is not a multiple of dp*micro_batch_size={per_step}"
             )
         return replace(self, micro_batch_size=mbs, num_microbatches=global_batch_size // per_step)
 
     def describe(self) -> str:
         """`dp2.tp1.pp2 mb8x1 (B=16)`: the canonical spelling (core/plan/layout_names.py)."""
-        return (f"{layout_name(self.dp, self.tp, self.pp, self.micro_batch_size, self.num_microbatches)}"
-                f"{self.options_suffix()}"
-                f" (B={self.global_batch_size})")
+        return (
+            f"{layout_name(self.dp, self.tp, self.pp, self.micro_batch_size, self.num_microbatches)}"
+            f"{self.options_suffix()}"
+            f" (B={self.global_batch_size})"
+        )
 
     def validate(self, world_size: int | None = None, shape: ModelShape | None = None) -> None:
         """Raise ValueError naming the first bad value; see `plan_problems` for the rules."""
@@ -154,8 +160,7 @@ def default_micro_batch_size(per_dp: int, pp: int, cap: int = 4) -> int:
     return best
 
 
-def plan_problems(plan: ParallelPlan, world_size: int | None = None,
-                  shape: ModelShape | None = None) -> list[str]:
+def plan_problems(plan: ParallelPlan, world_size: int | None = None, shape: ModelShape | None = None) -> list[str]:
     """Every reason `plan` cannot run on `world_size` ranks with model `shape` (empty if valid).
 
     Rules: dp·tp·pp = world; tp divides heads, KV heads, ffn_dim and dim (column/row sharding);
@@ -166,24 +171,30 @@ def plan_problems(plan: ParallelPlan, world_size: int | None = None,
     """
     out: list[str] = []
     if world_size is not None and plan.world_size != world_size:
-        out.append(f"dp*tp*pp={plan.dp}*{plan.tp}*{plan.pp}={plan.world_size} "
-                   f"must equal the world size {world_size}")
+        out.append(f"dp*tp*pp={plan.dp}*{plan.tp}*{plan.pp}={plan.world_size} must equal the world size {world_size}")
     if plan.pp > 1 and plan.num_microbatches < plan.pp:
         out.append(f"num_microbatches={plan.num_microbatches} must be >= pp={plan.pp}")
     if plan.pipeline_schedule == "interleaved-1f1b":
         if plan.pp < 2:
             out.append(f"pipeline_schedule='interleaved-1f1b' needs pp >= 2, got pp={plan.pp}")
         elif plan.num_microbatches % plan.pp:
-            out.append(f"num_microbatches={plan.num_microbatches} must be a multiple of pp={plan.pp} "
-                       "with interleaved-1f1b")
+            out.append(
+                f"num_microbatches={plan.num_microbatches} must be a multiple of pp={plan.pp} with interleaved-1f1b"
+            )
     if plan.sequence_parallel and plan.tp < 2:
         out.append(f"sequence_parallel needs tp >= 2, got tp={plan.tp}")
     if shape is not None:
         if plan.virtual_stages > 1 and plan.pp * plan.virtual_stages > shape.n_layers:
-            out.append(f"pp*virtual_stages={plan.pp * plan.virtual_stages} must be <= n_layers="
-                       f"{shape.n_layers} of model {shape.name!r}")
-        for what, n in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads),
-                        ("ffn_dim", shape.ffn_dim), ("dim", shape.dim)):
+            out.append(
+                f"pp*virtual_stages={plan.pp * plan.virtual_stages} must be <= n_layers="
+                f"{shape.n_layers} of model {shape.name!r}"
+            )
+        for what, n in (
+            ("n_heads", shape.n_heads),
+            ("n_kv_heads", shape.n_kv_heads),
+            ("ffn_dim", shape.ffn_dim),
+            ("dim", shape.dim),
+        ):
             if n % plan.tp:
                 out.append(f"tp={plan.tp} must divide {what}={n} of model {shape.name!r}")
         if plan.pp > shape.n_layers:
@@ -209,9 +220,12 @@ def layouts(world_size: int, shape: ModelShape | None = None) -> list[tuple[int,
     return out
 
 
-def enumerate_plans(world_size: int, global_batch_sizes: Iterable[int],
-                    micro_batch_sizes: Iterable[int],
-                    shape: ModelShape | None = None) -> Iterator[ParallelPlan]:
+def enumerate_plans(
+    world_size: int,
+    global_batch_sizes: Iterable[int],
+    micro_batch_sizes: Iterable[int],
+    shape: ModelShape | None = None,
+) -> Iterator[ParallelPlan]:
     """Every valid plan: each layout × each global batch × each micro-batch that divides it."""
     batches = sorted(set(global_batch_sizes))
     mbss = sorted(set(micro_batch_sizes))
@@ -220,7 +234,6 @@ def enumerate_plans(world_size: int, global_batch_sizes: Iterable[int],
             for mbs in mbss:
                 if gbs % (dp * mbs):
                     continue
-                plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
-                                    num_microbatches=gbs // (dp * mbs))
+                plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs))
                 if not plan_problems(plan, world_size, shape):
                     yield plan

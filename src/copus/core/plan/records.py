@@ -21,11 +21,11 @@ class StepRecord:
     `ip_sq_mean` = (1/J) Σ_j (g_jᵀḡ)², only when the inner-product extras are enabled.
     """
 
-    step: int                      # optimizer steps completed, this one included
-    samples: int                   # samples consumed so far, this step included
-    tokens: int                    # tokens consumed so far
-    plan: ParallelPlan             # the plan this step ran under
-    step_s: float                  # wall time of this step
+    step: int  # optimizer steps completed, this one included
+    samples: int  # samples consumed so far, this step included
+    tokens: int  # tokens consumed so far
+    plan: ParallelPlan  # the plan this step ran under
+    step_s: float  # wall time of this step
     loss: float
     lr: float = 0.0
     small_sqnorm: float = float("nan")
@@ -38,7 +38,7 @@ class StepRecord:
     grad_trace_cov: float = float("nan")
     b_noise: float = float("nan")
     b_noise_rel_err: float = float("inf")
-    skipped: bool = False          # non-finite loss/gradient: the step was not applied
+    skipped: bool = False  # non-finite loss/gradient: the step was not applied
 
     @property
     def global_batch_size(self) -> int:
@@ -89,15 +89,28 @@ class Decision:
     def to_dict(self) -> dict:
         p = self.plan
         return {
-            "step": self.step, "kind": self.kind, "purpose": self.purpose, "reason": self.reason,
+            "step": self.step,
+            "kind": self.kind,
+            "purpose": self.purpose,
+            "reason": self.reason,
             "b_noise": self.b_noise,
-            "dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
-            "num_microbatches": p.num_microbatches, "global_batch_size": p.global_batch_size,
+            "dp": p.dp,
+            "tp": p.tp,
+            "pp": p.pp,
+            "micro_batch_size": p.micro_batch_size,
+            "num_microbatches": p.num_microbatches,
+            "global_batch_size": p.global_batch_size,
             "candidates": [
-                {"dp": c.plan.dp, "tp": c.plan.tp, "pp": c.plan.pp,
-                 "micro_batch_size": c.plan.micro_batch_size,
-                 "global_batch_size": c.plan.global_batch_size,
-                 "step_s": c.step_s, "goodput": c.goodput, "efficiency": c.efficiency}
+                {
+                    "dp": c.plan.dp,
+                    "tp": c.plan.tp,
+                    "pp": c.plan.pp,
+                    "micro_batch_size": c.plan.micro_batch_size,
+                    "global_batch_size": c.plan.global_batch_size,
+                    "step_s": c.step_s,
+                    "goodput": c.goodput,
+                    "efficiency": c.efficiency,
+                }
                 for c in self.candidates
             ],
         } | ({"calibration": self.calibration} if self.calibration is not None else {})

@@ -53,13 +53,11 @@ class FixedDegrees:
         return all(not getattr(self, k) or getattr(self, k) == getattr(plan, k) for k in names)
 
     def describe(self) -> str:
-        fixed = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "micro_batch_size")
-                 if getattr(self, k)]
+        fixed = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "micro_batch_size") if getattr(self, k)]
         return f"fixed {', '.join(fixed)}" if fixed else "no fixed degrees"
 
 
-def batch_pool(candidates: CandidateSet, allowed: np.ndarray, global_batch_size: int
-               ) -> tuple[np.ndarray, int]:
+def batch_pool(candidates: CandidateSet, allowed: np.ndarray, global_batch_size: int) -> tuple[np.ndarray, int]:
     """(mask, B): the allowed candidates with B = `global_batch_size` if any, else with the
     allowed B closest to it (ties: the larger). An empty mask when nothing is allowed."""
     gbs = candidates.global_batch_size
@@ -71,10 +69,20 @@ def batch_pool(candidates: CandidateSet, allowed: np.ndarray, global_batch_size:
     return allowed & (gbs == best), best
 
 
-def replan(candidates: CandidateSet, model: StepTimePredictor, *, saved: ParallelPlan,
-           why: str, fixed: FixedDegrees = FixedDegrees(), b_noise: float = math.inf,
-           lr_aware: bool = True, lr_ref_batch: float | None = None, model_name: str = "",
-           step: int = 0, top_k: int = 5) -> Decision | None:
+def replan(
+    candidates: CandidateSet,
+    model: StepTimePredictor,
+    *,
+    saved: ParallelPlan,
+    why: str,
+    fixed: FixedDegrees = FixedDegrees(),
+    b_noise: float = math.inf,
+    lr_aware: bool = True,
+    lr_ref_batch: float | None = None,
+    model_name: str = "",
+    step: int = 0,
+    top_k: int = 5,
+) -> Decision | None:
     """The plan to resume with (see the module docstring), as a Decision whose reason starts
     with `why` (e.g. "world size changed from 2 to 1") and lists the best `top_k` candidates;
     None when no candidate respects `fixed`. `b_noise` is the calibrated noise scale (inf or NaN:
@@ -89,15 +97,33 @@ def replan(candidates: CandidateSet, model: StepTimePredictor, *, saved: Paralle
     scores = goodput(step_s, gbs, b, lr_aware=lr_aware, lr_ref_batch=lr_ref_batch)
     eff = efficiency(b, gbs)
     order = rank(scores, step_s, top=max(top_k, 1))
-    top = tuple(Candidate(plan=candidates.plan(int(idx[j])), step_s=float(step_s[j]),
-                          goodput=float(scores[j]), efficiency=float(eff[j])) for j in order)
+    top = tuple(
+        Candidate(
+            plan=candidates.plan(int(idx[j])),
+            step_s=float(step_s[j]),
+            goodput=float(scores[j]),
+            efficiency=float(eff[j]),
+        )
+        for j in order
+    )
     best = top[0]
-    kept = (f"global batch {batch} kept" if batch == saved.global_batch_size else
-            f"global batch {saved.global_batch_size} impossible here, closest {batch}")
+    kept = (
+        f"global batch {batch} kept"
+        if batch == saved.global_batch_size
+        else f"global batch {saved.global_batch_size} impossible here, closest {batch}"
+    )
     ranking = "; ".join(f"{c.plan.describe()} {c.step_s:.3g}s" for c in top)
-    reason = (f"{why}: {kept}; {best.plan.describe()} is the fastest of {idx.size} plans "
-              f"({fixed.describe()}) by the {model_name or 'step-time'} model: {ranking}")
+    reason = (
+        f"{why}: {kept}; {best.plan.describe()} is the fastest of {idx.size} plans "
+        f"({fixed.describe()}) by the {model_name or 'step-time'} model: {ranking}"
+    )
     if math.isfinite(b):
         reason += f"; b_noise={b:.4g}"
-    return Decision(kind=decision_kind(saved, best.plan), plan=best.plan, reason=reason,
-                    step=step, b_noise=float(b_noise), candidates=top)
+    return Decision(
+        kind=decision_kind(saved, best.plan),
+        plan=best.plan,
+        reason=reason,
+        step=step,
+        b_noise=float(b_noise),
+        candidates=top,
+    )

@@ -54,17 +54,22 @@ def _order(placements: Sequence[Placement], mesh_sizes: Sequence[int]) -> list[i
             if placements[k][0] == "S" and placements[k][1] == dim:
                 inner *= mesh_sizes[k]
         if inner != sf:
-            raise UnsupportedLayout(f"strided shard on dim {dim} with split factor {sf}: inner "
-                                    f"mesh dimensions shard it {inner} ways; allowed: equal")
+            raise UnsupportedLayout(
+                f"strided shard on dim {dim} with split factor {sf}: inner "
+                f"mesh dimensions shard it {inner} ways; allowed: equal"
+            )
     return plain + strided[::-1]
 
 
-def local_box(shape: Sequence[int], mesh_sizes: Sequence[int], coord: Sequence[int],
-              placements: Sequence[Placement]) -> Box:
+def local_box(
+    shape: Sequence[int], mesh_sizes: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> Box:
     """The box of the full tensor `shape` held at mesh coordinate `coord`."""
     if not (len(mesh_sizes) == len(coord) == len(placements)):
-        raise UnsupportedLayout(f"mesh sizes {mesh_sizes}, coordinate {coord} and placements "
-                                f"{placements} differ in length; allowed: one per mesh dim")
+        raise UnsupportedLayout(
+            f"mesh sizes {mesh_sizes}, coordinate {coord} and placements "
+            f"{placements} differ in length; allowed: one per mesh dim"
+        )
     ranges = [(0, int(n)) for n in shape]
     for m in _order(placements, mesh_sizes):
         p = placements[m]
@@ -123,12 +128,15 @@ def plan_pieces(old: Mapping[int, Box], new: Mapping[int, Box]) -> list[Piece]:
             pieces.append(Piece(src, dst, part))
             got += volume(part)
         if got != need:
-            raise UnsupportedLayout(f"rank {dst}'s new shard {want} is covered {got} of {need} "
-                                    "elements by the old shards; allowed: exactly once")
+            raise UnsupportedLayout(
+                f"rank {dst}'s new shard {want} is covered {got} of {need} "
+                "elements by the old shards; allowed: exactly once"
+            )
     return sorted(pieces, key=lambda p: (p.dst, p.src, p.box))
 
 
 # ------------------------------------------------------------- per-rank planning (chunk arithmetic)
+
 
 class Mesh:
     """A device mesh as plain data: its shape and the global rank at each coordinate (row-major),
@@ -233,8 +241,8 @@ def _class_ranks(mesh: Mesh, fixed: dict[int, int], replicated: list[int]) -> li
     return sorted(ranks)
 
 
-Placed = Sequence[Layout]   # a tensor's groups: disjoint meshes whose equal boxes are replicas
-                           # (e.g. a norm FSDP-sharded over the dp sub-mesh of each tp rank)
+Placed = Sequence[Layout]  # a tensor's groups: disjoint meshes whose equal boxes are replicas
+# (e.g. a norm FSDP-sharded over the dp sub-mesh of each tp rank)
 
 
 def _groups(placed: Layout | Placed) -> Sequence[Layout]:
@@ -282,8 +290,10 @@ def rank_pieces(old: Layout | Placed, new: Layout | Placed, me: int) -> list[Pie
             pieces.add(Piece(src, me, part))
             got += volume(part)
         if got != volume(want):
-            raise UnsupportedLayout(f"rank {me}'s new shard {want} is covered {got} of "
-                                    f"{volume(want)} elements by the old shards; allowed: exactly once")
+            raise UnsupportedLayout(
+                f"rank {me}'s new shard {want} is covered {got} of "
+                f"{volume(want)} elements by the old shards; allowed: exactly once"
+            )
     have = box_of(old, me)
     if have is not None and volume(have):
         mine = next(ranks for box, ranks in classes(old, have) if box == have)
@@ -317,8 +327,7 @@ def layout_volumes(layout: Layout, world: int) -> np.ndarray:
 
 def placed_volumes(placed: Layout | Placed, world: int) -> np.ndarray:
     """`layout_volumes` summed over a grouped layout's (disjoint) groups."""
-    return sum((layout_volumes(lay, world) for lay in _groups(placed)),
-               np.zeros(world, dtype=np.int64))
+    return sum((layout_volumes(lay, world) for lay in _groups(placed)), np.zeros(world, dtype=np.int64))
 
 
 def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
@@ -333,7 +342,7 @@ def memory_order(deltas: Sequence[Sequence[int]]) -> list[int]:
     order = []
     for _ in range(len(d)):
         worst = np.where(left, (run + d).max(axis=1, initial=-np.inf), np.inf)
-        best = int(np.argmin(worst))          # first minimum: lowest index on ties
+        best = int(np.argmin(worst))  # first minimum: lowest index on ties
         order.append(best)
         left[best] = False
         run += d[best]
@@ -370,16 +379,18 @@ def buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
 # 4 gloo ranks on 2 CPU cores shared with other jobs, load 11-28; synthetic states of 0.1, 0.5
 # and 1 GB took 0.59, 0.73 and 2.4 s): wall ≈ 0.3 s + state / 0.5 GB/s.
 DIRECT_SWITCH_CONSTANT_S = 0.3
-CPU_SWITCH_BANDWIDTH_BPS = 0.5e9   # all ranks together: weights + AdamW state per second
+CPU_SWITCH_BANDWIDTH_BPS = 0.5e9  # all ranks together: weights + AdamW state per second
 
 
-def direct_switch_cost_s(state_bytes: float, bandwidth_bps: float | None = None,
-                         constant_s: float = DIRECT_SWITCH_CONSTANT_S) -> float:
+def direct_switch_cost_s(
+    state_bytes: float, bandwidth_bps: float | None = None, constant_s: float = DIRECT_SWITCH_CONSTANT_S
+) -> float:
     """Prior cost of one direct layout switch: constant + state / bandwidth, where `state_bytes`
     (weights + AdamW moments, all ranks) bounds the bytes that change owner and `bandwidth_bps`
     is the world's aggregate rate (None: the CPU figure measured here)."""
     bw = CPU_SWITCH_BANDWIDTH_BPS if bandwidth_bps is None else bandwidth_bps
     if state_bytes < 0 or bw <= 0:
-        raise ValueError(f"state_bytes={state_bytes}, bandwidth_bps={bw} are invalid; allowed: "
-                         "state >= 0, bandwidth > 0")
+        raise ValueError(
+            f"state_bytes={state_bytes}, bandwidth_bps={bw} are invalid; allowed: state >= 0, bandwidth > 0"
+        )
     return float(constant_s + state_bytes / bw)

@@ -42,8 +42,9 @@ class SearchResult:
     explanation: dict
 
 
-def amortisation(reconfig_cost_s: float, elapsed_s: float, useful_s: float | None = None,
-                 horizon_s: float | None = None) -> float:
+def amortisation(
+    reconfig_cost_s: float, elapsed_s: float, useful_s: float | None = None, horizon_s: float | None = None
+) -> float:
     """Factor applied to a parallelism change's goodput (COPUS Alg. 2, line 5).
 
     COPUS: `T_useful / (T_elapsed + c_reconfig)`, T_useful = T_elapsed minus past switch
@@ -51,8 +52,7 @@ def amortisation(reconfig_cost_s: float, elapsed_s: float, useful_s: float | Non
     A zero cost gives 1.
     """
     if reconfig_cost_s < 0 or elapsed_s < 0:
-        raise ValueError(f"reconfig_cost_s={reconfig_cost_s}, elapsed_s={elapsed_s} are "
-                         "invalid; allowed: >= 0")
+        raise ValueError(f"reconfig_cost_s={reconfig_cost_s}, elapsed_s={elapsed_s} are invalid; allowed: >= 0")
     if reconfig_cost_s == 0:
         return 1.0
     if horizon_s is not None:
@@ -63,34 +63,58 @@ def amortisation(reconfig_cost_s: float, elapsed_s: float, useful_s: float | Non
 
 def plan_dict(plan: ParallelPlan) -> dict:
     """The plan's degrees and batch (+ its options when not the defaults)."""
-    out = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-           "micro_batch_size": plan.micro_batch_size,
-           "num_microbatches": plan.num_microbatches,
-           "global_batch_size": plan.global_batch_size}
+    out = {
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "micro_batch_size": plan.micro_batch_size,
+        "num_microbatches": plan.num_microbatches,
+        "global_batch_size": plan.global_batch_size,
+    }
     if _option_args(plan):
         out.update(plan.options)
     return out
 
 
-def ranked(candidates: CandidateSet, model: StepTimePredictor, b_noise: float = float("inf"), *,
-           lr_aware: bool = True, ref_batch: float = 1.0, lr_ref_batch: float | None = None,
-           top: int | None = None) -> list[RankedPlan]:
+def ranked(
+    candidates: CandidateSet,
+    model: StepTimePredictor,
+    b_noise: float = float("inf"),
+    *,
+    lr_aware: bool = True,
+    ref_batch: float = 1.0,
+    lr_ref_batch: float | None = None,
+    top: int | None = None,
+) -> list[RankedPlan]:
     """Every candidate (or the best `top`) sorted by goodput, best first."""
     step_s = candidates.predict_step_s(model)
     gbs = candidates.global_batch_size
-    scores = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
-                     lr_ref_batch=lr_ref_batch)
+    scores = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch, lr_ref_batch=lr_ref_batch)
     eff = efficiency(b_noise, gbs, ref_batch)
     order = rank(scores, step_s, top=top)
-    return [RankedPlan(plan=candidates.plan(i), step_s=float(step_s[i]),
-                       samples_per_s=float(gbs[i] / step_s[i]) if step_s[i] > 0 else 0.0,
-                       efficiency=float(eff[i]), goodput=float(scores[i]),
-                       memory_bytes=float(candidates.memory_bytes[i])) for i in order]
+    return [
+        RankedPlan(
+            plan=candidates.plan(i),
+            step_s=float(step_s[i]),
+            samples_per_s=float(gbs[i] / step_s[i]) if step_s[i] > 0 else 0.0,
+            efficiency=float(eff[i]),
+            goodput=float(scores[i]),
+            memory_bytes=float(candidates.memory_bytes[i]),
+        )
+        for i in order
+    ]
 
 
-def _allowed(candidates: CandidateSet, current: ParallelPlan, *, max_growth: float,
-             min_batch: int | None, max_batch: int | None, allow_shrink: bool,
-             allow_reconfigure: bool) -> np.ndarray:
+def _allowed(
+    candidates: CandidateSet,
+    current: ParallelPlan,
+    *,
+    max_growth: float,
+    min_batch: int | None,
+    max_batch: int | None,
+    allow_shrink: bool,
+    allow_reconfigure: bool,
+) -> np.ndarray:
     gbs = candidates.global_batch_size
     ok = gbs <= max_growth * current.global_batch_size + 1e-9
     if min_batch is not None:
@@ -104,15 +128,32 @@ def _allowed(candidates: CandidateSet, current: ParallelPlan, *, max_growth: flo
     return ok
 
 
-def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
-             current_plan: ParallelPlan, *, margin: float = 0.10, max_growth: float = 2.0,
-             min_batch: int | None = None, max_batch: int | None = None,
-             allow_shrink: bool = True, reconfig_cost_s: float = 2.0, elapsed_s: float = 0.0,
-             useful_s: float | None = None, horizon_s: float | None = None,
-             allow_reconfigure: bool = True, lr_aware: bool = True, ref_batch: float = 1.0,
-             lr_ref_batch: float | None = None, step: int = 0, top_k: int = 5,
-             step_s: np.ndarray | None = None, uncertainty: np.ndarray | None = None,
-             current_uncertainty: float = 0.0, step_confidence: float = 0.0) -> SearchResult:
+def evaluate(
+    candidates: CandidateSet,
+    model: StepTimePredictor,
+    b_noise: float,
+    current_plan: ParallelPlan,
+    *,
+    margin: float = 0.10,
+    max_growth: float = 2.0,
+    min_batch: int | None = None,
+    max_batch: int | None = None,
+    allow_shrink: bool = True,
+    reconfig_cost_s: float = 2.0,
+    elapsed_s: float = 0.0,
+    useful_s: float | None = None,
+    horizon_s: float | None = None,
+    allow_reconfigure: bool = True,
+    lr_aware: bool = True,
+    ref_batch: float = 1.0,
+    lr_ref_batch: float | None = None,
+    step: int = 0,
+    top_k: int = 5,
+    step_s: np.ndarray | None = None,
+    uncertainty: np.ndarray | None = None,
+    current_uncertainty: float = 0.0,
+    step_confidence: float = 0.0,
+) -> SearchResult:
     """Rank the allowed candidates and decide whether to switch (see module docstring).
 
     `uncertainty` (relative standard error of every candidate's step time) and
@@ -126,11 +167,16 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     if math.isnan(b_noise) or b_noise <= 0:
         raise ValueError(f"b_noise={b_noise} is invalid; allowed: a number > 0 (inf: unknown)")
     if margin < 0 or max_growth < 1:
-        raise ValueError(f"margin={margin}, max_growth={max_growth} are invalid; "
-                         "allowed: margin >= 0, max_growth >= 1")
-    allowed = _allowed(candidates, current_plan, max_growth=max_growth, min_batch=min_batch,
-                       max_batch=max_batch, allow_shrink=allow_shrink,
-                       allow_reconfigure=allow_reconfigure)
+        raise ValueError(f"margin={margin}, max_growth={max_growth} are invalid; allowed: margin >= 0, max_growth >= 1")
+    allowed = _allowed(
+        candidates,
+        current_plan,
+        max_growth=max_growth,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        allow_shrink=allow_shrink,
+        allow_reconfigure=allow_reconfigure,
+    )
     idx = np.flatnonzero(allowed)  # only these are predicted and scored
     if step_s is None:
         step_s = candidates.predict_step_s(model, idx)
@@ -139,27 +185,50 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
             raise ValueError(f"step_s has shape {np.shape(step_s)}; allowed: ({len(candidates)},)")
         step_s = np.asarray(step_s, dtype=float)[idx]
     gbs = candidates.global_batch_size[idx]
-    raw = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
-                  lr_ref_batch=lr_ref_batch)
+    raw = goodput(step_s, gbs, b_noise, lr_aware=lr_aware, ref_batch=ref_batch, lr_ref_batch=lr_ref_batch)
     factor = amortisation(reconfig_cost_s, elapsed_s, useful_s, horizon_s)
     adjusted = np.where(candidates.same_layout(current_plan)[idx], raw, raw * factor)
     order = rank(adjusted, step_s, top=max(top_k, 1))  # positions in idx
-    cur_step = float(np.asarray(model.predict(*_plan_args(current_plan), **_option_args(current_plan)),
-                                float).reshape(-1)[0])
-    cur_good = float(goodput(np.array([cur_step]), np.array([current_plan.global_batch_size]),
-                             b_noise, lr_aware=lr_aware, ref_batch=ref_batch,
-                             lr_ref_batch=lr_ref_batch)[0])
+    cur_step = float(
+        np.asarray(model.predict(*_plan_args(current_plan), **_option_args(current_plan)), float).reshape(-1)[0]
+    )
+    cur_good = float(
+        goodput(
+            np.array([cur_step]),
+            np.array([current_plan.global_batch_size]),
+            b_noise,
+            lr_aware=lr_aware,
+            ref_batch=ref_batch,
+            lr_ref_batch=lr_ref_batch,
+        )[0]
+    )
     eff = efficiency(b_noise, gbs, ref_batch)
-    top = [Candidate(plan=candidates.plan(idx[j]), step_s=float(step_s[j]),
-                     goodput=float(adjusted[j]), efficiency=float(eff[j]))
-           for j in order[:top_k]]
-    expl = {"step": step, "b_noise": _num(b_noise), "margin": margin,
-            "amortisation": factor, "reconfig_cost_s": reconfig_cost_s,
-            "num_candidates": len(candidates), "num_allowed": int(idx.size),
-            "current": {**plan_dict(current_plan), "step_s": cur_step, "goodput": cur_good},
-            "top": [{**plan_dict(c.plan), "step_s": c.step_s, "goodput": c.goodput,
-                     "raw_goodput": float(raw[j]), "efficiency": c.efficiency}
-                    for c, j in zip(top, order[:top_k], strict=True)]}
+    top = [
+        Candidate(
+            plan=candidates.plan(idx[j]), step_s=float(step_s[j]), goodput=float(adjusted[j]), efficiency=float(eff[j])
+        )
+        for j in order[:top_k]
+    ]
+    expl = {
+        "step": step,
+        "b_noise": _num(b_noise),
+        "margin": margin,
+        "amortisation": factor,
+        "reconfig_cost_s": reconfig_cost_s,
+        "num_candidates": len(candidates),
+        "num_allowed": int(idx.size),
+        "current": {**plan_dict(current_plan), "step_s": cur_step, "goodput": cur_good},
+        "top": [
+            {
+                **plan_dict(c.plan),
+                "step_s": c.step_s,
+                "goodput": c.goodput,
+                "raw_goodput": float(raw[j]),
+                "efficiency": c.efficiency,
+            }
+            for c, j in zip(top, order[:top_k], strict=True)
+        ],
+    }
     if not idx.size:
         return _stay(expl, "no allowed candidate (growth cap, batch range or layout lock)")
     best_j = int(order[0])
@@ -172,24 +241,27 @@ def evaluate(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
     u_best = float(uncertainty[idx[best_j]]) if uncertainty is not None else 0.0
     need = required_gain(margin, current_uncertainty, u_best, step_confidence)
     expl.update(required_gain=need, u_current=_num(current_uncertainty), u_best=_num(u_best))
-    bar = f"margin {margin:.0%}" if need == margin else \
-        f"margin {margin:.0%} + {step_confidence:g}·u {need - margin:.0%}"
+    bar = (
+        f"margin {margin:.0%}" if need == margin else f"margin {margin:.0%} + {step_confidence:g}·u {need - margin:.0%}"
+    )
     if gain <= need:
         return _stay(expl, f"best {best.describe()} gains {gain:+.1%} <= {bar}")
     kind = decision_kind(current_plan, best)
-    reason = (f"{kind}: {best.describe()} goodput {best_good:.4g} vs current "
-              f"{current_plan.describe()} {cur_good:.4g} ({gain:+.1%} > {bar}); "
-              f"step {step_s[best_j]:.4g}s vs {cur_step:.4g}s; b_noise={b_noise:.4g}")
+    reason = (
+        f"{kind}: {best.describe()} goodput {best_good:.4g} vs current "
+        f"{current_plan.describe()} {cur_good:.4g} ({gain:+.1%} > {bar}); "
+        f"step {step_s[best_j]:.4g}s vs {cur_step:.4g}s; b_noise={b_noise:.4g}"
+    )
     if kind == "reconfigure":
         reason += f"; amortisation {factor:.3f} (c_reconfig={reconfig_cost_s:.3g}s)"
     expl.update(action=kind, why=reason)
-    decision = Decision(kind=kind, plan=best, reason=reason, step=step, b_noise=float(b_noise),
-                        candidates=tuple(top))
+    decision = Decision(kind=kind, plan=best, reason=reason, step=step, b_noise=float(b_noise), candidates=tuple(top))
     return SearchResult(decision=decision, explanation=expl)
 
 
-def search(candidates: CandidateSet, model: StepTimePredictor, b_noise: float,
-           current_plan: ParallelPlan, **kw) -> Decision | None:
+def search(
+    candidates: CandidateSet, model: StepTimePredictor, b_noise: float, current_plan: ParallelPlan, **kw
+) -> Decision | None:
     """`evaluate(...).decision`: the switch to make now, or None to stay."""
     return evaluate(candidates, model, b_noise, current_plan, **kw).decision
 
@@ -200,8 +272,9 @@ def _stay(expl: dict, why: str) -> SearchResult:
 
 
 def _plan_args(plan: ParallelPlan) -> tuple[np.ndarray, ...]:
-    return tuple(np.array([v], dtype=np.int64) for v in
-                 (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches))
+    return tuple(
+        np.array([v], dtype=np.int64) for v in (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
+    )
 
 
 def _option_args(plan: ParallelPlan) -> dict:

@@ -43,10 +43,10 @@ GRID_POINTS = 4000
 class Menu:
     """The fastest plan of every (layout, batch) pair of a candidate grid."""
 
-    batches: np.ndarray      # global batch (samples)
-    step_s: np.ndarray       # the fastest plan's predicted seconds per step
-    layout: np.ndarray       # layout id (dense 0..n_layouts−1)
-    layouts: tuple[tuple[int, int, int], ...]   # (dp, tp, pp) of each id
+    batches: np.ndarray  # global batch (samples)
+    step_s: np.ndarray  # the fastest plan's predicted seconds per step
+    layout: np.ndarray  # layout id (dense 0..n_layouts−1)
+    layouts: tuple[tuple[int, int, int], ...]  # (dp, tp, pp) of each id
 
     @classmethod
     def from_candidates(cls, cands, step_s: np.ndarray) -> Menu:
@@ -57,12 +57,16 @@ class Menu:
         uniq, lay = np.unique(keys, axis=0, return_inverse=True)
         lay = lay.reshape(-1)
         gbs, sec = cands.global_batch_size[ok].astype(np.int64), step_s[ok]
-        order = np.lexsort((sec, gbs, lay))               # fastest first within (layout, batch)
+        order = np.lexsort((sec, gbs, lay))  # fastest first within (layout, batch)
         lay, gbs, sec = lay[order], gbs[order], sec[order]
         first = np.ones(len(lay), bool)
         first[1:] = (lay[1:] != lay[:-1]) | (gbs[1:] != gbs[:-1])
-        return cls(batches=gbs[first].astype(float), step_s=sec[first], layout=lay[first],
-                   layouts=tuple(tuple(int(v) for v in row) for row in uniq))
+        return cls(
+            batches=gbs[first].astype(float),
+            step_s=sec[first],
+            layout=lay[first],
+            layouts=tuple(tuple(int(v) for v in row) for row in uniq),
+        )
 
     def fastest(self, batch: float) -> int | None:
         """Index of the fastest entry at exactly `batch` (None if no layout hosts it)."""
@@ -96,8 +100,7 @@ def _zero_progress_start(traj: Trajectory) -> bool:
     return traj.params.lr_warmup_tokens > 0 and traj.params.lr_model != "lr-tuned"
 
 
-def _steps(traj: Trajectory, batch: np.ndarray, loss: float, tokens: np.ndarray,
-           de: float) -> np.ndarray:
+def _steps(traj: Trajectory, batch: np.ndarray, loss: float, tokens: np.ndarray, de: float) -> np.ndarray:
     """Steps to gain `de` effective samples at `batch` from `tokens` (midpoint tokens by one
     predictor step); inf where a step makes no progress."""
     seq = traj.seq_len
@@ -113,13 +116,14 @@ def critical_batch_of_progress(traj: Trajectory, progress: np.ndarray) -> np.nda
     """B_crit(L(E)) in samples for an array of effective samples (`Trajectory.critical_batch`)."""
     p = traj.params
     loss = p.final_loss + (p.initial_loss - p.final_loss) * (
-        1.0 + np.maximum(progress, 0.0) / p.progress_scale_samples) ** (-p.loss_exponent)
-    return np.maximum(p.bcrit_star_tokens / np.maximum(loss, 1e-6) ** (1.0 / p.bcrit_exponent)
-                      / traj.seq_len, p.min_bcrit_samples)
+        1.0 + np.maximum(progress, 0.0) / p.progress_scale_samples
+    ) ** (-p.loss_exponent)
+    return np.maximum(
+        p.bcrit_star_tokens / np.maximum(loss, 1e-6) ** (1.0 / p.bcrit_exponent) / traj.seq_len, p.min_bcrit_samples
+    )
 
 
-def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray,
-          tokens: np.ndarray) -> np.ndarray:
+def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """One step's effective samples for every run at once (`Trajectory.progress_per_step`
     with a loss per run): ΔE = B·B_crit/(B_crit + B) [· (2x − x²) under the sqrt-LR truth]."""
     from copus.core.stats.lr_progress import sqrt_lr_progress_factor
@@ -129,13 +133,19 @@ def _gain(traj: Trajectory, batch: np.ndarray, progress: np.ndarray,
     tuned = batch * bcrit / (bcrit + batch)
     if p.lr_model == "lr-tuned":
         return tuned
-    return tuned * sqrt_lr_progress_factor(batch, bcrit, p.lr_fraction_x0, ref_batch=p.lr_ref_batch,
-                                           exponent=p.lr_opt_exponent, tokens=tokens,
-                                           warmup_tokens=p.lr_warmup_tokens)
+    return tuned * sqrt_lr_progress_factor(
+        batch,
+        bcrit,
+        p.lr_fraction_x0,
+        ref_batch=p.lr_ref_batch,
+        exponent=p.lr_opt_exponent,
+        tokens=tokens,
+        warmup_tokens=p.lr_warmup_tokens,
+    )
 
 
-STEPWISE_MAX = 20_000        # steps of the exact head of a fixed run
-SMOOTH = 0.01                # the head ends once a step changes the gain by < 1 %
+STEPWISE_MAX = 20_000  # steps of the exact head of a fixed run
+SMOOTH = 0.01  # the head ends once a step changes the gain by < 1 %
 
 
 def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, order, out, col):
@@ -160,7 +170,7 @@ def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, or
             newly = active & (e >= goal) & np.isnan(out[:, col[order[k]]])
             out[newly, col[order[k]]] = wall[newly] / 60.0
         smooth = (g > 0) & (np.abs(g - prev) <= SMOOTH * g)
-        stalled = (tok >= warm) & ~(g > 0)           # x ≥ 2 past the warm-up: never moves again
+        stalled = (tok >= warm) & ~(g > 0)  # x ≥ 2 past the warm-up: never moves again
         wall = np.where(active & stalled, np.inf, wall)
         active &= ~((tok >= warm) & (smooth | stalled)) & (e < goals[-1])
         prev = g
@@ -169,15 +179,24 @@ def _stepwise_head(traj: Trajectory, menu_lookup, batch_of, runs: int, goals, or
         if moved.any():
             new_step, new_lay = menu_lookup(nb)
             wall = np.where(moved & (new_lay != lay), wall + menu_lookup.switch_cost_s, wall)
-            batch, step, lay = (np.where(moved, nb, batch), np.where(moved, new_step, step),
-                                np.where(moved, new_lay, lay))
+            batch, step, lay = (
+                np.where(moved, nb, batch),
+                np.where(moved, new_step, step),
+                np.where(moved, new_lay, lay),
+            )
     return e, tok, wall, batch, step, lay
 
 
-def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
-                       batch_of: Callable[[np.ndarray, np.ndarray], np.ndarray], runs: int,
-                       targets: Sequence[float], switch_cost_s: float = 0.0,
-                       points: int = GRID_POINTS) -> np.ndarray:
+def fixed_runs_minutes(
+    params: TrajectoryParams,
+    seq_len: int,
+    menu: Menu,
+    batch_of: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    runs: int,
+    targets: Sequence[float],
+    switch_cost_s: float = 0.0,
+    points: int = GRID_POINTS,
+) -> np.ndarray:
     """Minutes to each target (shape runs × len(targets), NaN = missed) of `runs` runs whose
     batch is `batch_of(tokens, progress)` (an array of `runs` batches from their tokens and
     effective samples so far), each batch
@@ -199,8 +218,7 @@ def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
 
     lookup.switch_cost_s = switch_cost_s
     col = {t: targets.index(t) for t in order}
-    e0, tokens, wall, batch, step, lay = _stepwise_head(traj, lookup, batch_of, runs, goals,
-                                                        order, out, col)
+    e0, tokens, wall, batch, step, lay = _stepwise_head(traj, lookup, batch_of, runs, goals, order, out, col)
     k = 0
     for lo, hi in zip(edges[:-1], edges[1:]):
         de = np.clip(hi - np.maximum(lo, e0), 0.0, None)
@@ -225,9 +243,15 @@ def fixed_runs_minutes(params: TrajectoryParams, seq_len: int, menu: Menu,
     return out
 
 
-def ceiling_minutes(params: TrajectoryParams, seq_len: int, menu: Menu, initial_batch: float,
-                    targets: Sequence[float], switch_cost_s: float,
-                    points: int = GRID_POINTS) -> list[float | None]:
+def ceiling_minutes(
+    params: TrajectoryParams,
+    seq_len: int,
+    menu: Menu,
+    initial_batch: float,
+    targets: Sequence[float],
+    switch_cost_s: float,
+    points: int = GRID_POINTS,
+) -> list[float | None]:
     """Minutes to each target of the one-run, switch-paying dynamic programme (module
     docstring), starting like the controllers: at `initial_batch` on a zero-progress first step,
     on any layout (the start layout is a decision)."""

@@ -35,9 +35,9 @@ from copus.core.sim.trajectory import Trajectory, TrajectoryParams
 class Gap:
     """Seconds a run lost against the oracle, up to the loss it reached, by cause."""
 
-    batch_s: float        # a batch off the best for the layout it ran
-    layout_s: float       # a layout off the best at that point
-    switch_s: float       # parallelism changes (the oracle's are free)
+    batch_s: float  # a batch off the best for the layout it ran
+    layout_s: float  # a layout off the best at that point
+    switch_s: float  # parallelism changes (the oracle's are free)
     steps: int
 
     @property
@@ -45,13 +45,24 @@ class Gap:
         return self.batch_s + self.layout_s + self.switch_s
 
     def to_dict(self) -> dict:
-        return {"batch_s": self.batch_s, "layout_s": self.layout_s, "switch_s": self.switch_s,
-                "total_s": self.total_s, "steps": self.steps}
+        return {
+            "batch_s": self.batch_s,
+            "layout_s": self.layout_s,
+            "switch_s": self.switch_s,
+            "total_s": self.total_s,
+            "steps": self.steps,
+        }
 
 
-def decompose(records: list[StepRecord], switches: list[tuple[int, float]], params: TrajectoryParams,
-              seq_len: int, candidates: CandidateSet, step_s: np.ndarray,
-              stop_loss: float | None = None) -> Gap:
+def decompose(
+    records: list[StepRecord],
+    switches: list[tuple[int, float]],
+    params: TrajectoryParams,
+    seq_len: int,
+    candidates: CandidateSet,
+    step_s: np.ndarray,
+    stop_loss: float | None = None,
+) -> Gap:
     """The module docstring's split for a run's `records` (its plans, in order) under the truth
     `params`, against `candidates` with predicted `step_s` (the oracle's menu; the run's plans
     must be among them); `switches`: (step after which it was paid, seconds) of each
@@ -68,8 +79,10 @@ def decompose(records: list[StepRecord], switches: list[tuple[int, float]], para
     for rec in records:
         i = candidates.index_of(rec.plan)
         if i is None or not ok[i]:
-            raise ValueError(f"plan {rec.plan.describe()} is not a feasible candidate; allowed: "
-                             "the plans of `candidates` with a finite step time")
+            raise ValueError(
+                f"plan {rec.plan.describe()} is not a feasible candidate; allowed: "
+                "the plans of `candidates` with a finite step time"
+            )
         gain = np.where(ok, np.asarray(traj.progress_per_step(batches, loss, tokens), float), 0.0)
         rate = gain / np.where(ok, step_s, np.inf)
         best = float(rate.max())
@@ -94,14 +107,15 @@ def run_gap(scenario, result, planner=None, stop_loss: float | None = None) -> G
     from copus.core.sim.simulator import Planner
 
     if not result.records:
-        raise ValueError(f"run {result.name!r} has no records; allowed: a run simulated with "
-                         "SimSettings(keep_records=True)")
+        raise ValueError(
+            f"run {result.name!r} has no records; allowed: a run simulated with SimSettings(keep_records=True)"
+        )
     cands, step_s = (planner or Planner(scenario)).menu()
     switches, costs = [], iter(result.switch_costs_s)
     for before, span in zip(result.timeline, result.timeline[1:]):
         if span.plan.layout != before.plan.layout:
             switches.append((span.start_step, next(costs)))
     stop = min(scenario.sim.target_losses) if stop_loss is None else stop_loss
-    return decompose(result.records, switches, scenario.sim.trajectory, scenario.shape.seq_len,
-                     cands, step_s, stop_loss=stop)
-
+    return decompose(
+        result.records, switches, scenario.sim.trajectory, scenario.shape.seq_len, cands, step_s, stop_loss=stop
+    )

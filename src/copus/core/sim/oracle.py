@@ -22,9 +22,14 @@ import numpy as np
 from copus.core.sim.trajectory import Trajectory, TrajectoryParams
 
 
-def oracle_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: np.ndarray,
-                   step_s: np.ndarray, targets: Sequence[float],
-                   max_steps: int = 200_000) -> list[float | None]:
+def oracle_minutes(
+    params: TrajectoryParams,
+    seq_len: int,
+    global_batch_sizes: np.ndarray,
+    step_s: np.ndarray,
+    targets: Sequence[float],
+    max_steps: int = 200_000,
+) -> list[float | None]:
     """Minutes to each target loss of the oracle over the candidates (batch_i, step_s_i)."""
     traj = Trajectory(params, seq_len)
     batches = np.asarray(global_batch_sizes, dtype=float)
@@ -38,8 +43,8 @@ def oracle_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: n
         i = int(np.argmax(gain * inv_t))
         if not gain[i] > 0:
             if tokens >= params.lr_warmup_tokens:
-                break                              # stalled for good (x ≥ 2 everywhere)
-            i = _fair_start(batches, inv_t)        # LR still 0: the controllers' first batch
+                break  # stalled for good (x ≥ 2 everywhere)
+            i = _fair_start(batches, inv_t)  # LR still 0: the controllers' first batch
         progress += float(gain[i])
         tokens += batches[i] * seq_len
         wall += 1.0 / inv_t[i]
@@ -67,8 +72,9 @@ def speedup_pct(baseline_min: float | None, run_min: float | None) -> float | No
     return 100.0 * (baseline_min - run_min) / baseline_min
 
 
-def scenario_oracle_minutes(scenario, params: TrajectoryParams | None = None, planner=None,
-                            layout: tuple[int, int, int] | None = None) -> list[float | None]:
+def scenario_oracle_minutes(
+    scenario, params: TrajectoryParams | None = None, planner=None, layout: tuple[int, int, int] | None = None
+) -> list[float | None]:
     """`oracle_minutes` over every memory-feasible plan of a `core.simulator.Scenario` (the
     controller's own candidate grid), under `params` (default: the scenario's truth).
     `layout` (dp, tp, pp): only that layout's plans, i.e. the batch schedule's own ceiling."""
@@ -78,13 +84,25 @@ def scenario_oracle_minutes(scenario, params: TrajectoryParams | None = None, pl
     ok = np.isfinite(step_s) & (step_s > 0)
     if layout is not None:
         ok &= (cands.dp == layout[0]) & (cands.tp == layout[1]) & (cands.pp == layout[2])
-    return oracle_minutes(params or scenario.sim.trajectory, scenario.shape.seq_len,
-                          cands.global_batch_size[ok], step_s[ok], scenario.sim.target_losses)
+    return oracle_minutes(
+        params or scenario.sim.trajectory,
+        scenario.shape.seq_len,
+        cands.global_batch_size[ok],
+        step_s[ok],
+        scenario.sim.target_losses,
+    )
 
 
-def switch_aware_minutes(params: TrajectoryParams, seq_len: int, global_batch_sizes: np.ndarray,
-                         step_s: np.ndarray, layout_ids: np.ndarray, targets: Sequence[float],
-                         switch_cost_s: float, points: int = 4000) -> list[float | None]:
+def switch_aware_minutes(
+    params: TrajectoryParams,
+    seq_len: int,
+    global_batch_sizes: np.ndarray,
+    step_s: np.ndarray,
+    layout_ids: np.ndarray,
+    targets: Sequence[float],
+    switch_cost_s: float,
+    points: int = 4000,
+) -> list[float | None]:
     """Minutes to each target of the best controller that pays `switch_cost_s` per layout change
     but otherwise knows the truth: the ceiling a real run can reach, where `oracle_minutes`
     also switches for free.
@@ -109,8 +127,7 @@ def switch_aware_minutes(params: TrajectoryParams, seq_len: int, global_batch_si
     if not all(np.isfinite(goals)):
         return [None] * len(targets)
     e_max = max(goals)
-    grid = np.concatenate([[0.0], np.geomspace(1e-3 * params.progress_scale_samples, e_max,
-                                                points)])
+    grid = np.concatenate([[0.0], np.geomspace(1e-3 * params.progress_scale_samples, e_max, points)])
     token_of = _oracle_tokens(traj, batches, step, e_max)
     f = np.zeros(len(layouts))
     hit: dict[float, float] = {}
@@ -125,8 +142,7 @@ def switch_aware_minutes(params: TrajectoryParams, seq_len: int, global_batch_si
         while k_goal < len(goals) and hi >= goals[k_goal]:
             hit[order[k_goal]] = float(f.min()) / 60.0
             k_goal += 1
-    return [hit.get(t) if hit.get(t) is not None and math.isfinite(hit[t]) else None
-            for t in targets]
+    return [hit.get(t) if hit.get(t) is not None and math.isfinite(hit[t]) else None for t in targets]
 
 
 def _oracle_tokens(traj: Trajectory, batches: np.ndarray, step_s: np.ndarray, e_max: float):
@@ -148,7 +164,7 @@ def _oracle_tokens(traj: Trajectory, batches: np.ndarray, step_s: np.ndarray, e_
         e_path.append(progress)
         tok_path.append(tokens)
         if tokens >= traj.params.lr_warmup_tokens:
-            break                   # past the warm-up the rate no longer reads the tokens
+            break  # past the warm-up the rate no longer reads the tokens
     e_arr, t_arr = np.array(e_path), np.array(tok_path)
     return lambda e: float(np.interp(e, e_arr, t_arr, right=math.inf))
 
@@ -159,8 +175,7 @@ def layout_ids(candidates) -> np.ndarray:
     return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
 
 
-def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = None,
-                                  planner=None) -> list[float | None]:
+def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = None, planner=None) -> list[float | None]:
     """The switch-aware ceiling of a `core.simulator.Scenario`: `scenario_oracle_minutes` plus
     what paying the scenario's switch cost adds in `switch_aware_minutes` (its result at the
     cost minus at zero cost). The difference form keeps the greedy oracle's exact sqrt-LR
@@ -173,10 +188,8 @@ def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = No
     ok = np.isfinite(step_s) & (step_s > 0)
     ids = layout_ids(cands)
     truth = params or scenario.sim.trajectory
-    args = (truth, scenario.shape.seq_len, cands.global_batch_size[ok], step_s[ok], ids[ok],
-            scenario.sim.target_losses)
+    args = (truth, scenario.shape.seq_len, cands.global_batch_size[ok], step_s[ok], ids[ok], scenario.sim.target_losses)
     paid = switch_aware_minutes(*args, planner.switch_cost_s)
     free = switch_aware_minutes(*args, 0.0)
     greedy = oracle_minutes(*args[:4], scenario.sim.target_losses)
-    return [None if None in (g, p, f) else g + max(p - f, 0.0)
-            for g, p, f in zip(greedy, paid, free)]
+    return [None if None in (g, p, f) else g + max(p - f, 0.0) for g, p, f in zip(greedy, paid, free)]

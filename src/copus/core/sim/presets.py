@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from copus.core.sim.trajectory import LR_TUNED, SQRT_LR, TrajectoryParams
 
-FITTED = "fitted"   # a preset's best-fitting truth (Preset.trajectory)
+FITTED = "fitted"  # a preset's best-fitting truth (Preset.trajectory)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,14 +39,14 @@ class Preset:
     world_size: int
     token_budget: int
     target_losses: tuple[float, ...]
-    trajectory: TrajectoryParams          # the default ground truth (the best-fitting one)
+    trajectory: TrajectoryParams  # the default ground truth (the best-fitting one)
     initial_batch: int = 16
     max_batch: int = 1024
     # The simulation may run past the published budget: its throughput differs from the paper's,
     # and a target must not be missed only because the budget ran out first.
     sim_budget_factor: float = 3.0
     static_batches: tuple[int, ...] = (16, 32, 64, 128, 1024)
-    batch_grid: str = "multiples"   # core.plan.goodput grid; "geometric" for huge clusters
+    batch_grid: str = "multiples"  # core.plan.goodput grid; "geometric" for huge clusters
     # (dp, tp, pp) of the two CBS baselines: tuned for B=16 ("pessimistic") and for the large
     # batches that dominate training ("optimistic"), COPUS Table 1 row labels.
     cbs_layouts: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 1, 1), (1, 1, 1))
@@ -56,7 +56,7 @@ class Preset:
     published_speedup_pct: tuple[float, ...] = ()
     published_avg_speedup_pct: float = 0.0
     published_reconfig_s: tuple[float, ...] = ()
-    published_switch_min: tuple[float, ...] = ()   # Table 2 "triggered at" of each switch
+    published_switch_min: tuple[float, ...] = ()  # Table 2 "triggered at" of each switch
     # Named ground truths (core.trajectory LR_MODELS), each fitted to the baseline rows;
     # `trajectory` is the one of them that fits the static + CBS rows best.
     truths: dict[str, TrajectoryParams] = field(default_factory=dict)
@@ -81,7 +81,7 @@ class Preset:
 # error 0.12 / 0.11 / 0.13 / 0.09 for 3B / 13B / 32B / 7B at 4, against 0.15 / 0.12 / 0.15 / 0.08
 # at COPUS's c = 2; docs/cost-model.md). COPUS rows are not used: its speed-ups stay a prediction.
 GNS_TO_BCRIT = 4.0
-LR_WARMUP_TOKENS = 8_000_000   # COPUS §6.1: linear warm-up over the first 8M tokens
+LR_WARMUP_TOKENS = 8_000_000  # COPUS §6.1: linear warm-up over the first 8M tokens
 
 
 def _traj(vocab: int, **kw) -> TrajectoryParams:
@@ -97,9 +97,10 @@ def _truths(vocab: int, *, tuned: dict, sqrt_lr: dict) -> dict[str, TrajectoryPa
               B_crit/b_noise from the grid of `bench/simulate_scale.py --calibrate --grid fine`
               (bench/results/truth_fit_{full,fine}.json; docs/cost-model.md).
     """
-    return {LR_TUNED: _traj(vocab, gns_calibration=GNS_TO_BCRIT, **tuned),
-            SQRT_LR: _traj(vocab, lr_model=SQRT_LR, lr_opt_exponent=0.5,
-                           lr_warmup_tokens=LR_WARMUP_TOKENS, **sqrt_lr)}
+    return {
+        LR_TUNED: _traj(vocab, gns_calibration=GNS_TO_BCRIT, **tuned),
+        SQRT_LR: _traj(vocab, lr_model=SQRT_LR, lr_opt_exponent=0.5, lr_warmup_tokens=LR_WARMUP_TOKENS, **sqrt_lr),
+    }
 
 
 # RMS log-time error over the static + CBS rows (docs/cost-model.md): lr-tuned 0.093 / 0.070 /
@@ -109,32 +110,65 @@ def _truths(vocab: int, *, tuned: dict, sqrt_lr: dict) -> dict[str, TrajectoryPa
 # bench/results/truth_fit_full.json: lr-tuned 0.121, sqrt-lr 0.123 (static rows 0.060)); the
 # H100 presets' static rows stay within 0.08 and keep their fits. Each preset's
 # default (`Preset.trajectory`, `copus simulate --truth fitted`) is the better of the two.
-_T3B = _truths(128256,
-               tuned=dict(progress_scale_samples=70.08, loss_exponent=0.2406, bcrit_star_tokens=4.039e8),
-               sqrt_lr=dict(lr_fraction_x0=0.85, gns_calibration=2.0, progress_scale_samples=100.68,
-                            loss_exponent=0.25174, bcrit_star_tokens=9.889e8))
-_T13B = _truths(32000,
-                tuned=dict(progress_scale_samples=30.77, loss_exponent=0.2363, bcrit_star_tokens=7.471e7),
-                sqrt_lr=dict(lr_fraction_x0=0.55, gns_calibration=2.0, progress_scale_samples=15.699,
-                             loss_exponent=0.22446, bcrit_star_tokens=4.7803e7))
-_T32B = _truths(152064,
-                tuned=dict(progress_scale_samples=83.29, loss_exponent=0.2556, bcrit_star_tokens=2.508e8),
-                sqrt_lr=dict(lr_fraction_x0=0.3, gns_calibration=4.0, progress_scale_samples=5.161,
-                             loss_exponent=0.22824, bcrit_star_tokens=1.3893e7))
-_T7B = _truths(32000,   # refitted under the roofline step-time model (core/cost/compute.py)
-               tuned=dict(progress_scale_samples=4.754, loss_exponent=0.1815, bcrit_star_tokens=2.529e7),
-               sqrt_lr=dict(lr_fraction_x0=0.6, gns_calibration=2.0, progress_scale_samples=2.598,
-                            loss_exponent=0.1726, bcrit_star_tokens=2.081e7))
+_T3B = _truths(
+    128256,
+    tuned=dict(progress_scale_samples=70.08, loss_exponent=0.2406, bcrit_star_tokens=4.039e8),
+    sqrt_lr=dict(
+        lr_fraction_x0=0.85,
+        gns_calibration=2.0,
+        progress_scale_samples=100.68,
+        loss_exponent=0.25174,
+        bcrit_star_tokens=9.889e8,
+    ),
+)
+_T13B = _truths(
+    32000,
+    tuned=dict(progress_scale_samples=30.77, loss_exponent=0.2363, bcrit_star_tokens=7.471e7),
+    sqrt_lr=dict(
+        lr_fraction_x0=0.55,
+        gns_calibration=2.0,
+        progress_scale_samples=15.699,
+        loss_exponent=0.22446,
+        bcrit_star_tokens=4.7803e7,
+    ),
+)
+_T32B = _truths(
+    152064,
+    tuned=dict(progress_scale_samples=83.29, loss_exponent=0.2556, bcrit_star_tokens=2.508e8),
+    sqrt_lr=dict(
+        lr_fraction_x0=0.3,
+        gns_calibration=4.0,
+        progress_scale_samples=5.161,
+        loss_exponent=0.22824,
+        bcrit_star_tokens=1.3893e7,
+    ),
+)
+_T7B = _truths(
+    32000,  # refitted under the roofline step-time model (core/cost/compute.py)
+    tuned=dict(progress_scale_samples=4.754, loss_exponent=0.1815, bcrit_star_tokens=2.529e7),
+    sqrt_lr=dict(
+        lr_fraction_x0=0.6,
+        gns_calibration=2.0,
+        progress_scale_samples=2.598,
+        loss_exponent=0.1726,
+        bcrit_star_tokens=2.081e7,
+    ),
+)
 
 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset(
-            name="3b-8xh100", description="LLaMA-3.2-3B on 1x8 H100 (NVLink pairs)",
-            model="llama-3.2-3b", hardware="h100-nvlink-pairs", world_size=8,
-            token_budget=328_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.75),
-            trajectory=_T3B[SQRT_LR], truths=_T3B,
+            name="3b-8xh100",
+            description="LLaMA-3.2-3B on 1x8 H100 (NVLink pairs)",
+            model="llama-3.2-3b",
+            hardware="h100-nvlink-pairs",
+            world_size=8,
+            token_budget=328_000_000,
+            target_losses=(4.0, 3.5, 3.2, 3.0, 2.75),
+            trajectory=_T3B[SQRT_LR],
+            truths=_T3B,
             static_batches=(16, 32, 64, 128, 1024),
             cbs_layouts=((2, 1, 4), (8, 1, 1)),
             published_layouts=((2, 1, 4), (4, 1, 2), (8, 1, 1)),
@@ -148,14 +182,21 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=128": (20.8, 30.7, 42.5, 55.7, None),
                 "Static GBS=1024": (None, None, None, None, None),
             },
-            published_speedup_pct=(4.3, 10.1, 8.6, 9.4, 7.0), published_avg_speedup_pct=7.9,
-            published_reconfig_s=(30.0, 56.0), published_switch_min=(3.0, 22.0),
+            published_speedup_pct=(4.3, 10.1, 8.6, 9.4, 7.0),
+            published_avg_speedup_pct=7.9,
+            published_reconfig_s=(30.0, 56.0),
+            published_switch_min=(3.0, 22.0),
         ),
         Preset(
-            name="13b-16xh100", description="LLaMA-2-13B on 2x8 H100",
-            model="llama-2-13b", hardware="h100-nvlink-pairs", world_size=16,
-            token_budget=328_000_000, target_losses=(4.0, 3.5, 3.0, 2.75, 2.5),
-            trajectory=_T13B[LR_TUNED], truths=_T13B,
+            name="13b-16xh100",
+            description="LLaMA-2-13B on 2x8 H100",
+            model="llama-2-13b",
+            hardware="h100-nvlink-pairs",
+            world_size=16,
+            token_budget=328_000_000,
+            target_losses=(4.0, 3.5, 3.0, 2.75, 2.5),
+            trajectory=_T13B[LR_TUNED],
+            truths=_T13B,
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((1, 2, 8), (4, 1, 4)),
             published_layouts=((1, 2, 8), (4, 1, 4)),
@@ -168,14 +209,21 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=128": (32.2, 42.8, 61.9, 79.6, 105.2),
                 "Static GBS=1024": (None, None, None, None, None),
             },
-            published_speedup_pct=(3.4, 4.4, 0.7, 5.1, 6.1), published_avg_speedup_pct=3.9,
-            published_reconfig_s=(42.0,), published_switch_min=(20.0,),
+            published_speedup_pct=(3.4, 4.4, 0.7, 5.1, 6.1),
+            published_avg_speedup_pct=3.9,
+            published_reconfig_s=(42.0,),
+            published_switch_min=(20.0,),
         ),
         Preset(
-            name="32b-32xh100", description="Qwen-2.5-32B on 4x8 H100",
-            model="qwen-2.5-32b", hardware="h100-nvlink-pairs", world_size=32,
-            token_budget=123_000_000, target_losses=(4.5, 4.0, 3.8, 3.5, 3.2),
-            trajectory=_T32B[LR_TUNED], truths=_T32B,
+            name="32b-32xh100",
+            description="Qwen-2.5-32B on 4x8 H100",
+            model="qwen-2.5-32b",
+            hardware="h100-nvlink-pairs",
+            world_size=32,
+            token_budget=123_000_000,
+            target_losses=(4.5, 4.0, 3.8, 3.5, 3.2),
+            trajectory=_T32B[LR_TUNED],
+            truths=_T32B,
             static_batches=(64, 128, 512),
             cbs_layouts=((1, 2, 16), (2, 2, 8)),
             published_layouts=((1, 2, 16), (2, 2, 8)),
@@ -187,14 +235,21 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=128": (61.2, None, None, None, None),
                 "Static GBS=512": (None, None, None, None, None),
             },
-            published_speedup_pct=(3.7, 6.8, 11.1, 7.8, 10.7), published_avg_speedup_pct=8.0,
-            published_reconfig_s=(52.0,), published_switch_min=(37.0,),
+            published_speedup_pct=(3.7, 6.8, 11.1, 7.8, 10.7),
+            published_avg_speedup_pct=8.0,
+            published_reconfig_s=(52.0,),
+            published_switch_min=(37.0,),
         ),
         Preset(
-            name="7b-32xmi210", description="LLaMA-2-7B on 4x8 MI210",
-            model="llama-2-7b", hardware="mi210", world_size=32,
-            token_budget=215_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
-            trajectory=_T7B[SQRT_LR], truths=_T7B,
+            name="7b-32xmi210",
+            description="LLaMA-2-7B on 4x8 MI210",
+            model="llama-2-7b",
+            hardware="mi210",
+            world_size=32,
+            token_budget=215_000_000,
+            target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
+            trajectory=_T7B[SQRT_LR],
+            truths=_T7B,
             static_batches=(32, 64, 128, 1024),
             cbs_layouts=((2, 4, 4), (8, 1, 4)),
             published_layouts=((2, 4, 4), (4, 1, 8)),
@@ -207,8 +262,10 @@ PRESETS: dict[str, Preset] = {
                 "Static GBS=128": (34.9, 65.6, None, None, None),
                 "Static GBS=1024": (None, None, None, None, None),
             },
-            published_speedup_pct=(-0.5, 1.9, 3.5, 8.9, 11.0), published_avg_speedup_pct=5.0,
-            published_reconfig_s=(49.0,), published_switch_min=(15.0,),
+            published_speedup_pct=(-0.5, 1.9, 3.5, 8.9, 11.0),
+            published_avg_speedup_pct=5.0,
+            published_reconfig_s=(49.0,),
+            published_switch_min=(15.0,),
         ),
     )
 }
@@ -226,21 +283,38 @@ PRESETS: dict[str, Preset] = {
 # at 4.0, ≈ 1000 at 3.2. Kaplan's α_B = 0.21 would need a far larger loss drop than OLMo's for one
 # doubling. B_crit / b_noise = GNS_TO_BCRIT (Merrill: the noise scale under-reads the critical
 # batch; the grid moves the ratio). LR re-tuned per batch (their √2 rule per doubling).
-_TOLMO = {LR_TUNED: _traj(32000, progress_scale_samples=3.0, loss_exponent=0.0963,
-                          bcrit_star_tokens=3.8e11, bcrit_exponent=0.096,
-                          gns_calibration=GNS_TO_BCRIT)}
-_TOLMO[SQRT_LR] = _TOLMO[LR_TUNED].with_(lr_model=SQRT_LR, lr_opt_exponent=0.5,
-                                         lr_fraction_x0=0.7, lr_ref_batch=256.0,
-                                         lr_warmup_tokens=2e9)
+_TOLMO = {
+    LR_TUNED: _traj(
+        32000,
+        progress_scale_samples=3.0,
+        loss_exponent=0.0963,
+        bcrit_star_tokens=3.8e11,
+        bcrit_exponent=0.096,
+        gns_calibration=GNS_TO_BCRIT,
+    )
+}
+_TOLMO[SQRT_LR] = _TOLMO[LR_TUNED].with_(
+    lr_model=SQRT_LR, lr_opt_exponent=0.5, lr_fraction_x0=0.7, lr_ref_batch=256.0, lr_warmup_tokens=2e9
+)
 
 OLMO_LONG = Preset(
-    name="olmo-long", description="OLMo-1B-like long pre-training on 32x8 H100 (TinyLlama 1.1B "
-                                  "shape; Merrill et al. 2025's critical-batch growth)",
-    model="tinyllama-1.1b", hardware="h100-sxm", world_size=256,
-    token_budget=200_000_000_000, target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
-    trajectory=_TOLMO[LR_TUNED], truths=_TOLMO, initial_batch=256, max_batch=16384,
-    sim_budget_factor=2.0, static_batches=(256, 1024, 4096, 16384), batch_grid="geometric",
-    cbs_layouts=())
+    name="olmo-long",
+    description="OLMo-1B-like long pre-training on 32x8 H100 (TinyLlama 1.1B "
+    "shape; Merrill et al. 2025's critical-batch growth)",
+    model="tinyllama-1.1b",
+    hardware="h100-sxm",
+    world_size=256,
+    token_budget=200_000_000_000,
+    target_losses=(4.0, 3.5, 3.2, 3.0, 2.8),
+    trajectory=_TOLMO[LR_TUNED],
+    truths=_TOLMO,
+    initial_batch=256,
+    max_batch=16384,
+    sim_budget_factor=2.0,
+    static_batches=(256, 1024, 4096, 16384),
+    batch_grid="geometric",
+    cbs_layouts=(),
+)
 # not in PRESETS (COPUS's four, with published rows): `get_preset` finds it
 LONG_PRESETS: dict[str, Preset] = {OLMO_LONG.name: OLMO_LONG}
 COPUS_PRESETS = tuple(PRESETS)
@@ -251,5 +325,4 @@ def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name] if name in PRESETS else LONG_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; allowed: "
-                         f"{', '.join([*PRESETS, *LONG_PRESETS])}, all") from None
+        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join([*PRESETS, *LONG_PRESETS])}, all") from None

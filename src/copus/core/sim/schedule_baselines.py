@@ -46,15 +46,14 @@ def _snap(value: float, menu_batches: np.ndarray) -> int:
     return int(arr[int(np.argmin(np.abs(np.log(arr) - np.log(max(value, 1e-9)))))])
 
 
-def scaled(name: str, final_batch: int, horizon_tokens: float,
-           menu_batches: np.ndarray) -> StepSchedule:
+def scaled(name: str, final_batch: int, horizon_tokens: float, menu_batches: np.ndarray) -> StepSchedule:
     """Schedule `name` (PUBLISHED) ending at `final_batch`, thresholds over `horizon_tokens`."""
     entries: list[tuple[float, int]] = []
     for frac, ratio in PUBLISHED[name]:
         b = _snap(ratio * final_batch, menu_batches)
         t = float(round(frac * horizon_tokens))
         if entries and b <= entries[-1][1]:
-            continue                          # a step the menu cannot resolve
+            continue  # a step the menu cannot resolve
         if entries and t <= entries[-1][0]:
             entries[-1] = (entries[-1][0], b)
             continue
@@ -91,9 +90,18 @@ def anchors(initial_batch: int, max_batch: int) -> list[int]:
     return out
 
 
-def schedule_runs(truth, seq_len: int, menu, targets: list[float], switch_cost_s: float, *,
-                  horizon_tokens: float, initial_batch: int, max_batch: int,
-                  median_batch: int) -> dict[str, dict]:
+def schedule_runs(
+    truth,
+    seq_len: int,
+    menu,
+    targets: list[float],
+    switch_cost_s: float,
+    *,
+    horizon_tokens: float,
+    initial_batch: int,
+    max_batch: int,
+    median_batch: int,
+) -> dict[str, dict]:
     """Per published schedule: its best anchor ("tuned") and its median anchor ("untuned"),
     minutes to each target."""
     from copus.core.sim.egrid import fixed_runs_minutes
@@ -108,11 +116,15 @@ def schedule_runs(truth, seq_len: int, menu, targets: list[float], switch_cost_s
         def batch_of(tokens: np.ndarray, _progress, scheds=scheds) -> np.ndarray:
             return np.array([s(t) for s, t in zip(scheds, tokens)], dtype=float)
 
-        mins = fixed_runs_minutes(truth, seq_len, menu, batch_of, len(scheds), targets,
-                                  switch_cost_s)
+        mins = fixed_runs_minutes(truth, seq_len, menu, batch_of, len(scheds), targets, switch_cost_s)
         final = np.where(np.isfinite(mins[:, col]), mins[:, col], np.inf)
         best, med = int(np.argmin(final)), finals.index(median_batch)
-        out[name] = {k: {"final_batch": finals[i], "describe": scheds[i].describe(),
-                         "minutes": [None if not np.isfinite(v) else float(v) for v in mins[i]]}
-                     for k, i in (("tuned", best), ("untuned", med))}
+        out[name] = {
+            k: {
+                "final_batch": finals[i],
+                "describe": scheds[i].describe(),
+                "minutes": [None if not np.isfinite(v) else float(v) for v in mins[i]],
+            }
+            for k, i in (("tuned", best), ("untuned", med))
+        }
     return out

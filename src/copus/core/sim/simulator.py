@@ -55,23 +55,23 @@ class SimSettings:
     token_budget: int
     trajectory: TrajectoryParams = field(default_factory=TrajectoryParams)
     seed: int = 0
-    base_lr: float = 2e-4               # at `lr_ref_batch`, scaled by sqrt(B / lr_ref_batch)
+    base_lr: float = 2e-4  # at `lr_ref_batch`, scaled by sqrt(B / lr_ref_batch)
     lr_ref_batch: int = 16
-    step_time_noise: float = 0.03       # σ of the log-normal step-time jitter
-    loss_noise: float = 0.01            # σ of the reported per-step loss (loss_noise_token = 0)
+    step_time_noise: float = 0.03  # σ of the log-normal step-time jitter
+    loss_noise: float = 0.01  # σ of the reported per-step loss (loss_noise_token = 0)
     # σ of the reported loss = loss_noise_token / sqrt(tokens per step): the per-step spread of
     # real runs (tiny CPU runs at B = 8, 16, 32: σ·sqrt(B·seq) = 2.08-2.10 nats;
     # docs/robust-goodput.md). 0: the constant `loss_noise`.
     loss_noise_token: float = 2.1
-    reconfig_mode: str = "online"       # "online" (COPUS resharding) | "restart" (DCP restart)
+    reconfig_mode: str = "online"  # "online" (COPUS resharding) | "restart" (DCP restart)
     reconfig_cost_s: float | None = None  # override the cost model (seconds per switch)
-    gns_decay: float = 0.95             # COPUS §3.2: 0.95 for the first 8M tokens, then 0.99
+    gns_decay: float = 0.95  # COPUS §3.2: 0.95 for the first 8M tokens, then 0.99
     gns_decay_late: float = 0.99
     gns_decay_switch_tokens: int = 8_000_000
     stop_at_last_target: bool = True
     max_steps: int = 2_000_000
-    keep_records: bool = False          # keep every StepRecord (replay tests, debugging)
-    curve_points: int = 400             # (time, loss, batch) samples kept for plots
+    keep_records: bool = False  # keep every StepRecord (replay tests, debugging)
+    curve_points: int = 400  # (time, loss, batch) samples kept for plots
 
     def __post_init__(self) -> None:
         if not self.target_losses:
@@ -79,8 +79,7 @@ class SimSettings:
         if self.token_budget < 1:
             raise ValueError(f"token_budget={self.token_budget} is invalid; allowed: >= 1")
         if self.reconfig_mode not in RECONFIG_MODES:
-            raise ValueError(f"reconfig_mode={self.reconfig_mode!r} is invalid; allowed: "
-                             f"{', '.join(RECONFIG_MODES)}")
+            raise ValueError(f"reconfig_mode={self.reconfig_mode!r} is invalid; allowed: {', '.join(RECONFIG_MODES)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,8 +89,8 @@ class PlanSpan:
     start_s: float
     start_step: int
     plan: ParallelPlan
-    b_noise: float          # the estimate when the plan was chosen (NaN at start)
-    true_b_noise: float     # the ground truth at that moment
+    b_noise: float  # the estimate when the plan was chosen (NaN at start)
+    true_b_noise: float  # the ground truth at that moment
     loss: float
 
 
@@ -113,16 +112,29 @@ class SimResult:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "num_steps": self.num_steps, "tokens": self.tokens,
-            "wall_s": self.wall_s, "final_loss": self.final_loss,
+            "name": self.name,
+            "num_steps": self.num_steps,
+            "tokens": self.tokens,
+            "wall_s": self.wall_s,
+            "final_loss": self.final_loss,
             "time_to_target_s": {str(k): v for k, v in self.time_to_target_s.items()},
             "switch_costs_s": self.switch_costs_s,
-            "timeline": [{"start_s": s.start_s, "start_step": s.start_step,
-                          "plan": s.plan.describe(), "dp": s.plan.dp, "tp": s.plan.tp,
-                          "pp": s.plan.pp, "micro_batch_size": s.plan.micro_batch_size,
-                          "global_batch_size": s.plan.global_batch_size,
-                          "b_noise": _num(s.b_noise), "true_b_noise": _num(s.true_b_noise),
-                          "loss": s.loss} for s in self.timeline],
+            "timeline": [
+                {
+                    "start_s": s.start_s,
+                    "start_step": s.start_step,
+                    "plan": s.plan.describe(),
+                    "dp": s.plan.dp,
+                    "tp": s.plan.tp,
+                    "pp": s.plan.pp,
+                    "micro_batch_size": s.plan.micro_batch_size,
+                    "global_batch_size": s.plan.global_batch_size,
+                    "b_noise": _num(s.b_noise),
+                    "true_b_noise": _num(s.true_b_noise),
+                    "loss": s.loss,
+                }
+                for s in self.timeline
+            ],
             "decisions": [d.to_dict() | {"candidates": []} for d in self.decisions],
         }
 
@@ -151,21 +163,30 @@ class _StepTimes:
     def __call__(self, plan: ParallelPlan) -> float:
         hit = self.cache.get(plan)
         if hit is None:
-            out = self.model.predict(*(np.array([v]) for v in (plan.dp, plan.tp, plan.pp,
-                                                              plan.micro_batch_size,
-                                                              plan.num_microbatches)))
+            out = self.model.predict(
+                *(np.array([v]) for v in (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches))
+            )
             hit = float(np.asarray(out, dtype=float).reshape(-1)[0])
             if not (math.isfinite(hit) and hit > 0):
-                raise ValueError(f"plan {plan.describe()} has predicted step time {hit}; "
-                                 "allowed: a finite number > 0 (infeasible plan?)")
+                raise ValueError(
+                    f"plan {plan.describe()} has predicted step time {hit}; "
+                    "allowed: a finite number > 0 (infeasible plan?)"
+                )
             self.cache[plan] = hit
         return hit
 
 
-def simulate(policy: Policy, initial_plan: ParallelPlan, shape: ModelShape,
-             step_time_model: StepTimePredictor, settings: SimSettings, *, name: str = "",
-             switch_cost_s: float | None = None,
-             on_record: Callable[[StepRecord], None] | None = None) -> SimResult:
+def simulate(
+    policy: Policy,
+    initial_plan: ParallelPlan,
+    shape: ModelShape,
+    step_time_model: StepTimePredictor,
+    settings: SimSettings,
+    *,
+    name: str = "",
+    switch_cost_s: float | None = None,
+    on_record: Callable[[StepRecord], None] | None = None,
+) -> SimResult:
     """Run `policy` from `initial_plan` until every target loss is reached or the budget is spent.
 
     The noise streams depend only on `settings.seed` (common random numbers across policies).
@@ -173,17 +194,27 @@ def simulate(policy: Policy, initial_plan: ParallelPlan, shape: ModelShape,
     traj = Trajectory(settings.trajectory, shape.seq_len)
     rng = np.random.default_rng(settings.seed)
     times = _StepTimes(step_time_model)
-    cost = switch_cost_s if switch_cost_s is not None else (
-        settings.reconfig_cost_s if settings.reconfig_cost_s is not None
-        else reconfig_cost_s(shape, initial_plan.world_size, settings.reconfig_mode))
-    est = GnsEstimator(DecaySchedule(decay=settings.gns_decay, decay_late=settings.gns_decay_late,
-                                     switch_tokens=settings.gns_decay_switch_tokens))
+    cost = (
+        switch_cost_s
+        if switch_cost_s is not None
+        else (
+            settings.reconfig_cost_s
+            if settings.reconfig_cost_s is not None
+            else reconfig_cost_s(shape, initial_plan.world_size, settings.reconfig_mode)
+        )
+    )
+    est = GnsEstimator(
+        DecaySchedule(
+            decay=settings.gns_decay, decay_late=settings.gns_decay_late, switch_tokens=settings.gns_decay_switch_tokens
+        )
+    )
     targets = sorted(settings.target_losses, reverse=True)
     reached: dict[float, float | None] = dict.fromkeys(targets)
     plan, progress, samples, wall_s, step = initial_plan, 0.0, 0, 0.0, 0
     loss = traj.loss(0.0)
-    timeline = [PlanSpan(start_s=0.0, start_step=0, plan=plan, b_noise=math.nan,
-                         true_b_noise=traj.b_noise(loss), loss=loss)]
+    timeline = [
+        PlanSpan(start_s=0.0, start_step=0, plan=plan, b_noise=math.nan, true_b_noise=traj.b_noise(loss), loss=loss)
+    ]
     decisions: list[Decision] = []
     switch_costs: list[float] = []
     records: list[StepRecord] = []
@@ -206,13 +237,22 @@ def simulate(policy: Policy, initial_plan: ParallelPlan, shape: ModelShape,
             next_target += 1
         est.update(small_sqnorm, batch / num_small, big_sqnorm, batch, tokens)
         record = StepRecord(
-            step=step, samples=samples, tokens=tokens, plan=plan, step_s=step_s,
+            step=step,
+            samples=samples,
+            tokens=tokens,
+            plan=plan,
+            step_s=step_s,
             loss=loss + _loss_sigma(settings, batch, shape.seq_len) * rng.standard_normal(),
             lr=settings.base_lr * math.sqrt(batch / settings.lr_ref_batch),
-            small_sqnorm=small_sqnorm, small_batch=batch / num_small, num_small=num_small,
-            big_sqnorm=big_sqnorm, grad_sqnorm=est.grad_sqnorm,
-            grad_trace_cov=est.grad_trace_cov, b_noise=est.b_noise,
-            b_noise_rel_err=est.rel_err)
+            small_sqnorm=small_sqnorm,
+            small_batch=batch / num_small,
+            num_small=num_small,
+            big_sqnorm=big_sqnorm,
+            grad_sqnorm=est.grad_sqnorm,
+            grad_trace_cov=est.grad_trace_cov,
+            b_noise=est.b_noise,
+            b_noise_rel_err=est.rel_err,
+        )
         if settings.keep_records:
             records.append(record)
         if on_record is not None:
@@ -233,14 +273,30 @@ def simulate(policy: Policy, initial_plan: ParallelPlan, shape: ModelShape,
             if record_cost is not None:
                 record_cost(spent)
         plan = decision.plan
-        timeline.append(PlanSpan(start_s=wall_s, start_step=step, plan=plan,
-                                 b_noise=decision.b_noise, true_b_noise=traj.b_noise(loss),
-                                 loss=loss))
+        timeline.append(
+            PlanSpan(
+                start_s=wall_s,
+                start_step=step,
+                plan=plan,
+                b_noise=decision.b_noise,
+                true_b_noise=traj.b_noise(loss),
+                loss=loss,
+            )
+        )
     curve.append((wall_s, loss, plan.global_batch_size))
-    return SimResult(name=name, time_to_target_s=reached, timeline=timeline, decisions=decisions,
-                     switch_costs_s=switch_costs, curve=curve, num_steps=step,
-                     tokens=samples * shape.seq_len, wall_s=wall_s, final_loss=loss,
-                     records=records)
+    return SimResult(
+        name=name,
+        time_to_target_s=reached,
+        timeline=timeline,
+        decisions=decisions,
+        switch_costs_s=switch_costs,
+        curve=curve,
+        num_steps=step,
+        tokens=samples * shape.seq_len,
+        wall_s=wall_s,
+        final_loss=loss,
+        records=records,
+    )
 
 
 def _loss_sigma(settings: SimSettings, batch: int, seq_len: int) -> float:
@@ -286,7 +342,7 @@ class GoodputVariant:
     # choice, the published layout); "planner" = the controller's own fastest plan at the
     # initial batch, as `copus train` starts (controller.start = "planned")
     start: str = "scenario"
-    policy: str = "goodput"     # "goodput" (the planning controller) or "goodput-copus"
+    policy: str = "goodput"  # "goodput" (the planning controller) or "goodput-copus"
 
     def __post_init__(self) -> None:
         if self.start not in VARIANT_STARTS:
@@ -299,10 +355,19 @@ class GoodputVariant:
 # no confidence bound, no recovery hold, no step-time bound, no probes or audits.
 NO_GATE_REL_ERR = 1e9
 COPUS_FAITHFUL = GoodputVariant(
-    name="goodput-copus", policy="goodput-copus", settings=(("max_growth", 2.0), ("calibration", 2.0), ("gns_c", 2.0),
-                                    ("calibration_mode", "fixed"), ("confidence", 0.0),
-                                    ("max_rel_err", NO_GATE_REL_ERR), ("recovery_steps", 0)),
-    controller=(("margin", 0.10), ("lr_aware", True), ("allow_shrink", False)))
+    name="goodput-copus",
+    policy="goodput-copus",
+    settings=(
+        ("max_growth", 2.0),
+        ("calibration", 2.0),
+        ("gns_c", 2.0),
+        ("calibration_mode", "fixed"),
+        ("confidence", 0.0),
+        ("max_rel_err", NO_GATE_REL_ERR),
+        ("recovery_steps", 0),
+    ),
+    controller=(("margin", 0.10), ("lr_aware", True), ("allow_shrink", False)),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,14 +381,14 @@ class Scenario:
     initial_batch: int = 16
     max_batch: int = 1024
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    static_batches: tuple[int, ...] = ()   # () = powers of two from initial_batch to max_batch
-    batch_grid: str = "multiples"          # core.goodput grid; "geometric" for huge clusters
-    memory_headroom: float = 0.9           # fraction of device memory the planner may use
+    static_batches: tuple[int, ...] = ()  # () = powers of two from initial_batch to max_batch
+    batch_grid: str = "multiples"  # core.goodput grid; "geometric" for huge clusters
+    memory_headroom: float = 0.9  # fraction of device memory the planner may use
     # The controller's step-time model: False = the analytic model itself, the simulator's
     # ground truth (as COPUS decides from its profiled table, §4.4); True = refit online from
     # the noisy simulated step times, as the real trainer does (slower: scipy fits).
     online_fit: bool = False
-    lr_aware: bool = True                  # COPUS Eq. 8 sqrt(B) factor in the controller
+    lr_aware: bool = True  # COPUS Eq. 8 sqrt(B) factor in the controller
     policy_overrides: tuple[tuple[str, object], ...] = ()  # PolicySettings fields to change
     # goodput controllers to run side by side (() = one "goodput" from lr_aware/policy_overrides)
     goodput_variants: tuple[GoodputVariant, ...] = ()
@@ -358,15 +423,17 @@ class Planner:
 
         self.scenario = scenario
         self.hardware = get_hardware(scenario.hardware)
-        self.step_time_model = StepTimeModel.analytic(scenario.shape, self.hardware,
-                                                      scenario.world_size)
-        self.memory_model = MemoryModel(shape=scenario.shape, stack=self.hardware.stack,
-                                        distributed_optimizer=self.hardware.distributed_optimizer)
+        self.step_time_model = StepTimeModel.analytic(scenario.shape, self.hardware, scenario.world_size)
+        self.memory_model = MemoryModel(
+            shape=scenario.shape, stack=self.hardware.stack, distributed_optimizer=self.hardware.distributed_optimizer
+        )
         self.memory_capacity_bytes = self.hardware.memory_bytes * scenario.memory_headroom
         sim = scenario.sim
-        self.switch_cost_s = (sim.reconfig_cost_s if sim.reconfig_cost_s is not None else
-                              reconfig_cost_s(scenario.shape, scenario.world_size,
-                                              sim.reconfig_mode))
+        self.switch_cost_s = (
+            sim.reconfig_cost_s
+            if sim.reconfig_cost_s is not None
+            else reconfig_cost_s(scenario.shape, scenario.world_size, sim.reconfig_mode)
+        )
 
     def menu(self):
         """(every memory-feasible candidate of the scenario's batch range, its predicted step
@@ -375,28 +442,36 @@ class Planner:
         from copus.core.plan.goodput import build_candidates
 
         sc = self.scenario
-        cands = build_candidates(sc.world_size, sc.shape, min_batch=sc.initial_batch,
-                                 max_batch=sc.max_batch, micro_batch_sizes=sc.micro_batch_sizes,
-                                 batch_grid=sc.batch_grid, memory_model=self.memory_model,
-                                 memory_capacity_bytes=self.memory_capacity_bytes)
+        cands = build_candidates(
+            sc.world_size,
+            sc.shape,
+            min_batch=sc.initial_batch,
+            max_batch=sc.max_batch,
+            micro_batch_sizes=sc.micro_batch_sizes,
+            batch_grid=sc.batch_grid,
+            memory_model=self.memory_model,
+            memory_capacity_bytes=self.memory_capacity_bytes,
+        )
         return cands, np.asarray(cands.predict_step_s(self.step_time_model), dtype=float)
 
-    def fastest_plan(self, global_batch_size: int,
-                     layout: tuple[int, int, int] | None = None) -> ParallelPlan | None:
+    def fastest_plan(self, global_batch_size: int, layout: tuple[int, int, int] | None = None) -> ParallelPlan | None:
         """The plan with the shortest predicted step at this batch (None if nothing fits).
 
         COPUS's static baselines: "the throughput-optimal (S, B_m) for that batch" (§6.1).
         """
         from copus.core.plan.goodput import build_candidates
 
-        cands = build_candidates(self.scenario.world_size, self.scenario.shape,
-                                 min_batch=global_batch_size, max_batch=global_batch_size,
-                                 micro_batch_sizes=self.scenario.micro_batch_sizes,
-                                 memory_model=self.memory_model,
-                                 memory_capacity_bytes=self.memory_capacity_bytes)
+        cands = build_candidates(
+            self.scenario.world_size,
+            self.scenario.shape,
+            min_batch=global_batch_size,
+            max_batch=global_batch_size,
+            micro_batch_sizes=self.scenario.micro_batch_sizes,
+            memory_model=self.memory_model,
+            memory_capacity_bytes=self.memory_capacity_bytes,
+        )
         if layout is not None:
-            cands = cands.subset((cands.dp == layout[0]) & (cands.tp == layout[1])
-                                 & (cands.pp == layout[2]))
+            cands = cands.subset((cands.dp == layout[0]) & (cands.tp == layout[1]) & (cands.pp == layout[2]))
         if not len(cands):
             return None
         return cands.plan(int(np.argmin(cands.predict_step_s(self.step_time_model))))
@@ -446,24 +521,26 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
 
     from copus.core.control.policies import PolicySettings, make_policy
 
-    settings = replace(PolicySettings(), **dict(_copus_settings(scenario)),
-                       **dict(scenario.policy_overrides))
+    settings = replace(PolicySettings(), **dict(_copus_settings(scenario)), **dict(scenario.policy_overrides))
 
-    def factory(name: str, plan: ParallelPlan, planner: Planner,
-                variant: GoodputVariant | None = None) -> Policy:
+    def factory(name: str, plan: ParallelPlan, planner: Planner, variant: GoodputVariant | None = None) -> Policy:
         kw, own = {}, settings
         if name == "goodput":
             variant = variant or GoodputVariant()
             own = replace(settings, **dict(variant.settings))
             model = planner.step_time_model
-            kw = {"step_time_model": model if scenario.online_fit else CachedPredictor(model),
-                  "memory_capacity_bytes": planner.memory_capacity_bytes,
-                  "hardware": planner.hardware, "memory_model": planner.memory_model,
-                  "micro_batch_sizes": scenario.micro_batch_sizes,
-                  "batch_grid": scenario.batch_grid, "online_fit": scenario.online_fit,
-                  "lr_aware": scenario.lr_aware,
-                  "lr_warmup_tokens": scenario.sim.trajectory.lr_warmup_tokens,
-                  "reconfig_cost_s": planner.switch_cost_s} | dict(variant.controller)
+            kw = {
+                "step_time_model": model if scenario.online_fit else CachedPredictor(model),
+                "memory_capacity_bytes": planner.memory_capacity_bytes,
+                "hardware": planner.hardware,
+                "memory_model": planner.memory_model,
+                "micro_batch_sizes": scenario.micro_batch_sizes,
+                "batch_grid": scenario.batch_grid,
+                "online_fit": scenario.online_fit,
+                "lr_aware": scenario.lr_aware,
+                "lr_warmup_tokens": scenario.sim.trajectory.lr_warmup_tokens,
+                "reconfig_cost_s": planner.switch_cost_s,
+            } | dict(variant.controller)
             if variant.policy == "goodput":
                 kw = {"horizon_tokens": scenario.horizon_tokens} | kw
             name = variant.policy
@@ -473,9 +550,16 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
 
 
 def _copus_settings(scenario: Scenario) -> tuple[tuple[str, object], ...]:
-    return (("initial", scenario.initial_batch), ("min", scenario.initial_batch),
-            ("max", scenario.max_batch), ("max_growth", 2.0), ("gns_c", 2.0),
-            ("calibration", 2.0), ("confidence", 0.0), ("recovery_steps", 0))
+    return (
+        ("initial", scenario.initial_batch),
+        ("min", scenario.initial_batch),
+        ("max", scenario.max_batch),
+        ("max_growth", 2.0),
+        ("gns_c", 2.0),
+        ("calibration", 2.0),
+        ("confidence", 0.0),
+        ("recovery_steps", 0),
+    )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -484,13 +568,16 @@ class Comparison:
 
     scenario: Scenario
     results: list[SimResult]
-    families: dict[str, str]     # run name -> policy family
-    yardstick: dict | None = None   # core.sim.yardstick.score of this comparison (presets)
+    families: dict[str, str]  # run name -> policy family
+    yardstick: dict | None = None  # core.sim.yardstick.score of this comparison (presets)
 
     def best(self, target: float, families: tuple[str, ...]) -> tuple[str | None, float | None]:
         """Fastest run of the given families to `target` (name, seconds)."""
-        hits = [(r.time_to_target_s[target], r.name) for r in self.results
-                if self.families[r.name] in families and r.time_to_target_s[target] is not None]
+        hits = [
+            (r.time_to_target_s[target], r.name)
+            for r in self.results
+            if self.families[r.name] in families and r.time_to_target_s[target] is not None
+        ]
         if not hits:
             return None, None
         t, name = min(hits)
@@ -503,8 +590,7 @@ class Comparison:
     def run(self, name: str) -> SimResult:
         return next(r for r in self.results if r.name == name)
 
-    def speedups(self, baselines: tuple[str, ...] = BASELINE_FAMILIES,
-                 run: str | None = None) -> list[dict]:
+    def speedups(self, baselines: tuple[str, ...] = BASELINE_FAMILIES, run: str | None = None) -> list[dict]:
         """Per target: (T_best_baseline − T_goodput)/T_best_baseline (COPUS §6.1 metric) of the
         goodput run `run` (default: the first one)."""
         names = self.goodput_runs()
@@ -513,10 +599,10 @@ class Comparison:
         for target in sorted(self.scenario.sim.target_losses, reverse=True):
             base_name, base_t = self.best(target, baselines)
             good_t = self.run(name).time_to_target_s[target] if name is not None else None
-            pct = (100.0 * (base_t - good_t) / base_t
-                   if base_t is not None and good_t is not None else None)
-            rows.append({"target": target, "baseline": base_name, "baseline_s": base_t,
-                         "goodput_s": good_t, "speedup_pct": pct})
+            pct = 100.0 * (base_t - good_t) / base_t if base_t is not None and good_t is not None else None
+            rows.append(
+                {"target": target, "baseline": base_name, "baseline_s": base_t, "goodput_s": good_t, "speedup_pct": pct}
+            )
         return rows
 
     def average_speedup_pct(self, run: str | None = None) -> float | None:
@@ -525,19 +611,30 @@ class Comparison:
 
     def to_dict(self) -> dict:
         s = self.scenario
-        return {"model": s.shape.name, "hardware": s.hardware, "world_size": s.world_size,
-                "seed": s.sim.seed, "target_losses": list(s.sim.target_losses),
-                "token_budget": s.sim.token_budget, "speedups": self.speedups(),
-                "average_speedup_pct": self.average_speedup_pct(),
-                "variants": {n: {"speedups": self.speedups(run=n),
-                                 "average_speedup_pct": self.average_speedup_pct(n)}
-                             for n in self.goodput_runs()},
-                "runs": [r.to_dict() | {"family": self.families[r.name]} for r in self.results]}
+        return {
+            "model": s.shape.name,
+            "hardware": s.hardware,
+            "world_size": s.world_size,
+            "seed": s.sim.seed,
+            "target_losses": list(s.sim.target_losses),
+            "token_budget": s.sim.token_budget,
+            "speedups": self.speedups(),
+            "average_speedup_pct": self.average_speedup_pct(),
+            "variants": {
+                n: {"speedups": self.speedups(run=n), "average_speedup_pct": self.average_speedup_pct(n)}
+                for n in self.goodput_runs()
+            },
+            "runs": [r.to_dict() | {"family": self.families[r.name]} for r in self.results],
+        }
 
 
-def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMILIES, *,
-                     factory: PolicyFactory | None = None,
-                     planner: Planner | None = None) -> Comparison:
+def compare_policies(
+    scenario: Scenario,
+    policies: tuple[str, ...] = POLICY_FAMILIES,
+    *,
+    factory: PolicyFactory | None = None,
+    planner: Planner | None = None,
+) -> Comparison:
     """Simulate each policy family on `scenario` with the same noise seed.
 
     static:    every static batch on its fastest plan (the best per target is the baseline);
@@ -555,18 +652,28 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
     factory = factory or default_policy_factory(scenario)
     start = planner.fastest_plan(scenario.initial_batch, scenario.start_layout)
     if start is None:
-        raise ValueError(f"no plan fits initial_batch={scenario.initial_batch} on "
-                         f"{scenario.world_size} x {scenario.hardware} for {scenario.shape.name}")
+        raise ValueError(
+            f"no plan fits initial_batch={scenario.initial_batch} on "
+            f"{scenario.world_size} x {scenario.hardware} for {scenario.shape.name}"
+        )
     results: list[SimResult] = []
     families: dict[str, str] = {}
 
-    def run(family: str, name: str, policy_name: str, plan: ParallelPlan,
-            variant: GoodputVariant | None = None) -> SimResult:
-        policy = (factory(policy_name, plan, planner, variant) if variant is not None
-                  else factory(policy_name, plan, planner))
-        res = simulate(policy, plan, scenario.shape,
-                       planner.step_time_model, scenario.sim, name=name,
-                       switch_cost_s=planner.switch_cost_s)
+    def run(
+        family: str, name: str, policy_name: str, plan: ParallelPlan, variant: GoodputVariant | None = None
+    ) -> SimResult:
+        policy = (
+            factory(policy_name, plan, planner, variant) if variant is not None else factory(policy_name, plan, planner)
+        )
+        res = simulate(
+            policy,
+            plan,
+            scenario.shape,
+            planner.step_time_model,
+            scenario.sim,
+            name=name,
+            switch_cost_s=planner.switch_cost_s,
+        )
         results.append(res)
         families[name] = family
         return res
@@ -591,15 +698,13 @@ def compare_policies(scenario: Scenario, policies: tuple[str, ...] = POLICY_FAMI
         elif family == "goodput":
             for variant in scenario.variants():
                 first = start
-                if variant.start == "planner":   # copus train's controller.start = "planned"
+                if variant.start == "planner":  # copus train's controller.start = "planned"
                     first = planner.fastest_plan(scenario.initial_batch) or start
                     ask = getattr(factory("goodput", first, planner, variant), "start_plan", None)
                     first = ask() if ask is not None else first
-                run("goodput", variant.name, "goodput", first,
-                    variant if scenario.goodput_variants else None)
+                run("goodput", variant.name, "goodput", first, variant if scenario.goodput_variants else None)
         elif family == "cbs":
-            first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})",
-                        "gns", start)
+            first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})", "gns", start)
             final_batch = first.timeline[-1].plan.global_batch_size
             best_final = planner.fastest_plan(final_batch)
             late = planner.smallest_batch_plan(best_final.layout) if best_final else None
@@ -616,26 +721,44 @@ def _layout(plan: ParallelPlan) -> str:
     return layout_name(plan.dp, plan.tp, plan.pp)
 
 
-def preset_scenario(preset, *, seed: int = 0, reconfig_mode: str = "online",
-                    variants: tuple[GoodputVariant, ...] = (COPUS_FAITHFUL,),
-                    trajectory: TrajectoryParams | None = None, **sim_overrides) -> Scenario:
+def preset_scenario(
+    preset,
+    *,
+    seed: int = 0,
+    reconfig_mode: str = "online",
+    variants: tuple[GoodputVariant, ...] = (COPUS_FAITHFUL,),
+    trajectory: TrajectoryParams | None = None,
+    **sim_overrides,
+) -> Scenario:
     """The `Scenario` of a `core.presets.Preset` (COPUS §6.1 settings): its published CBS
     layouts, and the goodput `variants` (default: COPUS_FAITHFUL alone). `trajectory`: the
     ground truth (default: the preset's, `Preset.trajectory`)."""
     from copus.core.specs.resolve import get_model_shape
 
     budget = int(preset.token_budget * preset.sim_budget_factor)
-    sim = SimSettings(target_losses=preset.target_losses, token_budget=budget,
-                      trajectory=trajectory or preset.trajectory, seed=seed,
-                      reconfig_mode=reconfig_mode,
-                      **sim_overrides)
-    return Scenario(shape=get_model_shape(preset.model), hardware=preset.hardware,
-                    world_size=preset.world_size, sim=sim, initial_batch=preset.initial_batch,
-                    max_batch=preset.max_batch, static_batches=preset.static_batches,
-                    batch_grid=getattr(preset, "batch_grid", "multiples"),
-                    goodput_variants=tuple(variants), cbs_layouts=tuple(preset.cbs_layouts),
-                    # COPUS started from the layout its profiler found fastest at B = 16
-                    start_layout=preset.published_layouts[0] if preset.published_layouts else None,
-                    # every published layout ran on the paper's cluster (13B DP4·PP4: 74 of 80 GB
-                    # by core/cost/memory.py), so the whole device memory is allowed
-                    memory_headroom=1.0, horizon_tokens=int(preset.token_budget))
+    sim = SimSettings(
+        target_losses=preset.target_losses,
+        token_budget=budget,
+        trajectory=trajectory or preset.trajectory,
+        seed=seed,
+        reconfig_mode=reconfig_mode,
+        **sim_overrides,
+    )
+    return Scenario(
+        shape=get_model_shape(preset.model),
+        hardware=preset.hardware,
+        world_size=preset.world_size,
+        sim=sim,
+        initial_batch=preset.initial_batch,
+        max_batch=preset.max_batch,
+        static_batches=preset.static_batches,
+        batch_grid=getattr(preset, "batch_grid", "multiples"),
+        goodput_variants=tuple(variants),
+        cbs_layouts=tuple(preset.cbs_layouts),
+        # COPUS started from the layout its profiler found fastest at B = 16
+        start_layout=preset.published_layouts[0] if preset.published_layouts else None,
+        # every published layout ran on the paper's cluster (13B DP4·PP4: 74 of 80 GB
+        # by core/cost/memory.py), so the whole device memory is allowed
+        memory_headroom=1.0,
+        horizon_tokens=int(preset.token_budget),
+    )

@@ -20,15 +20,14 @@ class Table1Row:
     """One method: published and simulated minutes to each target (None: not reached)."""
 
     label: str
-    published: tuple[float | None, ...] | None   # None: no such row in the paper
-    simulated: tuple[float | None, ...] | None   # None: not simulated
+    published: tuple[float | None, ...] | None  # None: no such row in the paper
+    simulated: tuple[float | None, ...] | None  # None: not simulated
 
 
 def _minutes(run: SimResult | None, targets: list[float]) -> tuple[float | None, ...] | None:
     if run is None:
         return None
-    return tuple(None if run.time_to_target_s[t] is None else run.time_to_target_s[t] / 60.0
-                 for t in targets)
+    return tuple(None if run.time_to_target_s[t] is None else run.time_to_target_s[t] / 60.0 for t in targets)
 
 
 def _layout_of(name: str) -> tuple[int, int, int] | None:
@@ -44,21 +43,24 @@ def simulated_run_for(label: str, cmp_: Comparison, copus_run: str = "goodput-co
         name = copus_run if copus_run in names else (names[0] if names else None)
         return cmp_.run(name) if name else None
     if label.startswith("CBS ("):
-        layout = tuple(parse_layout(label[len("CBS ("):-1]))
+        layout = tuple(parse_layout(label[len("CBS (") : -1]))
         return next((r for r in cmp_.results if fams[r.name] == "cbs" and _layout_of(r.name) == layout), None)
     if label.startswith("Static GBS="):
         batch = int(label.split("=")[1])
-        return next((r for r in cmp_.results if fams[r.name] == "static"
-                     and r.timeline[0].plan.global_batch_size == batch), None)
+        return next(
+            (r for r in cmp_.results if fams[r.name] == "static" and r.timeline[0].plan.global_batch_size == batch),
+            None,
+        )
     return None
 
 
 def table1_rows(preset, cmp_: Comparison) -> list[Table1Row]:
     """Published rows with their simulated twins, then the unpublished goodput variants."""
     targets = sorted(preset.target_losses, reverse=True)
-    rows = [Table1Row(label=label, published=tuple(minutes),
-                      simulated=_minutes(simulated_run_for(label, cmp_), targets))
-            for label, minutes in preset.published_minutes.items()]
+    rows = [
+        Table1Row(label=label, published=tuple(minutes), simulated=_minutes(simulated_run_for(label, cmp_), targets))
+        for label, minutes in preset.published_minutes.items()
+    ]
     for name in cmp_.goodput_runs():
         if name != "goodput-copus":
             rows.append(Table1Row(label=name, published=None, simulated=_minutes(cmp_.run(name), targets)))
@@ -67,6 +69,7 @@ def table1_rows(preset, cmp_: Comparison) -> list[Table1Row]:
 
 def timeline_rows(preset, run: SimResult) -> list[tuple[str, str]]:
     """(published, simulated) switch descriptions "t min: DPd,TPt,PPp → ...", row by row."""
+
     def fmt(layout) -> str:
         return f"DP{layout[0]},TP{layout[1]},PP{layout[2]}"
 

@@ -40,8 +40,8 @@ import numpy as np
 
 from copus.core.stats.lr_progress import sqrt_lr_progress_factor
 
-LR_TUNED = "lr-tuned"    # progress E(B): the LR re-tuned for every batch (McCandlish Eq. 2.11)
-SQRT_LR = "sqrt-lr"      # η0·sqrt(B/16), untuned: E(B)·(2x − x²) (core.lr_progress)
+LR_TUNED = "lr-tuned"  # progress E(B): the LR re-tuned for every batch (McCandlish Eq. 2.11)
+SQRT_LR = "sqrt-lr"  # η0·sqrt(B/16), untuned: E(B)·(2x − x²) (core.lr_progress)
 LR_MODELS = (LR_TUNED, SQRT_LR)
 KAPLAN_BCRIT_STAR_TOKENS = 2.0e8
 KAPLAN_BCRIT_EXPONENT = 0.21
@@ -51,40 +51,49 @@ KAPLAN_BCRIT_EXPONENT = 0.21
 class TrajectoryParams:
     """Parameters of the loss / GNS ground truth (module docstring gives the equations)."""
 
-    initial_loss: float = 11.0            # L_0, ≈ ln(vocab_size) at initialisation
+    initial_loss: float = 11.0  # L_0, ≈ ln(vocab_size) at initialisation
     # L(E) defaults: the median of the four COPUS presets' fits (core.presets), which lie in
     # E_0 ∈ [6.5, 250] samples and α ∈ [0.19, 0.27] with L_inf = 1.0.
-    final_loss: float = 1.0               # L_inf, irreducible loss of this model on this data
+    final_loss: float = 1.0  # L_inf, irreducible loss of this model on this data
     progress_scale_samples: float = 46.0  # E_0: effective samples where the power law bends
-    loss_exponent: float = 0.24           # α of L(E)
+    loss_exponent: float = 0.24  # α of L(E)
     bcrit_star_tokens: float = KAPLAN_BCRIT_STAR_TOKENS  # B* (Kaplan et al. 2020, Eq. 5.2)
-    bcrit_exponent: float = KAPLAN_BCRIT_EXPONENT        # α_B
-    gns_calibration: float = 2.0          # B_crit / b_noise (COPUS c)
-    min_bcrit_samples: float = 1.0        # floor on B_crit, keeps early steps finite
-    grad_sqnorm_scale: float = 1.0        # |G|² = scale · (L − L_inf)² (any scale: ratios matter)
-    noise_dim: float = 64.0               # effective gradient dimension d of the noise model
+    bcrit_exponent: float = KAPLAN_BCRIT_EXPONENT  # α_B
+    gns_calibration: float = 2.0  # B_crit / b_noise (COPUS c)
+    min_bcrit_samples: float = 1.0  # floor on B_crit, keeps early steps finite
+    grad_sqnorm_scale: float = 1.0  # |G|² = scale · (L − L_inf)² (any scale: ratios matter)
+    noise_dim: float = 64.0  # effective gradient dimension d of the noise model
     # How the LR meets the batch (module docstring): LR_TUNED or SQRT_LR; the fields below
     # matter only for SQRT_LR.
     lr_model: str = LR_TUNED
-    lr_fraction_x0: float = 1.0           # x0 = η0/ε_opt(B_ref): base LR over its optimum
-    lr_opt_exponent: float = 1.0          # p of ε_opt ∝ (1 + B_noise/B)^(−p): 1 SGD, ½ Adam
-    lr_ref_batch: float = 16.0            # B_ref of η0·sqrt(B/B_ref) (COPUS §6.1)
-    lr_warmup_tokens: float = 0.0         # linear warm-up (COPUS: 8M tokens); 0 = none
+    lr_fraction_x0: float = 1.0  # x0 = η0/ε_opt(B_ref): base LR over its optimum
+    lr_opt_exponent: float = 1.0  # p of ε_opt ∝ (1 + B_noise/B)^(−p): 1 SGD, ½ Adam
+    lr_ref_batch: float = 16.0  # B_ref of η0·sqrt(B/B_ref) (COPUS §6.1)
+    lr_warmup_tokens: float = 0.0  # linear warm-up (COPUS: 8M tokens); 0 = none
 
     def __post_init__(self) -> None:
         if self.lr_model not in LR_MODELS:
-            raise ValueError(f"lr_model={self.lr_model!r} is invalid; allowed: "
-                             f"{', '.join(LR_MODELS)}")
+            raise ValueError(f"lr_model={self.lr_model!r} is invalid; allowed: {', '.join(LR_MODELS)}")
         if not (math.isfinite(self.lr_warmup_tokens) and self.lr_warmup_tokens >= 0):
-            raise ValueError(f"lr_warmup_tokens={self.lr_warmup_tokens!r} is invalid; "
-                             "allowed: a finite number >= 0")
+            raise ValueError(f"lr_warmup_tokens={self.lr_warmup_tokens!r} is invalid; allowed: a finite number >= 0")
         if not self.initial_loss > self.final_loss >= 0:
-            raise ValueError(f"initial_loss={self.initial_loss}, final_loss={self.final_loss} are "
-                             "invalid; allowed: initial_loss > final_loss >= 0")
-        for name in ("progress_scale_samples", "loss_exponent", "bcrit_star_tokens",
-                     "bcrit_exponent", "gns_calibration", "min_bcrit_samples",
-                     "grad_sqnorm_scale", "noise_dim", "lr_fraction_x0", "lr_opt_exponent",
-                     "lr_ref_batch"):
+            raise ValueError(
+                f"initial_loss={self.initial_loss}, final_loss={self.final_loss} are "
+                "invalid; allowed: initial_loss > final_loss >= 0"
+            )
+        for name in (
+            "progress_scale_samples",
+            "loss_exponent",
+            "bcrit_star_tokens",
+            "bcrit_exponent",
+            "gns_calibration",
+            "min_bcrit_samples",
+            "grad_sqnorm_scale",
+            "noise_dim",
+            "lr_fraction_x0",
+            "lr_opt_exponent",
+            "lr_ref_batch",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number > 0")
@@ -104,7 +113,8 @@ class Trajectory:
         """L(E) = L_inf + (L_0 − L_inf)(1 + E/E_0)^(−α), E in effective samples."""
         p = self.params
         return p.final_loss + (p.initial_loss - p.final_loss) * (
-            1.0 + max(progress, 0.0) / p.progress_scale_samples) ** (-p.loss_exponent)
+            1.0 + max(progress, 0.0) / p.progress_scale_samples
+        ) ** (-p.loss_exponent)
 
     def progress_for_loss(self, loss: float) -> float:
         """Inverse of `loss`: effective samples needed to reach `loss` (inf if ≤ L_inf)."""
@@ -135,8 +145,7 @@ class Trajectory:
         """True per-sample tr(Σ) = b_noise · |G|²."""
         return self.b_noise(loss) * self.grad_sqnorm(loss)
 
-    def progress_per_step(self, global_batch_size: float, loss: float,
-                          tokens: float = math.inf) -> float:
+    def progress_per_step(self, global_batch_size: float, loss: float, tokens: float = math.inf) -> float:
         """One step's effective samples after `tokens` tokens of training.
 
         LR_TUNED: ΔE = B·B_crit/(B_crit + B) (McCandlish 2018, Eq. 2.11).
@@ -148,11 +157,18 @@ class Trajectory:
         if p.lr_model == LR_TUNED:
             return tuned
         return tuned * sqrt_lr_progress_factor(
-            global_batch_size, bcrit, p.lr_fraction_x0, ref_batch=p.lr_ref_batch,
-            exponent=p.lr_opt_exponent, tokens=tokens, warmup_tokens=p.lr_warmup_tokens)
+            global_batch_size,
+            bcrit,
+            p.lr_fraction_x0,
+            ref_batch=p.lr_ref_batch,
+            exponent=p.lr_opt_exponent,
+            tokens=tokens,
+            warmup_tokens=p.lr_warmup_tokens,
+        )
 
-    def sample_grad_stats(self, rng: np.random.Generator, loss: float, global_batch_size: int,
-                          num_small: int) -> tuple[float, float]:
+    def sample_grad_stats(
+        self, rng: np.random.Generator, loss: float, global_batch_size: int, num_small: int
+    ) -> tuple[float, float]:
         """Draw (s̄, q): mean squared norm of `num_small` small gradients and the big one's.
 
         With g_i = G + σ z_i, z̄ = mean z_i ~ N(0, I/N) and W = Σ‖z_i − z̄‖² ~ χ²_{d(N−1)}
@@ -164,8 +180,8 @@ class Trajectory:
         g2 = self.grad_sqnorm(loss)
         small_batch = global_batch_size / n
         sigma2 = self.grad_trace_cov(loss) / (small_batch * d)
-        u = rng.standard_normal() / math.sqrt(n)             # z̄ along G
-        rest = rng.chisquare(max(d - 1.0, 1e-9)) / n          # ‖z̄‖² across G
+        u = rng.standard_normal() / math.sqrt(n)  # z̄ along G
+        rest = rng.chisquare(max(d - 1.0, 1e-9)) / n  # ‖z̄‖² across G
         q = g2 + 2.0 * math.sqrt(sigma2 * g2) * u + sigma2 * (u * u + rest)
         w = rng.chisquare(d * (n - 1)) if n > 1 else 0.0
         return q + sigma2 * w / n, q

@@ -25,7 +25,7 @@ import numpy as np
 from copus.core.sim.trajectory import Trajectory, TrajectoryParams
 
 
-MISSED_MINUTES = 1e5   # a static run slower than this has stalled (x ≥ 2: no progress)
+MISSED_MINUTES = 1e5  # a static run slower than this has stalled (x ≥ 2: no progress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +44,13 @@ class TruthFit:
     params: TrajectoryParams
     static_rms: float
     cbs_rms: float
-    rms: float           # over the static and CBS rows together
+    rms: float  # over the static and CBS rows together
     num_rows: int
 
 
-def static_minutes(params: TrajectoryParams, seq_len: int, row: StaticRow,
-                   targets: Sequence[float], grid_points: int = 400) -> list[float]:
+def static_minutes(
+    params: TrajectoryParams, seq_len: int, row: StaticRow, targets: Sequence[float], grid_points: int = 400
+) -> list[float]:
     """Minutes a static run needs to reach each target loss (module docstring, stage 1)."""
     traj = Trajectory(params, seq_len)
     batch = row.global_batch_size
@@ -57,7 +58,7 @@ def static_minutes(params: TrajectoryParams, seq_len: int, row: StaticRow,
     warm_steps = math.ceil(params.lr_warmup_tokens / tokens_per_step) if params.lr_warmup_tokens else 0
     marks = [traj.progress_for_loss(t) for t in targets]
     progress, step, out = 0.0, 0, {}
-    for _ in range(warm_steps):          # the warm-up, step by step (x grows with tokens)
+    for _ in range(warm_steps):  # the warm-up, step by step (x grows with tokens)
         progress += traj.progress_per_step(batch, traj.loss(progress), step * tokens_per_step)
         step += 1
         for i, mark in enumerate(marks):
@@ -67,8 +68,7 @@ def static_minutes(params: TrajectoryParams, seq_len: int, row: StaticRow,
     if rest:
         lo = max(progress, 1e-9)
         grid = np.geomspace(lo, max(max(rest), lo * 1.0001), grid_points)
-        inv = np.array([1.0 / max(traj.progress_per_step(batch, traj.loss(e)), 1e-300)
-                        for e in grid])
+        inv = np.array([1.0 / max(traj.progress_per_step(batch, traj.loss(e)), 1e-300) for e in grid])
         cum = np.concatenate([[0.0], np.cumsum(np.diff(grid) * (inv[1:] + inv[:-1]) / 2)])
         for i, mark in enumerate(marks):
             if i not in out:
@@ -88,16 +88,18 @@ def _log_errors(pairs: Iterable[tuple[float | None, float | None]]) -> list[floa
     return out
 
 
-def static_log_errors(params: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow],
-                      targets: Sequence[float]) -> list[float]:
+def static_log_errors(
+    params: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow], targets: Sequence[float]
+) -> list[float]:
     errs = []
     for row in rows:
         errs += _log_errors(zip(row.minutes, static_minutes(params, seq_len, row, targets)))
     return errs
 
 
-def fit_loss_curve(params: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow],
-                   targets: Sequence[float], good_rms: float = 0.3) -> TrajectoryParams:
+def fit_loss_curve(
+    params: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow], targets: Sequence[float], good_rms: float = 0.3
+) -> TrajectoryParams:
     """(E_0, α, B*) by least squares on log minutes of the static rows (stage 1).
 
     Starts from `params`, then from B* and E_0 scaled by 1/4, 4 and 16 until the RMS is below
@@ -106,15 +108,15 @@ def fit_loss_curve(params: TrajectoryParams, seq_len: int, rows: Sequence[Static
     from scipy.optimize import least_squares
 
     def with_x(x) -> TrajectoryParams:
-        return replace(params, progress_scale_samples=math.exp(x[0]), loss_exponent=x[1],
-                       bcrit_star_tokens=math.exp(x[2]))
+        return replace(
+            params, progress_scale_samples=math.exp(x[0]), loss_exponent=x[1], bcrit_star_tokens=math.exp(x[2])
+        )
 
     def resid(x):
         errs = np.array(static_log_errors(with_x(x), seq_len, rows, targets))
         return np.clip(errs, -20.0, 20.0)
 
-    base = np.array([math.log(params.progress_scale_samples), params.loss_exponent,
-                     math.log(params.bcrit_star_tokens)])
+    base = np.array([math.log(params.progress_scale_samples), params.loss_exponent, math.log(params.bcrit_star_tokens)])
     lo, hi = [-3.0, 0.05, math.log(1e6)], [math.log(1e8), 3.0, math.log(1e11)]
     best = None
     for scale in (1.0, 0.25, 4.0, 16.0):
@@ -132,19 +134,27 @@ def rms(values: Sequence[float]) -> float:
     return float(np.sqrt(np.mean(np.square(values)))) if len(values) else math.nan
 
 
-def score_truth(params: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow],
-                targets: Sequence[float],
-                cbs_errors: Callable[[TrajectoryParams], list[float]]) -> TruthFit:
+def score_truth(
+    params: TrajectoryParams,
+    seq_len: int,
+    rows: Sequence[StaticRow],
+    targets: Sequence[float],
+    cbs_errors: Callable[[TrajectoryParams], list[float]],
+) -> TruthFit:
     """RMS log-time errors of `params` on the static rows and (via `cbs_errors`) the CBS rows."""
     s = static_log_errors(params, seq_len, rows, targets)
     c = cbs_errors(params)
-    return TruthFit(params=params, static_rms=rms(s), cbs_rms=rms(c), rms=rms(s + c),
-                    num_rows=len(s) + len(c))
+    return TruthFit(params=params, static_rms=rms(s), cbs_rms=rms(c), rms=rms(s + c), num_rows=len(s) + len(c))
 
 
-def fit_truth(base: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow],
-              targets: Sequence[float], candidates: Iterable[dict],
-              cbs_errors: Callable[[TrajectoryParams], list[float]]) -> list[TruthFit]:
+def fit_truth(
+    base: TrajectoryParams,
+    seq_len: int,
+    rows: Sequence[StaticRow],
+    targets: Sequence[float],
+    candidates: Iterable[dict],
+    cbs_errors: Callable[[TrajectoryParams], list[float]],
+) -> list[TruthFit]:
     """Every candidate (a dict of `TrajectoryParams` fields over `base`) with its loss curve
     refitted to the static rows and scored on static + CBS rows; best (smallest RMS) first."""
     fits = []
@@ -155,6 +165,7 @@ def fit_truth(base: TrajectoryParams, seq_len: int, rows: Sequence[StaticRow],
 
 
 # ------------------------------------------------------------------ the presets' published rows
+
 
 def preset_static_rows(preset, planner=None) -> list[StaticRow]:
     """Static rows of a `core.presets.Preset`, each batch on its fastest plan (COPUS §6.1)."""
@@ -169,8 +180,13 @@ def preset_static_rows(preset, planner=None) -> list[StaticRow]:
         plan = planner.fastest_plan(batch)
         if plan is None:
             continue
-        step_s = float(np.asarray(planner.step_time_model.predict(*(np.array([v]) for v in (
-            plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)))).ravel()[0])
+        step_s = float(
+            np.asarray(
+                planner.step_time_model.predict(
+                    *(np.array([v]) for v in (plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches))
+                )
+            ).ravel()[0]
+        )
         rows.append(StaticRow(batch, step_s, tuple(minutes)))
     return rows
 
@@ -189,8 +205,10 @@ def preset_cbs_errors(preset, seed: int = 0) -> Callable[[TrajectoryParams], lis
         for label, minutes in preset.published_minutes.items():
             if label.startswith("CBS ("):
                 run = simulated_run_for(label, cmp_)
-                sim = [None if run is None or run.time_to_target_s[t] is None
-                       else run.time_to_target_s[t] / 60.0 for t in targets]
+                sim = [
+                    None if run is None or run.time_to_target_s[t] is None else run.time_to_target_s[t] / 60.0
+                    for t in targets
+                ]
                 errs += _log_errors(zip(minutes, sim))
         return errs
 

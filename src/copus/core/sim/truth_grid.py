@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 GRID_TRUTHS = ("lr-tuned", "sqrt-lr")
 GRID_RATIOS = (0.5, 1.0, 2.0, 4.0, 8.0)
-CEILING_FLOOR_PCT = 2.0      # cells below this ceiling do not count for the capture goals
+CEILING_FLOOR_PCT = 2.0  # cells below this ceiling do not count for the capture goals
 MIN_CAPTURE, MEDIAN_CAPTURE, MAX_BEHIND_PCT = 0.6, 0.75, -1.0
 
 
@@ -37,8 +37,9 @@ class Cell:
     crit_ratio: float
 
 
-def grid_cells(presets: Iterable[str], truths: Iterable[str] = GRID_TRUTHS,
-               ratios: Iterable[float] = GRID_RATIOS) -> list[Cell]:
+def grid_cells(
+    presets: Iterable[str], truths: Iterable[str] = GRID_TRUTHS, ratios: Iterable[float] = GRID_RATIOS
+) -> list[Cell]:
     return [Cell(p, t, float(r)) for p in presets for t in truths for r in ratios]
 
 
@@ -47,14 +48,23 @@ def summarise_cell(cell: Cell, runs: list[dict]) -> dict:
     oracle = _mean([r["oracle_avg"] for r in runs])
     aware = _mean([r.get("switch_aware_avg") for r in runs])
     names = list(runs[0]["variants"]) if runs else []
-    out = {"preset": cell.preset, "truth": cell.truth, "crit_ratio": cell.crit_ratio,
-           "seeds": [r["seed"] for r in runs], "oracle_avg_pct": oracle,
-           "switch_aware_oracle_avg_pct": aware, "variants": {}}
+    out = {
+        "preset": cell.preset,
+        "truth": cell.truth,
+        "crit_ratio": cell.crit_ratio,
+        "seeds": [r["seed"] for r in runs],
+        "oracle_avg_pct": oracle,
+        "switch_aware_oracle_avg_pct": aware,
+        "variants": {},
+    }
     for name in names:
         avg = _mean([r["variants"][name] for r in runs])
-        out["variants"][name] = {"average_speedup_pct": avg, "capture": _ratio(avg, oracle),
-                                 "capture_switch_aware": _ratio(avg, aware),
-                                 "per_seed_pct": [r["variants"][name] for r in runs]}
+        out["variants"][name] = {
+            "average_speedup_pct": avg,
+            "capture": _ratio(avg, oracle),
+            "capture_switch_aware": _ratio(avg, aware),
+            "per_seed_pct": [r["variants"][name] for r in runs],
+        }
     return out
 
 
@@ -65,8 +75,7 @@ def _ratio(avg: float | None, ceiling: float | None) -> float | None:
 def goals(cells: list[dict], name: str) -> dict:
     """The issue's three goals for variant `name` over summarised cells (met / not met, and
     the cells that miss)."""
-    counted = [c for c in cells if c["oracle_avg_pct"] is not None
-               and c["oracle_avg_pct"] >= CEILING_FLOOR_PCT]
+    counted = [c for c in cells if c["oracle_avg_pct"] is not None and c["oracle_avg_pct"] >= CEILING_FLOOR_PCT]
     caps = [c["variants"][name]["capture"] for c in counted]
     caps = [x if x is not None else float("-inf") for x in caps]
     low = [_label(c) for c, x in zip(counted, caps) if x < MIN_CAPTURE]
@@ -75,17 +84,27 @@ def goals(cells: list[dict], name: str) -> dict:
     median = None if median is None else float(median)
     aware = [c["variants"][name].get("capture_switch_aware") for c in counted]
     aware = [x if x is not None else float("-inf") for x in aware]
-    return {"variant": name, "cells_counted": len(counted), "median_capture": median,
-            "min_capture": float(min(caps)) if caps else None,
-            "every_cell_capture_ge_0.6": not low, "cells_below_0.6": low,
-            "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
-            # against the ceiling a run that pays for its switches can reach (core.sim.oracle)
-            "median_capture_switch_aware": float(statistics.median(aware)) if aware else None,
-            "never_more_than_1pct_behind": not behind, "cells_behind_1pct": behind}
+    return {
+        "variant": name,
+        "cells_counted": len(counted),
+        "median_capture": median,
+        "min_capture": float(min(caps)) if caps else None,
+        "every_cell_capture_ge_0.6": not low,
+        "cells_below_0.6": low,
+        "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
+        # against the ceiling a run that pays for its switches can reach (core.sim.oracle)
+        "median_capture_switch_aware": float(statistics.median(aware)) if aware else None,
+        "never_more_than_1pct_behind": not behind,
+        "cells_behind_1pct": behind,
+    }
 
 
-def run_grid(cells: list[Cell], seeds: list[int], run_one: Callable[[Cell, int], dict],
-             progress: Callable[[dict], None] | None = None) -> list[dict]:
+def run_grid(
+    cells: list[Cell],
+    seeds: list[int],
+    run_one: Callable[[Cell, int], dict],
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Summarised cells; `run_one(cell, seed)` -> {"seed", "oracle_avg", "variants"}."""
     out = []
     for cell in cells:
@@ -112,6 +131,7 @@ def _mean(values: list) -> float | None:
 
 # ------------------------------------------------------------------ the honest yardstick (core.sim.yardstick)
 
+
 def summarise_yardstick(cell: Cell, scores: list[dict]) -> dict:
     """One cell over its seeds from `core.sim.yardstick.score` results (each with "seed").
 
@@ -122,30 +142,37 @@ def summarise_yardstick(cell: Cell, scores: list[dict]) -> dict:
     ceiling = _mean(ceilings)
     names = list(scores[0]["variants"]) if scores else []
     first = scores[0] if scores else {}
-    out = {"preset": cell.preset, "truth": cell.truth, "crit_ratio": cell.crit_ratio,
-           "seeds": [s["seed"] for s in scores], "metric": first.get("metric"),
-           "honest_ceiling_pct": ceiling, "honest_ceiling_per_seed_pct": ceilings,
-           "ceiling_ge_2pct": bool(ceiling is not None and ceiling >= CEILING_FLOOR_PCT),
-           "free_switch_ceiling_pct": _mean([s["free_switch_ceiling_pct"] for s in scores]),
-           "best_baseline": [s["best_baseline"]["name"] for s in scores],
-           "best_baseline_minutes": _mean([s["best_baseline"]["minutes"] for s in scores]),
-           "variants": {}}
+    out = {
+        "preset": cell.preset,
+        "truth": cell.truth,
+        "crit_ratio": cell.crit_ratio,
+        "seeds": [s["seed"] for s in scores],
+        "metric": first.get("metric"),
+        "honest_ceiling_pct": ceiling,
+        "honest_ceiling_per_seed_pct": ceilings,
+        "ceiling_ge_2pct": bool(ceiling is not None and ceiling >= CEILING_FLOOR_PCT),
+        "free_switch_ceiling_pct": _mean([s["free_switch_ceiling_pct"] for s in scores]),
+        "best_baseline": [s["best_baseline"]["name"] for s in scores],
+        "best_baseline_minutes": _mean([s["best_baseline"]["minutes"] for s in scores]),
+        "variants": {},
+    }
     for name in names:
         per = [s["variants"][name]["speedup_pct"] for s in scores]
         avg = _mean(per)
         vals = [v for v in per if v is not None]
         untuned_keys = list(scores[0]["variants"][name]["vs_untuned_pct"])
         out["variants"][name] = {
-            "speedup_pct": avg, "capture": _ratio(avg, ceiling),
+            "speedup_pct": avg,
+            "capture": _ratio(avg, ceiling),
             "per_seed_pct": per,
             "seed_spread_pct": (max(vals) - min(vals)) if len(vals) == len(per) and vals else None,
             "per_seed_capture": [_ratio(v, c) for v, c in zip(per, ceilings)],
-            "weighted_speedup_pct": _mean([s["variants"][name]["weighted_speedup_pct"]
-                                           for s in scores]),
-            "average_speedup_pct": _mean([s["variants"][name]["average_speedup_pct"]
-                                          for s in scores]),
-            "vs_untuned_pct": {k: _mean([s["variants"][name]["vs_untuned_pct"][k] for s in scores])
-                               for k in untuned_keys}}
+            "weighted_speedup_pct": _mean([s["variants"][name]["weighted_speedup_pct"] for s in scores]),
+            "average_speedup_pct": _mean([s["variants"][name]["average_speedup_pct"] for s in scores]),
+            "vs_untuned_pct": {
+                k: _mean([s["variants"][name]["vs_untuned_pct"][k] for s in scores]) for k in untuned_keys
+            },
+        }
     return out
 
 
@@ -158,18 +185,29 @@ def yardstick_goals(cells: list[dict], name: str) -> dict:
     low = [_label(c) for c, x in zip(counted, caps) if x < YARD_MIN_CAPTURE]
     behind = [_label(c) for c in cells if _behind(c["variants"][name]["speedup_pct"])]
     median = float(statistics.median(caps)) if caps else None
-    return {"variant": name, "cells": len(cells), "cells_counted": len(counted),
-            "median_capture": median, "min_capture": float(min(caps)) if caps else None,
-            "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
-            "every_cell_capture_ge_0.5": not low, "cells_below_0.5": low,
-            "never_more_than_1pct_behind": not behind, "cells_behind_1pct": behind}
+    return {
+        "variant": name,
+        "cells": len(cells),
+        "cells_counted": len(counted),
+        "median_capture": median,
+        "min_capture": float(min(caps)) if caps else None,
+        "median_capture_ge_0.75": bool(median is not None and median >= MEDIAN_CAPTURE),
+        "every_cell_capture_ge_0.5": not low,
+        "cells_below_0.5": low,
+        "never_more_than_1pct_behind": not behind,
+        "cells_behind_1pct": behind,
+    }
 
 
 YARD_MIN_CAPTURE = 0.5
 
 
-def run_yardstick_grid(cells: list[Cell], seeds: list[int], run_one: Callable[[Cell, int], dict],
-                       progress: Callable[[dict], None] | None = None) -> list[dict]:
+def run_yardstick_grid(
+    cells: list[Cell],
+    seeds: list[int],
+    run_one: Callable[[Cell, int], dict],
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Summarised cells; `run_one(cell, seed)` -> a `core.sim.yardstick.score` dict + "seed"."""
     out = []
     for cell in cells:

@@ -40,13 +40,13 @@ class Yardstick:
 
     targets: list[float]
     final_target: float
-    ceiling_min: list[float | None]          # honest: pays switches, fair start
-    free_min: list[float | None]             # switches free, fair start
-    static_batch: int                        # the best static batch of the full menu
+    ceiling_min: list[float | None]  # honest: pays switches, fair start
+    free_min: list[float | None]  # switches free, fair start
+    static_batch: int  # the best static batch of the full menu
     static_min: list[float | None]
-    median_batch: int                        # the untuned user's static batch
+    median_batch: int  # the untuned user's static batch
     median_min: list[float | None]
-    schedules: dict[str, dict] = field(default_factory=dict)   # name -> tuned/untuned runs
+    schedules: dict[str, dict] = field(default_factory=dict)  # name -> tuned/untuned runs
     # Merrill et al.'s doubling rule on the true critical batch (a perfect measurement)
     doubling_min: list[float | None] | None = None
 
@@ -85,18 +85,40 @@ def build(scenario, planner, *, horizon_tokens: float) -> Yardstick:
     best = int(np.argmin(finite))
     median = sb.median_static_batch(scenario.initial_batch, scenario.max_batch, batches)
     med_row = static[int(np.flatnonzero(batches == median)[0])]
-    schedules = sb.schedule_runs(truth, seq, menu, targets, cost, horizon_tokens=horizon_tokens,
-                                 initial_batch=scenario.initial_batch,
-                                 max_batch=scenario.max_batch, median_batch=median)
+    schedules = sb.schedule_runs(
+        truth,
+        seq,
+        menu,
+        targets,
+        cost,
+        horizon_tokens=horizon_tokens,
+        initial_batch=scenario.initial_batch,
+        max_batch=scenario.max_batch,
+        median_batch=median,
+    )
     from copus.core.sim.trajectory import Trajectory
 
-    doubling = fixed_runs_minutes(truth, seq, menu, sb.doubling_batches(
-        Trajectory(truth, seq), scenario.initial_batch, scenario.max_batch, batches), 1,
-        targets, cost)
-    return Yardstick(targets=targets, final_target=final, ceiling_min=ceiling, free_min=free,
-                     static_batch=int(batches[best]), static_min=_minutes_list(static[best]),
-                     median_batch=int(median), median_min=_minutes_list(med_row),
-                     schedules=schedules, doubling_min=_minutes_list(doubling[0]))
+    doubling = fixed_runs_minutes(
+        truth,
+        seq,
+        menu,
+        sb.doubling_batches(Trajectory(truth, seq), scenario.initial_batch, scenario.max_batch, batches),
+        1,
+        targets,
+        cost,
+    )
+    return Yardstick(
+        targets=targets,
+        final_target=final,
+        ceiling_min=ceiling,
+        free_min=free,
+        static_batch=int(batches[best]),
+        static_min=_minutes_list(static[best]),
+        median_batch=int(median),
+        median_min=_minutes_list(med_row),
+        schedules=schedules,
+        doubling_min=_minutes_list(doubling[0]),
+    )
 
 
 def speedup(base: float | None, run: float | None) -> float | None:
@@ -118,8 +140,9 @@ def _best_per_target(runs: dict[str, list[float | None]], n: int) -> tuple[list,
     return mins, names
 
 
-def score(yard: Yardstick, simulated_baselines: dict[str, list[float | None]],
-          variants: dict[str, list[float | None]]) -> dict:
+def score(
+    yard: Yardstick, simulated_baselines: dict[str, list[float | None]], variants: dict[str, list[float | None]]
+) -> dict:
     """One seed of a cell: the best baseline, the honest ceiling and every variant's speed-ups
     (minutes lists in `yard.targets` order)."""
     n, col = len(yard.targets), yard.targets.index(yard.final_target)
@@ -127,35 +150,46 @@ def score(yard: Yardstick, simulated_baselines: dict[str, list[float | None]],
     per_target, names = _best_per_target(baselines, n)
     base_final = per_target[col]
     ceiling = speedup(base_final, yard.ceiling_min[col])
-    out = {"metric": METRIC, "final_target": yard.final_target,
-           "best_baseline": {"name": names[col], "minutes": base_final,
-                             "per_target": [{"target": t, "name": nm, "minutes": m}
-                                            for t, nm, m in zip(yard.targets, names, per_target)]},
-           "honest_ceiling_pct": ceiling,
-           "ceiling_ge_2pct": bool(ceiling is not None and ceiling >= CEILING_FLOOR_PCT),
-           "free_switch_ceiling_pct": speedup(base_final, yard.free_min[col]),
-           "ceiling_minutes": yard.ceiling_min, "baselines": baselines,
-           "untuned": yard.untuned(),
-           "schedules": {n: {k: v[k]["describe"] for k in ("tuned", "untuned")}
-                         for n, v in yard.schedules.items()},
-           "variants": {}}
+    out = {
+        "metric": METRIC,
+        "final_target": yard.final_target,
+        "best_baseline": {
+            "name": names[col],
+            "minutes": base_final,
+            "per_target": [
+                {"target": t, "name": nm, "minutes": m} for t, nm, m in zip(yard.targets, names, per_target)
+            ],
+        },
+        "honest_ceiling_pct": ceiling,
+        "ceiling_ge_2pct": bool(ceiling is not None and ceiling >= CEILING_FLOOR_PCT),
+        "free_switch_ceiling_pct": speedup(base_final, yard.free_min[col]),
+        "ceiling_minutes": yard.ceiling_min,
+        "baselines": baselines,
+        "untuned": yard.untuned(),
+        "schedules": {n: {k: v[k]["describe"] for k in ("tuned", "untuned")} for n, v in yard.schedules.items()},
+        "variants": {},
+    }
     for name, mins in variants.items():
         pct = speedup(base_final, mins[col])
         per = [speedup(b, m) for b, m in zip(per_target, mins)]
         done = [(b, m) for b, m in zip(per_target, mins) if b is not None]
-        weighted = (100.0 * sum(b - (m if m is not None else math.inf) for b, m in done)
-                    / sum(b for b, _ in done)) if done else None
+        weighted = (
+            (100.0 * sum(b - (m if m is not None else math.inf) for b, m in done) / sum(b for b, _ in done))
+            if done
+            else None
+        )
         vals = [p for p in per if p is not None]
         out["variants"][name] = {
             "speedup_pct": pct,
             "capture": pct / ceiling if pct is not None and ceiling and ceiling > 0 else None,
             "weighted_speedup_pct": weighted if weighted is None or math.isfinite(weighted) else None,
             "average_speedup_pct": float(np.mean(vals)) if len(vals) == n else None,
-            "per_target_pct": per, "minutes": mins,
-            "vs_untuned_pct": {u: speedup(m[col], mins[col]) for u, m in yard.untuned().items()}}
+            "per_target_pct": per,
+            "minutes": mins,
+            "vs_untuned_pct": {u: speedup(m[col], mins[col]) for u, m in yard.untuned().items()},
+        }
     return out
 
 
 def seconds_to_minutes(time_to_target_s: dict, targets: list[float]) -> list[float | None]:
-    return [None if time_to_target_s.get(t) is None else time_to_target_s[t] / 60.0
-            for t in targets]
+    return [None if time_to_target_s.get(t) is None else time_to_target_s[t] / 60.0 for t in targets]

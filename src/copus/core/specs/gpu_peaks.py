@@ -82,5 +82,7 @@ def device_peak(name: str) -> GpuPeak | None:
 
 def peak_unknown_reason(name: str) -> str:
     """Why MFU is not reported for `name` (one line)."""
-    return (f"peak unknown: device {name!r} is not in copus.core.specs.gpu_peaks (dense bf16 "
-            f"datasheet peaks of {', '.join(p.label for p in GPU_PEAKS)}); MFU not reported")
+    return (
+        f"peak unknown: device {name!r} is not in copus.core.specs.gpu_peaks (dense bf16 "
+        f"datasheet peaks of {', '.join(p.label for p in GPU_PEAKS)}); MFU not reported"
+    )

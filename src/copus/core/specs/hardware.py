@@ -104,8 +104,9 @@ class HardwareProfile:
         if self.stack not in STACKS:
             raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
         if self.gpus_per_node < 1 or self.nvlink_group < 1 or self.gpus_per_node % self.nvlink_group:
-            raise ValueError(f"nvlink_group={self.nvlink_group} must be >= 1 and divide "
-                             f"gpus_per_node={self.gpus_per_node}")
+            raise ValueError(
+                f"nvlink_group={self.nvlink_group} must be >= 1 and divide gpus_per_node={self.gpus_per_node}"
+            )
 
     @property
     def sustained_flops(self) -> float:
@@ -172,14 +173,34 @@ HARDWARE: dict[str, HardwareProfile] = {
         # 900 GB/s bidirectional (450 per direction) through NVSwitch to all 8 GPUs of a DGX H100;
         # 8 x ConnectX-7 400 Gb/s NICs per node = 50 GB/s per GPU. MFU 0.40: Megatron-LM /
         # torchtitan report 38-50 % on H100 for 7-70B Llama.
-        HardwareProfile(name="h100-sxm", peak_flops=989e12, mfu=0.40, memory_bytes=80 * GB,
-                        memory_bw=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
+        HardwareProfile(
+            name="h100-sxm",
+            peak_flops=989e12,
+            mfu=0.40,
+            memory_bytes=80 * GB,
+            memory_bw=3.35e12,
+            intra_node_bw=450 * GB,
+            inter_node_bw=50 * GB,
+            gpus_per_node=8,
+            nvlink_group=8,
+            latency_s=8e-6,
+            **_gen("hopper"),
+        ),
         # NVIDIA H200 SXM datasheet: the H100's compute (989 TFLOPS dense BF16) and NVLink 4,
         # 141 GB HBM3e at 4.8 TB/s; the same 8-GPU HGX board and NICs as the DGX H100.
-        HardwareProfile(name="h200", peak_flops=989e12, mfu=0.40, memory_bytes=141 * GB,
-                        memory_bw=4.8e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
+        HardwareProfile(
+            name="h200",
+            peak_flops=989e12,
+            mfu=0.40,
+            memory_bytes=141 * GB,
+            memory_bw=4.8e12,
+            intra_node_bw=450 * GB,
+            inter_node_bw=50 * GB,
+            gpus_per_node=8,
+            nvlink_group=8,
+            latency_s=8e-6,
+            **_gen("hopper"),
+        ),
         # COPUS's NVIDIA cluster (§5.1): H100 in NVLink pairs, PCIe between pairs, SR-IOV at
         # 350 Gb/s between nodes, Megatron-LM with a replicated optimizer (§4.4). (inferred)
         # PCIe cards with an NVLink bridge: H100 PCIe datasheet 756 TFLOPS dense BF16, 2.0 TB/s
@@ -196,18 +217,42 @@ HARDWARE: dict[str, HardwareProfile] = {
         # efficiency was measured on. Checked against COPUS Table 1's token budgets: a run still
         # training at minute t has processed at most its budget, so throughput ≤ budget/t
         # (docs/cost-model.md, "Throughput bounds from COPUS Table 1").
-        HardwareProfile(name="h100-nvlink-pairs", peak_flops=756e12, mfu=0.40,
-                        power_clock=power_clock(350, 114, *H100_SXM_POWER),
-                        memory_bytes=80 * GB, memory_bw=2.0e12, intra_node_bw=300 * GB * 0.8,
-                        cross_group_bw=64 * GB * 0.5, inter_node_bw=350e9 / 8 / 8 * 0.8,
-                        gpus_per_node=8, nvlink_group=2, latency_s=1e-5, overlap_gamma=1.0, layer_overhead_s=4e-4,
-                        stack="megatron", shared_nic=True, tp_efficiency=0.93, **_gen("hopper")),
+        HardwareProfile(
+            name="h100-nvlink-pairs",
+            peak_flops=756e12,
+            mfu=0.40,
+            power_clock=power_clock(350, 114, *H100_SXM_POWER),
+            memory_bytes=80 * GB,
+            memory_bw=2.0e12,
+            intra_node_bw=300 * GB * 0.8,
+            cross_group_bw=64 * GB * 0.5,
+            inter_node_bw=350e9 / 8 / 8 * 0.8,
+            gpus_per_node=8,
+            nvlink_group=2,
+            latency_s=1e-5,
+            overlap_gamma=1.0,
+            layer_overhead_s=4e-4,
+            stack="megatron",
+            shared_nic=True,
+            tp_efficiency=0.93,
+            **_gen("hopper"),
+        ),
         # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS dense BF16, 2.039 TB/s HBM2e, NVLink 3
         # 600 GB/s bidirectional (300 per direction) via NVSwitch (DGX A100), 8 x HDR 200 Gb/s
         # NICs = 25 GB/s per GPU. MFU 0.50 (Megatron-LM, Narayanan et al. SC'21: 44-52 %).
-        HardwareProfile(name="a100-80gb", peak_flops=312e12, mfu=0.50, memory_bytes=80 * GB,
-                        memory_bw=2.039e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=1e-5, **_gen("ampere")),
+        HardwareProfile(
+            name="a100-80gb",
+            peak_flops=312e12,
+            mfu=0.50,
+            memory_bytes=80 * GB,
+            memory_bw=2.039e12,
+            intra_node_bw=300 * GB,
+            inter_node_bw=25 * GB,
+            gpus_per_node=8,
+            nvlink_group=8,
+            latency_s=1e-5,
+            **_gen("ampere"),
+        ),
         # torchtitan's benchmark H100 (benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton):
         # 96 GB HBM2e at 2.4 TB/s, default 500 W power limit, 8 per host on NVLink (450 GB/s per
         # direction), 400 Gb/s RDMA per GPU (50 GB/s). Peak: the SXM datasheet's 989 TFLOPS, as
@@ -216,10 +261,20 @@ HARDWARE: dict[str, HardwareProfile] = {
         # (`power_clock`), 836 TFLOPS: the NVL datasheet's figure. `mfu` is the old
         # single-constant model's (fitted on Table 1's FSDP 8 row). Capacity 95.0 GiB: 82.4 GiB
         # is reported as 86.7 %.
-        HardwareProfile(name="h100-hbm2e-96gb", peak_flops=989e12,
-                        power_clock=power_clock(500, 132, *H100_SXM_POWER), mfu=0.372, memory_bytes=95.0 * GiB,
-                        memory_bw=2.4e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                        gpus_per_node=8, nvlink_group=8, latency_s=8e-6, **_gen("hopper")),
+        HardwareProfile(
+            name="h100-hbm2e-96gb",
+            peak_flops=989e12,
+            power_clock=power_clock(500, 132, *H100_SXM_POWER),
+            mfu=0.372,
+            memory_bytes=95.0 * GiB,
+            memory_bw=2.4e12,
+            intra_node_bw=450 * GB,
+            inter_node_bw=50 * GB,
+            gpus_per_node=8,
+            nvlink_group=8,
+            latency_s=8e-6,
+            **_gen("hopper"),
+        ),
         # AMD Instinct MI210 datasheet: 181 TFLOPS BF16, 64 GB HBM2e at 1.6 TB/s. COPUS §5.1:
         # Infinity Fabric 200 GB/s inside a 4-GPU NUMA domain, PCIe4 64 GB/s across domains
         # (both taken as bidirectional: 100 and 32 GB/s per direction), Ethernet 25 GB/s
@@ -227,22 +282,47 @@ HARDWARE: dict[str, HardwareProfile] = {
         # GPUs). Megatron-LM (ROCm fork) with a replicated optimizer (§4.4). MFU 0.30 (ROCm
         # stacks of that generation, inferred). Link efficiencies 0.8 / 0.4 / 0.8: the PCIe4 hop
         # between NUMA domains crosses the CPU sockets (docs/cost-model.md). TP as on H100.
-        HardwareProfile(name="mi210", peak_flops=181e12, mfu=0.30, memory_bytes=64 * GB,
-                        memory_bw=1.6e12, intra_node_bw=100 * GB * 0.8, cross_group_bw=32 * GB * 0.4,
-                        inter_node_bw=25 * GB / 8 * 0.8, gpus_per_node=8, nvlink_group=4,
-                        latency_s=1.5e-5, layer_overhead_s=3e-4, overlap_gamma=1.0,
-                        stack="megatron", shared_nic=True, tp_efficiency=0.93, **_gen("cdna2")),
+        HardwareProfile(
+            name="mi210",
+            peak_flops=181e12,
+            mfu=0.30,
+            memory_bytes=64 * GB,
+            memory_bw=1.6e12,
+            intra_node_bw=100 * GB * 0.8,
+            cross_group_bw=32 * GB * 0.4,
+            inter_node_bw=25 * GB / 8 * 0.8,
+            gpus_per_node=8,
+            nvlink_group=4,
+            latency_s=1.5e-5,
+            layer_overhead_s=3e-4,
+            overlap_gamma=1.0,
+            stack="megatron",
+            shared_nic=True,
+            tp_efficiency=0.93,
+            **_gen("cdna2"),
+        ),
         # This 2-core machine, one rank per process, gloo over shared memory, fp32, 4 ranks on
         # 2 cores as the tests run. Calibrated to cpu-notes.md §g/g2 (36 measured steps of two
         # 4-block models, one set of coefficients fitted to both, then rounded): ~55 GFLOP/s
         # achieved per rank, ~2 ms per gloo ring step, ~0.3 GB/s effective, ~2.5 ms of Python
         # overhead per block per micro-batch, no compute/communication overlap. Median error of
         # this prior on those steps: ~20 % (of a fit: ~12 %). One node, one tier.
-        HardwareProfile(name="cpu", peak_flops=100e9, mfu=0.55, memory_bytes=8 * GiB,
-                        memory_bw=10 * GB, intra_node_bw=0.3 * GB, inter_node_bw=0.3 * GB,
-                        gpus_per_node=1024, nvlink_group=1024, latency_s=2e-3,
-                        layer_overhead_s=2.5e-3, step_overhead_s=5e-3, overlap_gamma=1.0,
-                        dtype_bytes=4),
+        HardwareProfile(
+            name="cpu",
+            peak_flops=100e9,
+            mfu=0.55,
+            memory_bytes=8 * GiB,
+            memory_bw=10 * GB,
+            intra_node_bw=0.3 * GB,
+            inter_node_bw=0.3 * GB,
+            gpus_per_node=1024,
+            nvlink_group=1024,
+            latency_s=2e-3,
+            layer_overhead_s=2.5e-3,
+            step_overhead_s=5e-3,
+            overlap_gamma=1.0,
+            dtype_bytes=4,
+        ),
     )
 }
 
@@ -291,8 +371,9 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"world_size={self.world_size}, gpus_per_node={self.gpus_per_node} "
-                             "are invalid; allowed: integers >= 1")
+            raise ValueError(
+                f"world_size={self.world_size}, gpus_per_node={self.gpus_per_node} are invalid; allowed: integers >= 1"
+            )
 
     @property
     def fast_domain(self) -> int:

@@ -44,9 +44,13 @@ from pathlib import Path
 from copus.core.specs.models import ModelShape, RopeScaling
 
 DEFAULT_SEQ_LEN = 2048
-_REQUIRED = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"),
-             ("num_attention_heads", "n_heads"), ("intermediate_size", "ffn_dim"),
-             ("vocab_size", "vocab_size"))
+_REQUIRED = (
+    ("num_hidden_layers", "n_layers"),
+    ("hidden_size", "dim"),
+    ("num_attention_heads", "n_heads"),
+    ("intermediate_size", "ffn_dim"),
+    ("vocab_size", "vocab_size"),
+)
 
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -71,8 +75,7 @@ def _int_field(data: dict, key: str, where: str) -> int:
 
 def _positive_number(data: dict, key: str, default: float, where: str) -> float:
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"{where}: field {key}={value!r} is invalid; allowed: a number > 0")
     return float(value)
 
@@ -82,17 +85,17 @@ def check_priceable(data: dict, where: str = "config.json") -> None:
     for key in MOE_FIELDS:
         value = data.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            raise ValueError(f"{where}: field {key}={value!r}: a mixture-of-experts model, which copus "
-                             f"cannot price; allowed: a dense decoder ({', '.join(DENSE_MODEL_TYPES)})")
+            raise ValueError(
+                f"{where}: field {key}={value!r}: a mixture-of-experts model, which copus "
+                f"cannot price; allowed: a dense decoder ({', '.join(DENSE_MODEL_TYPES)})"
+            )
     kind = data.get("model_type")
     if kind is not None and kind not in DENSE_MODEL_TYPES:
-        raise ValueError(f"{where}: field model_type={kind!r} is invalid; allowed: "
-                         f"{', '.join(DENSE_MODEL_TYPES)}")
+        raise ValueError(f"{where}: field model_type={kind!r} is invalid; allowed: {', '.join(DENSE_MODEL_TYPES)}")
 
 
 def _unsupported(where: str, key: str, value: object, why: str, allowed: str) -> str:
-    return (f"{where}: field {key}={value!r} is not supported by copus's model ({why}); "
-            f"allowed: {allowed}")
+    return f"{where}: field {key}={value!r} is not supported by copus's model ({why}); allowed: {allowed}"
 
 
 def runtime_problem(data: dict, seq: int, where: str) -> str:
@@ -104,16 +107,24 @@ def runtime_problem(data: dict, seq: int, where: str) -> str:
             return _unsupported(where, key, data[key], "QK-norm", "false or absent")
     window = data.get("sliding_window")
     uses_window = data.get("use_sliding_window", data.get("model_type") == "mistral") or any(
-        t != "full_attention" for t in data.get("layer_types") or ())
+        t != "full_attention" for t in data.get("layer_types") or ()
+    )
     if uses_window and window is not None and not (isinstance(window, int) and window >= seq):
-        return _unsupported(where, "sliding_window", window, f"a window shorter than seq_len={seq}",
-                            f"null, use_sliding_window=false, or a window >= seq_len={seq}")
-    checks = (("mlp_bias", False, "MLP biases", "false"),
-              ("hidden_act", "silu", "copus's MLP is SwiGLU", "'silu'"),
-              ("attention_dropout", 0.0, "no dropout in copus", "0"),
-              ("partial_rotary_factor", 1.0, "partial RoPE", "1.0"))
+        return _unsupported(
+            where,
+            "sliding_window",
+            window,
+            f"a window shorter than seq_len={seq}",
+            f"null, use_sliding_window=false, or a window >= seq_len={seq}",
+        )
+    checks = (
+        ("mlp_bias", False, "MLP biases", "false"),
+        ("hidden_act", "silu", "copus's MLP is SwiGLU", "'silu'"),
+        ("attention_dropout", 0.0, "no dropout in copus", "0"),
+        ("partial_rotary_factor", 1.0, "partial RoPE", "1.0"),
+    )
     for key, ok, why, allowed in checks:
-        if key == "hidden_act" and data.get(key) == "swish":   # transformers' ACT2FN: swish = silu
+        if key == "hidden_act" and data.get(key) == "swish":  # transformers' ACT2FN: swish = silu
             continue
         if key in data and data[key] not in (ok, None):
             return _unsupported(where, key, data[key], why, allowed)
@@ -127,18 +138,26 @@ def _rope(data: dict, where: str) -> tuple[float, RopeScaling | None, str]:
     key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
         raise ValueError(f"{where}: field {key}={params!r} is invalid; allowed: an object or null")
-    theta = _positive_number({"rope_theta": params.get("rope_theta", data.get("rope_theta", 10000.0))},
-                             "rope_theta", 10000.0, where)
+    theta = _positive_number(
+        {"rope_theta": params.get("rope_theta", data.get("rope_theta", 10000.0))}, "rope_theta", 10000.0, where
+    )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None, ""
     if kind != "llama3":
-        return theta, None, _unsupported(where, f"{key}.rope_type", kind,
-                                         "RoPE scaling copus does not implement", "'default' or 'llama3'")
+        return (
+            theta,
+            None,
+            _unsupported(
+                where, f"{key}.rope_type", kind, "RoPE scaling copus does not implement", "'default' or 'llama3'"
+            ),
+        )
     vals = {k: _positive_number(params, k, float("nan"), f"{where}: {key}") for k in _LLAMA3_KEYS}
     if vals["high_freq_factor"] <= vals["low_freq_factor"]:
-        raise ValueError(f"{where}: field {key}.high_freq_factor={vals['high_freq_factor']!r} is "
-                         f"invalid; allowed: > low_freq_factor={vals['low_freq_factor']!r}")
+        raise ValueError(
+            f"{where}: field {key}.high_freq_factor={vals['high_freq_factor']!r} is "
+            f"invalid; allowed: > low_freq_factor={vals['low_freq_factor']!r}"
+        )
     vals["original_max_position_embeddings"] = int(vals["original_max_position_embeddings"])
     return theta, RopeScaling(**vals), ""
 
@@ -164,8 +183,7 @@ def _attention_bias(data: dict, where: str) -> tuple[bool, bool]:
     return bias, bias
 
 
-def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
-                    where: str = "config.json") -> ModelShape:
+def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None, where: str = "config.json") -> ModelShape:
     """The `ModelShape` of a parsed config (module docstring); ValueError names the bad field."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: top level is {type(data).__name__}; allowed: a JSON object")
@@ -175,11 +193,15 @@ def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
     dims["n_kv_heads"] = dims["n_heads"] if kv is None else _int_field(data, "num_key_value_heads", where)
     head_dim = _head_dim(data, dims, where)
     if head_dim is None and dims["dim"] % dims["n_heads"]:
-        raise ValueError(f"{where}: field hidden_size={dims['dim']} is invalid; allowed: a multiple "
-                         f"of num_attention_heads={dims['n_heads']}")
+        raise ValueError(
+            f"{where}: field hidden_size={dims['dim']} is invalid; allowed: a multiple "
+            f"of num_attention_heads={dims['n_heads']}"
+        )
     if dims["n_heads"] % dims["n_kv_heads"]:
-        raise ValueError(f"{where}: field num_key_value_heads={dims['n_kv_heads']} is invalid; "
-                         f"allowed: a divisor of num_attention_heads={dims['n_heads']}")
+        raise ValueError(
+            f"{where}: field num_key_value_heads={dims['n_kv_heads']} is invalid; "
+            f"allowed: a divisor of num_attention_heads={dims['n_heads']}"
+        )
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ValueError(f"{where}: field tie_word_embeddings={tie!r} is invalid; allowed: true or false")
@@ -188,11 +210,19 @@ def shape_from_dict(data: dict, *, name: str, seq_len: int | None = None,
         raise ValueError(f"--seq-len={seq!r} is invalid; allowed: an integer >= 1")
     theta, scaling, rope_problem = _rope(data, where)
     qkv_bias, o_bias = _attention_bias(data, where)
-    return ModelShape(name=name, seq_len=seq, tie_embeddings=tie, rope_theta=theta,
-                      norm_eps=_positive_number(data, "rms_norm_eps", 1e-5, where),
-                      explicit_head_dim=head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                      rope_scaling=scaling, unsupported=runtime_problem(data, seq, where) or rope_problem,
-                      **dims)
+    return ModelShape(
+        name=name,
+        seq_len=seq,
+        tie_embeddings=tie,
+        rope_theta=theta,
+        norm_eps=_positive_number(data, "rms_norm_eps", 1e-5, where),
+        explicit_head_dim=head_dim,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        rope_scaling=scaling,
+        unsupported=runtime_problem(data, seq, where) or rope_problem,
+        **dims,
+    )
 
 
 def load_shape(path: str | Path, seq_len: int | None = None) -> ModelShape:
@@ -201,11 +231,14 @@ def load_shape(path: str | Path, seq_len: int | None = None) -> ModelShape:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"--model {str(p)!r} cannot be read ({exc.strerror or exc}); allowed: a "
-                         "named shape or a readable config.json") from None
+        raise ValueError(
+            f"--model {str(p)!r} cannot be read ({exc.strerror or exc}); allowed: a "
+            "named shape or a readable config.json"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON (line {exc.lineno}: {exc.msg}); allowed: a "
-                         "Hugging Face config.json") from None
+        raise ValueError(
+            f"{p}: not valid JSON (line {exc.lineno}: {exc.msg}); allowed: a Hugging Face config.json"
+        ) from None
     return shape_from_dict(data, name=str(p), seq_len=seq_len, where=str(p))

@@ -37,9 +37,9 @@ class ModelShape:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    explicit_head_dim: int | None = None   # config.json's head_dim when not dim / n_heads (Qwen3)
-    qkv_bias: bool = False                 # biases on q, k, v (Qwen2; Llama attention_bias)
-    o_bias: bool = False                   # bias on the output projection (Llama attention_bias)
+    explicit_head_dim: int | None = None  # config.json's head_dim when not dim / n_heads (Qwen3)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2; Llama attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama attention_bias)
     rope_scaling: RopeScaling | None = None
     # a config.json field the planner can price but copus's model cannot build (one line naming
     # it, core/specs/hf_config.py); "" = buildable. The runtime refuses such a shape.
@@ -79,28 +79,69 @@ class ModelShape:
         ignored, i.e. 12·L·dim·seq for T = seq, H·Q = dim); activation recomputation is not
         counted (model FLOPs, not hardware FLOPs)."""
         embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return (6.0 * (self.num_params() - embedding)
-                + 12.0 * self.n_layers * self.dim * self.seq_len)
+        return 6.0 * (self.num_params() - embedding) + 12.0 * self.n_layers * self.dim * self.seq_len
 
 
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
         # CPU default: ~1.7M parameters, byte-level vocabulary.
-        ModelShape(name="tiny", n_layers=4, dim=192, n_heads=6, n_kv_heads=2, ffn_dim=512,
-                   vocab_size=256, seq_len=128),
-        ModelShape(name="small", n_layers=8, dim=384, n_heads=8, n_kv_heads=4, ffn_dim=1024,
-                   vocab_size=256, seq_len=256),
-        ModelShape(name="tinyllama-1.1b", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4,
-                   ffn_dim=5632, vocab_size=32000, seq_len=2048),
-        ModelShape(name="llama-3.2-3b", n_layers=28, dim=3072, n_heads=24, n_kv_heads=8,
-                   ffn_dim=8192, vocab_size=128256, seq_len=2048, tie_embeddings=True,
-                   rope_theta=500000.0),
-        ModelShape(name="llama-2-7b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=32,
-                   ffn_dim=11008, vocab_size=32000, seq_len=2048),
-        ModelShape(name="llama-2-13b", n_layers=40, dim=5120, n_heads=40, n_kv_heads=40,
-                   ffn_dim=13824, vocab_size=32000, seq_len=2048),
-        ModelShape(name="qwen-2.5-32b", n_layers=64, dim=5120, n_heads=40, n_kv_heads=8,
-                   ffn_dim=27648, vocab_size=152064, seq_len=2048, rope_theta=1000000.0),
+        ModelShape(name="tiny", n_layers=4, dim=192, n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=256, seq_len=128),
+        ModelShape(
+            name="small", n_layers=8, dim=384, n_heads=8, n_kv_heads=4, ffn_dim=1024, vocab_size=256, seq_len=256
+        ),
+        ModelShape(
+            name="tinyllama-1.1b",
+            n_layers=22,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=4,
+            ffn_dim=5632,
+            vocab_size=32000,
+            seq_len=2048,
+        ),
+        ModelShape(
+            name="llama-3.2-3b",
+            n_layers=28,
+            dim=3072,
+            n_heads=24,
+            n_kv_heads=8,
+            ffn_dim=8192,
+            vocab_size=128256,
+            seq_len=2048,
+            tie_embeddings=True,
+            rope_theta=500000.0,
+        ),
+        ModelShape(
+            name="llama-2-7b",
+            n_layers=32,
+            dim=4096,
+            n_heads=32,
+            n_kv_heads=32,
+            ffn_dim=11008,
+            vocab_size=32000,
+            seq_len=2048,
+        ),
+        ModelShape(
+            name="llama-2-13b",
+            n_layers=40,
+            dim=5120,
+            n_heads=40,
+            n_kv_heads=40,
+            ffn_dim=13824,
+            vocab_size=32000,
+            seq_len=2048,
+        ),
+        ModelShape(
+            name="qwen-2.5-32b",
+            n_layers=64,
+            dim=5120,
+            n_heads=40,
+            n_kv_heads=8,
+            ffn_dim=27648,
+            vocab_size=152064,
+            seq_len=2048,
+            rope_theta=1000000.0,
+        ),
     )
 }

@@ -58,7 +58,8 @@ class NodeTopology:
             raise ValueError(
                 f"world_size={self.world_size} must equal gpus_per_node*num_nodes="
                 f"{self.gpus_per_node}*{self.num_nodes} (copus needs the same worker count "
-                "on every node)")
+                "on every node)"
+            )
         if not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"node_rank={self.node_rank} is invalid; allowed: 0..{self.num_nodes - 1}")
 
@@ -75,10 +76,13 @@ class NodeTopology:
     def resized(self, world_size: int) -> NodeTopology:
         """The same nodes' shape after an elastic membership change to `world_size` workers."""
         if world_size < 1 or world_size % self.gpus_per_node:
-            raise ValueError(f"world_size={world_size} is invalid; allowed: a positive multiple "
-                             f"of gpus_per_node={self.gpus_per_node}")
-        return NodeTopology(world_size=world_size, gpus_per_node=self.gpus_per_node,
-                            num_nodes=world_size // self.gpus_per_node)
+            raise ValueError(
+                f"world_size={world_size} is invalid; allowed: a positive multiple "
+                f"of gpus_per_node={self.gpus_per_node}"
+            )
+        return NodeTopology(
+            world_size=world_size, gpus_per_node=self.gpus_per_node, num_nodes=world_size // self.gpus_per_node
+        )
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -94,8 +98,7 @@ def _env_int(env: Mapping[str, str], key: str) -> int | None:
     return value
 
 
-def node_topology_from_env(env: Mapping[str, str] | None = None,
-                           world_size: int | None = None) -> NodeTopology:
+def node_topology_from_env(env: Mapping[str, str] | None = None, world_size: int | None = None) -> NodeTopology:
     """The node topology the launcher describes in `env` (default `os.environ`).
 
     WORLD_SIZE (or ROLE_WORLD_SIZE, or `world_size` when not launched) workers; LOCAL_WORLD_SIZE
@@ -113,11 +116,12 @@ def node_topology_from_env(env: Mapping[str, str] | None = None,
             raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
         groups = world // local
     if local * groups != world:
-        raise ValueError(f"WORLD_SIZE={world} != LOCAL_WORLD_SIZE*GROUP_WORLD_SIZE={local}*{groups};"
-                         " allowed: the same --nproc-per-node on every node")
+        raise ValueError(
+            f"WORLD_SIZE={world} != LOCAL_WORLD_SIZE*GROUP_WORLD_SIZE={local}*{groups};"
+            " allowed: the same --nproc-per-node on every node"
+        )
     node_rank = _env_int(env, "GROUP_RANK") or 0
-    return NodeTopology(world_size=world, gpus_per_node=local, num_nodes=groups,
-                        node_rank=node_rank)
+    return NodeTopology(world_size=world, gpus_per_node=local, num_nodes=groups, node_rank=node_rank)
 
 
 def group_geometry(dim: str, dp, tp, pp) -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +156,11 @@ def groups(dim: str, dp: int, tp: int, pp: int) -> list[list[int]]:
     size, stride = (int(x) for x in group_geometry(dim, dp, tp, pp))
     world = dp * tp * pp
     extent = size * stride
-    return [[block + offset + i * stride for i in range(size)]
-            for block in range(0, world, extent) for offset in range(stride)]
+    return [
+        [block + offset + i * stride for i in range(size)]
+        for block in range(0, world, extent)
+        for offset in range(stride)
+    ]
 
 
 def nodes_spanned(dim: str, dp: int, tp: int, pp: int, gpus_per_node: int) -> int:
@@ -173,12 +180,12 @@ def profile_overrides(topology: NodeTopology, nvlink_group: int) -> dict[str, in
     (gcd(nvlink_group, gpus_per_node)) so the profile stays valid, e.g.
     `hardware.with_overrides(profile, **profile_overrides(topo, profile.nvlink_group))`.
     """
-    return dict(gpus_per_node=topology.gpus_per_node,
-                nvlink_group=math.gcd(nvlink_group, topology.gpus_per_node))
+    return dict(gpus_per_node=topology.gpus_per_node, nvlink_group=math.gcd(nvlink_group, topology.gpus_per_node))
 
 
-def launched_hardware(profile: HardwareProfile, env: Mapping[str, str] | None = None,
-                      world_size: int | None = None) -> HardwareProfile:
+def launched_hardware(
+    profile: HardwareProfile, env: Mapping[str, str] | None = None, world_size: int | None = None
+) -> HardwareProfile:
     """`profile` with the node shape the launcher reports in `env` (default `os.environ`).
 
     The step-time model then prices every tp/dp/pp group that `crosses_nodes` with the profile's
@@ -186,8 +193,7 @@ def launched_hardware(profile: HardwareProfile, env: Mapping[str, str] | None = 
     profile is returned unchanged (a single process knows nothing about other nodes).
     """
     env = os.environ if env is None else env
-    if not any(k in env for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                                  "ROLE_WORLD_SIZE")):
+    if not any(k in env for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")):
         return profile
     topo = node_topology_from_env(env, world_size)
     return with_overrides(profile, **profile_overrides(topo, profile.nvlink_group))

@@ -49,10 +49,15 @@ class BatchTestResult:
     passed: bool
 
 
-def _check(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
-           ip_sq_mean: float | None = None) -> None:
-    for name, value in (("small_sqnorm", small_sqnorm), ("big_sqnorm", big_sqnorm),
-                        ("small_batch", small_batch), ("ip_sq_mean", ip_sq_mean)):
+def _check(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, ip_sq_mean: float | None = None
+) -> None:
+    for name, value in (
+        ("small_sqnorm", small_sqnorm),
+        ("big_sqnorm", big_sqnorm),
+        ("small_batch", small_batch),
+        ("ip_sq_mean", ip_sq_mean),
+    ):
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{name}={value!r} is invalid; allowed: a finite number")
     if num_small < 2:
@@ -69,8 +74,7 @@ def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator
 
 
-def per_sample_trace_cov(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                         small_batch: float) -> float:
+def per_sample_trace_cov(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float) -> float:
     """tr(Σ) of one sample's gradient: b·(1/(J−1)) Σ_j ‖g_j − ḡ‖² = b·J/(J−1)·(s̄ − q).
 
     Lau et al. notes §1.6 ("calibrated DDP-Norm"); equals McCandlish's two-batch estimator.
@@ -88,8 +92,9 @@ def statistic_from_terms(numerator: float, denominator: float, tolerance: float)
     return _ratio(numerator, tolerance * tolerance * denominator)
 
 
-def norm_test_terms(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
-                    *, form: str = "per-sample") -> tuple[float, float]:
+def norm_test_terms(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, *, form: str = "per-sample"
+) -> tuple[float, float]:
     """(variance, ‖ḡ‖²) of the norm test; T = variance/(η²·‖ḡ‖²) (see `norm_test_statistic`)."""
     _check(small_sqnorm, big_sqnorm, num_small, small_batch)
     if form == "per-sample":
@@ -97,13 +102,13 @@ def norm_test_terms(small_sqnorm: float, big_sqnorm: float, num_small: int, smal
     elif form in ("paper", "micro-batch"):
         variance = small_sqnorm - big_sqnorm
     else:
-        raise ValueError(f"norm_test_form={form!r} is invalid; allowed: "
-                         f"{', '.join(NORM_TEST_FORMS)}")
+        raise ValueError(f"norm_test_form={form!r} is invalid; allowed: {', '.join(NORM_TEST_FORMS)}")
     return variance, big_sqnorm
 
 
-def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                        small_batch: float, *, eta: float, form: str = "per-sample") -> float:
+def norm_test_statistic(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, *, eta: float, form: str = "per-sample"
+) -> float:
     """Norm test (Byrd et al. 2012; Lau et al. eqs. 3–5): the batch B at which it passes.
 
     form "per-sample": T = tr(Σ)^/(η²·q) with tr(Σ)^ = `per_sample_trace_cov`. The test is
@@ -123,16 +128,18 @@ def norm_test_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
     return statistic_from_terms(*terms, eta)
 
 
-def inner_product_terms(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                        small_batch: float, ip_sq_mean: float) -> tuple[float, float]:
+def inner_product_terms(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, ip_sq_mean: float
+) -> tuple[float, float]:
     """(per-sample Var(∇ℓᵀḡ), ‖ḡ‖⁴): b·J/(J−1)·(ip_sq_mean − q²) and q²."""
     _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
     var = small_batch * num_small / (num_small - 1) * (ip_sq_mean - big_sqnorm * big_sqnorm)
     return var, big_sqnorm * big_sqnorm
 
 
-def inner_product_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                            small_batch: float, ip_sq_mean: float, *, theta: float) -> float:
+def inner_product_statistic(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, ip_sq_mean: float, *, theta: float
+) -> float:
     """Inner-product test (Bollapragada et al. 2018): Var_i(∇ℓ_iᵀḡ)/B ≤ θ²‖ḡ‖⁴.
 
     Per-sample variance of the projection ≈ b·Var_j(g_jᵀḡ) = b·J/(J−1)·(ip_sq_mean − q²);
@@ -144,8 +151,9 @@ def inner_product_statistic(small_sqnorm: float, big_sqnorm: float, num_small: i
     return statistic_from_terms(*terms, theta)
 
 
-def orthogonality_terms(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                        small_batch: float, ip_sq_mean: float) -> tuple[float, float]:
+def orthogonality_terms(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, ip_sq_mean: float
+) -> tuple[float, float]:
     """(per-sample orthogonal variance, ‖ḡ‖²): b·J/(J−1)·(s̄ − ip_sq_mean/q) and q."""
     _check(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean)
     scale = small_batch * num_small / (num_small - 1)
@@ -154,8 +162,9 @@ def orthogonality_terms(small_sqnorm: float, big_sqnorm: float, num_small: int,
     return scale * (small_sqnorm - ip_sq_mean / big_sqnorm), big_sqnorm
 
 
-def orthogonality_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                            small_batch: float, ip_sq_mean: float, *, nu: float) -> float:
+def orthogonality_statistic(
+    small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, ip_sq_mean: float, *, nu: float
+) -> float:
     """Orthogonality test (Bollapragada et al. 2018): E‖g_B − proj_ḡ g_B‖² ≤ ν²‖ḡ‖².
 
     Σ_j ‖g_j − (g_jᵀḡ/q)ḡ‖² = J·(s̄ − ip_sq_mean/q) (the components have mean 0), so the
@@ -176,8 +185,9 @@ def round_up(value: float, multiple: int) -> int:
     return max(multiple, math.ceil(value / multiple - 1e-9) * multiple)
 
 
-def decide(statistic: float, current_batch: int, *, multiple: int = 1, max_batch: int,
-           allow_shrink: bool = False) -> BatchTestResult:
+def decide(
+    statistic: float, current_batch: int, *, multiple: int = 1, max_batch: int, allow_shrink: bool = False
+) -> BatchTestResult:
     """Turn a test statistic into a batch request.
 
     passed = statistic ≤ current_batch. The request is ⌈statistic⌉ rounded up to a multiple of
@@ -201,53 +211,95 @@ def decide(statistic: float, current_batch: int, *, multiple: int = 1, max_batch
     return BatchTestResult(statistic=statistic, requested_batch=requested, passed=passed)
 
 
-def norm_test(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float, *,
-              eta: float, form: str = "per-sample", multiple: int = 1, max_batch: int,
-              allow_shrink: bool = False) -> BatchTestResult:
+def norm_test(
+    small_sqnorm: float,
+    big_sqnorm: float,
+    num_small: int,
+    small_batch: float,
+    *,
+    eta: float,
+    form: str = "per-sample",
+    multiple: int = 1,
+    max_batch: int,
+    allow_shrink: bool = False,
+) -> BatchTestResult:
     """Norm test at the current batch J·b (see `norm_test_statistic` for η in each form)."""
     t = norm_test_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, eta=eta, form=form)
-    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
-                  allow_shrink=allow_shrink)
-
-
-def inner_product_test(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                       small_batch: float, ip_sq_mean: float, *, theta: float,
-                       multiple: int = 1, max_batch: int,
-                       allow_shrink: bool = False) -> BatchTestResult:
-    t = inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
-                                theta=theta)
-    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
-                  allow_shrink=allow_shrink)
-
-
-def orthogonality_test(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                       small_batch: float, ip_sq_mean: float, *, nu: float, multiple: int = 1,
-                       max_batch: int, allow_shrink: bool = False) -> BatchTestResult:
-    t = orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
-                                nu=nu)
-    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
-                  allow_shrink=allow_shrink)
-
-
-def augmented_statistic(small_sqnorm: float, big_sqnorm: float, num_small: int,
-                        small_batch: float, ip_sq_mean: float, *, theta: float,
-                        nu: float) -> float:
-    """Augmented inner-product test: both tests must pass, so the larger batch wins."""
-    return max(
-        inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
-                                theta=theta),
-        orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
-                                nu=nu),
+    return decide(
+        t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch, allow_shrink=allow_shrink
     )
 
 
-def augmented_test(small_sqnorm: float, big_sqnorm: float, num_small: int, small_batch: float,
-                   ip_sq_mean: float, *, theta: float, nu: float, multiple: int = 1,
-                   max_batch: int, allow_shrink: bool = False) -> BatchTestResult:
-    t = augmented_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean,
-                            theta=theta, nu=nu)
-    return decide(t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch,
-                  allow_shrink=allow_shrink)
+def inner_product_test(
+    small_sqnorm: float,
+    big_sqnorm: float,
+    num_small: int,
+    small_batch: float,
+    ip_sq_mean: float,
+    *,
+    theta: float,
+    multiple: int = 1,
+    max_batch: int,
+    allow_shrink: bool = False,
+) -> BatchTestResult:
+    t = inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean, theta=theta)
+    return decide(
+        t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch, allow_shrink=allow_shrink
+    )
+
+
+def orthogonality_test(
+    small_sqnorm: float,
+    big_sqnorm: float,
+    num_small: int,
+    small_batch: float,
+    ip_sq_mean: float,
+    *,
+    nu: float,
+    multiple: int = 1,
+    max_batch: int,
+    allow_shrink: bool = False,
+) -> BatchTestResult:
+    t = orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean, nu=nu)
+    return decide(
+        t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch, allow_shrink=allow_shrink
+    )
+
+
+def augmented_statistic(
+    small_sqnorm: float,
+    big_sqnorm: float,
+    num_small: int,
+    small_batch: float,
+    ip_sq_mean: float,
+    *,
+    theta: float,
+    nu: float,
+) -> float:
+    """Augmented inner-product test: both tests must pass, so the larger batch wins."""
+    return max(
+        inner_product_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean, theta=theta),
+        orthogonality_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean, nu=nu),
+    )
+
+
+def augmented_test(
+    small_sqnorm: float,
+    big_sqnorm: float,
+    num_small: int,
+    small_batch: float,
+    ip_sq_mean: float,
+    *,
+    theta: float,
+    nu: float,
+    multiple: int = 1,
+    max_batch: int,
+    allow_shrink: bool = False,
+) -> BatchTestResult:
+    t = augmented_statistic(small_sqnorm, big_sqnorm, num_small, small_batch, ip_sq_mean, theta=theta, nu=nu)
+    return decide(
+        t, _current(num_small, small_batch), multiple=multiple, max_batch=max_batch, allow_shrink=allow_shrink
+    )
 
 
 def _current(num_small: int, small_batch: float) -> int:

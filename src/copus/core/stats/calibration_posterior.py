@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-LOG2_C_RANGE = (-4.0, 8.0)      # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
-GRID_POINTS = 49                # quarter-octave steps
+LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
+GRID_POINTS = 49  # quarter-octave steps
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ class _Step:
     loss: float
     batch: float
     b_noise: float
-    fit: bool          # False: inside the transient after a change (clock only)
+    fit: bool  # False: inside the transient after a change (clock only)
     clock: np.ndarray  # E_c since the run's start, every grid c, after this step
 
 
@@ -56,27 +56,27 @@ class CalibrationPosterior:
     """Grid posterior over log c; feed it every step with `observe`, read `value()`."""
 
     prior_c: float = 2.0
-    prior_octaves: float = 2.0          # sd of the prior in log2 c
-    window_steps: int = 60              # steps kept before a change, and waited for after it
-    skip_steps: int = 10                # transient after a change: clock only, not fitted
+    prior_octaves: float = 2.0  # sd of the prior in log2 c
+    window_steps: int = 60  # steps kept before a change, and waited for after it
+    skip_steps: int = 10  # transient after a change: clock only, not fitted
     # a change is an experiment when the batch moved by at least this factor since the last one
     # (smaller moves stay in the window, on the clock; they bend the curve too little to read)
     min_ratio: float = 1.0
     min_fit_steps: int = 12
     quantile: float = 0.5
-    tempering: float = 1.0              # < 1 discounts each window's evidence (misspecification)
+    tempering: float = 1.0  # < 1 discounts each window's evidence (misspecification)
     # exponents γ of an LR factor B^γ on the progress per sample: 0 = E(B) alone (LR re-tuned
     # for every B; docs/statistics.md §4), ½ = COPUS's LR-aware Eq. 8 (an LR below its optimum,
     # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
     lr_exponents: tuple[float, ...] = (0.0,)
-    prior_lr_aware: float = 0.5         # prior probability of the last exponent (½)
+    prior_lr_aware: float = 0.5  # prior probability of the last exponent (½)
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
-    log_post: np.ndarray = field(init=False)    # (len(lr_exponents), len(log2_grid))
+    log_post: np.ndarray = field(init=False)  # (len(lr_exponents), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
     _buffer: list[_Step] = field(default_factory=list)
     _last_batch: float | None = None
-    _since_change: int | None = None     # steps since the last change in the buffer
-    _clock: np.ndarray | None = None     # E_c(t) since the first step, every grid c
+    _since_change: int | None = None  # steps since the last change in the buffer
+    _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
 
     def __post_init__(self) -> None:
         for name in ("prior_c", "prior_octaves", "tempering"):
@@ -86,9 +86,11 @@ class CalibrationPosterior:
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile={self.quantile!r} is invalid; allowed: 0 < q < 1")
         if self.window_steps < 4 or self.skip_steps < 0 or self.min_fit_steps < 4:
-            raise ValueError(f"window_steps={self.window_steps}, skip_steps={self.skip_steps}, "
-                             f"min_fit_steps={self.min_fit_steps} are invalid; allowed: "
-                             "window >= 4, skip >= 0, min_fit >= 4")
+            raise ValueError(
+                f"window_steps={self.window_steps}, skip_steps={self.skip_steps}, "
+                f"min_fit_steps={self.min_fit_steps} are invalid; allowed: "
+                "window >= 4, skip >= 0, min_fit >= 4"
+            )
         if not 0.0 < self.prior_lr_aware < 1.0 or not self.lr_exponents:
             raise ValueError(f"prior_lr_aware={self.prior_lr_aware!r} is invalid; allowed: 0 < p < 1")
         z = (self.log2_grid - math.log2(self.prior_c)) / self.prior_octaves
@@ -142,13 +144,19 @@ class CalibrationPosterior:
 
     def mean_c(self) -> float:
         """Posterior mean of c on the grid (E[c], not exp E[log c])."""
-        return float(np.sum(self.probabilities() * 2.0 ** self.log2_grid))
+        return float(np.sum(self.probabilities() * 2.0**self.log2_grid))
 
     def summary(self) -> dict:
         """JSON-ready: what decisions.jsonl and `copus report` show."""
-        return {"c": self.value(), "mean": self.mean_c(), "median": self.quantile_c(0.5),
-                "p05": self.quantile_c(0.05), "p95": self.quantile_c(0.95),
-                "p_lr_aware": self.p_lr_aware(), "experiments": len(self.experiments)}
+        return {
+            "c": self.value(),
+            "mean": self.mean_c(),
+            "median": self.quantile_c(0.5),
+            "p05": self.quantile_c(0.05),
+            "p95": self.quantile_c(0.95),
+            "p_lr_aware": self.p_lr_aware(),
+            "experiments": len(self.experiments),
+        }
 
     # ---- learning --------------------------------------------------------------------------
 
@@ -167,8 +175,11 @@ class CalibrationPosterior:
         if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
             self._reset()
             return None
-        changed = self._last_batch is not None and batch != self._last_batch and \
-            abs(math.log(batch / self._last_batch)) >= math.log(self.min_ratio)
+        changed = (
+            self._last_batch is not None
+            and batch != self._last_batch
+            and abs(math.log(batch / self._last_batch)) >= math.log(self.min_ratio)
+        )
         if self._last_batch is None or changed:
             self._last_batch = float(batch)
         if changed:
@@ -176,13 +187,11 @@ class CalibrationPosterior:
         elif self._since_change is not None:
             self._since_change += 1
         in_transient = self._since_change is not None and self._since_change < self.skip_steps
-        self._buffer.append(_Step(float(loss), float(batch), float(b_noise), not in_transient,
-                                  self._clock.copy()))
+        self._buffer.append(_Step(float(loss), float(batch), float(b_noise), not in_transient, self._clock.copy()))
         if self._since_change is None:
-            del self._buffer[:-self.window_steps]      # only the pre-window is kept
+            del self._buffer[: -self.window_steps]  # only the pre-window is kept
             return None
-        if self._since_change >= self.skip_steps + self.window_steps or \
-                len(self._buffer) >= 5 * self.window_steps:
+        if self._since_change >= self.skip_steps + self.window_steps or len(self._buffer) >= 5 * self.window_steps:
             return self._close()
         return None
 
@@ -192,7 +201,7 @@ class CalibrationPosterior:
             self._clock = np.zeros((len(self.lr_exponents), len(self.log2_grid)))
         lr = np.power(batch, np.asarray(self.lr_exponents, dtype=float))[:, None]
         if math.isfinite(b_noise) and b_noise > 0:
-            bc = (2.0 ** self.log2_grid) * b_noise
+            bc = (2.0**self.log2_grid) * b_noise
             self._clock += lr * (batch * bc / (bc + batch))[None, :]
         else:
             self._clock += lr * batch
@@ -202,34 +211,43 @@ class CalibrationPosterior:
 
     def _close(self) -> dict | None:
         steps, self._buffer, self._since_change = self._buffer, [], None
-        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps,
-                                       self.lr_exponents)
+        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps, self.lr_exponents)
         if loglik is None:
             return None
         self.log_post = self.log_post + self.tempering * loglik
         self.log_post -= np.max(self.log_post)
         batches = sorted({s.batch for s in steps})
-        row = {"steps": len(steps), "batches": batches,
-               "b_noise": float(np.median([s.b_noise for s in steps])),
-               "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)])
-               } | self.summary()
+        row = {
+            "steps": len(steps),
+            "batches": batches,
+            "b_noise": float(np.median([s.b_noise for s in steps])),
+            "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)]),
+        } | self.summary()
         self.experiments.append(row)
         return row
 
     # ---- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"log_post": self.log_post.tolist(), "log2_grid": self.log2_grid.tolist(),
-                "experiments": list(self.experiments),
-                "clock": None if self._clock is None else self._clock.tolist()}
+        return {
+            "log_post": self.log_post.tolist(),
+            "log2_grid": self.log2_grid.tolist(),
+            "experiments": list(self.experiments),
+            "clock": None if self._clock is None else self._clock.tolist(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         grid = np.asarray(state["log2_grid"], dtype=float)
         post = np.asarray(state["log_post"], dtype=float)
-        if grid.shape != self.log2_grid.shape or not np.allclose(grid, self.log2_grid) or \
-                post.shape != self.log_post.shape:
-            raise ValueError("calibration posterior state has another grid; allowed: "
-                             f"{GRID_POINTS} points over log2 c in {LOG2_C_RANGE}")
+        if (
+            grid.shape != self.log2_grid.shape
+            or not np.allclose(grid, self.log2_grid)
+            or post.shape != self.log_post.shape
+        ):
+            raise ValueError(
+                "calibration posterior state has another grid; allowed: "
+                f"{GRID_POINTS} points over log2 c in {LOG2_C_RANGE}"
+            )
         self.log_post = post
         self.experiments = list(state.get("experiments", []))
         clock = state.get("clock")
@@ -237,8 +255,9 @@ class CalibrationPosterior:
         self._reset()
 
 
-def window_log_likelihood(steps: list[_Step], log2_grid: np.ndarray, min_fit_steps: int = 12,
-                          lr_exponents: tuple[float, ...] = (0.0,)) -> np.ndarray | None:
+def window_log_likelihood(
+    steps: list[_Step], log2_grid: np.ndarray, min_fit_steps: int = 12, lr_exponents: tuple[float, ...] = (0.0,)
+) -> np.ndarray | None:
     """log p(losses | γ, c) on the grid, shape (len(lr_exponents), len(log2_grid)) (module
     docstring); None if too few fitted steps or no change of batch in the window.
 

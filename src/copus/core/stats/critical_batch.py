@@ -27,7 +27,7 @@ from itertools import combinations
 
 import numpy as np
 
-EMA_ALPHA = 0.5   # Merrill et al. 2025, §3.1
+EMA_ALPHA = 0.5  # Merrill et al. 2025, §3.1
 
 
 def parse_probe_multipliers(text: str) -> list[float]:
@@ -36,10 +36,11 @@ def parse_probe_multipliers(text: str) -> list[float]:
         ks = sorted({float(x) for x in str(text).split(",") if x.strip()})
     except ValueError:
         ks = []
-    if (len(ks) < 2 or 1.0 not in ks
-            or any(not (math.isfinite(k) and k > 0) for k in ks)):
-        raise ValueError(f"gns.probe_multipliers={text!r}: allowed: comma-separated numbers > 0, "
-                         "at least two, including 1 (e.g. \"1,2,4\")")
+    if len(ks) < 2 or 1.0 not in ks or any(not (math.isfinite(k) and k > 0) for k in ks):
+        raise ValueError(
+            f"gns.probe_multipliers={text!r}: allowed: comma-separated numbers > 0, "
+            'at least two, including 1 (e.g. "1,2,4")'
+        )
     return ks
 
 
@@ -133,10 +134,10 @@ def fit_b_noise_pair(batch: float, k: float, drop_base: float, drop_k: float) ->
 class NoiseFit:
     """Least-squares fit of `ΔL(b) = C / (b + B_noise)` over the branches."""
 
-    b_noise: float          # NaN when the fit has no positive slope / intercept
-    scale: float            # C
+    b_noise: float  # NaN when the fit has no positive slope / intercept
+    scale: float  # C
     num_points: int
-    residual_rms: float     # of 1/ΔL
+    residual_rms: float  # of 1/ΔL
 
 
 def fit_b_noise(drops: Mapping[float, float]) -> NoiseFit:
@@ -147,16 +148,14 @@ def fit_b_noise(drops: Mapping[float, float]) -> NoiseFit:
     """
     pts = [(float(b), 1.0 / float(d)) for b, d in drops.items() if d > 0 and math.isfinite(d)]
     if len(pts) < 2 or len({b for b, _ in pts}) < 2:
-        return NoiseFit(b_noise=math.nan, scale=math.nan, num_points=len(pts),
-                        residual_rms=math.nan)
+        return NoiseFit(b_noise=math.nan, scale=math.nan, num_points=len(pts), residual_rms=math.nan)
     x = np.array([b for b, _ in pts])
     y = np.array([v for _, v in pts])
     slope, intercept = np.polyfit(x, y, 1)
     rms = float(np.sqrt(np.mean((y - (slope * x + intercept)) ** 2)))
     if slope <= 0 or intercept <= 0:
         return NoiseFit(b_noise=math.nan, scale=math.nan, num_points=len(pts), residual_rms=rms)
-    return NoiseFit(b_noise=float(intercept / slope), scale=float(1.0 / slope),
-                    num_points=len(pts), residual_rms=rms)
+    return NoiseFit(b_noise=float(intercept / slope), scale=float(1.0 / slope), num_points=len(pts), residual_rms=rms)
 
 
 def measured_calibration(b_noise_fit: float, b_noise_online: float) -> float:
@@ -165,9 +164,14 @@ def measured_calibration(b_noise_fit: float, b_noise_online: float) -> float:
     return b_noise_fit / b_noise_online if ok else math.nan
 
 
-def summarize_branches(*, base_batch: float, losses: Mapping[float, Sequence[float]],
-                       start_loss: float, b_noise_online: float,
-                       epsilon: float | None = None) -> dict:
+def summarize_branches(
+    *,
+    base_batch: float,
+    losses: Mapping[float, Sequence[float]],
+    start_loss: float,
+    b_noise_online: float,
+    epsilon: float | None = None,
+) -> dict:
     """One checkpoint's calibration from its branches (plain numbers, JSON-ready).
 
     `losses[b]`: the smoothed final loss of each repeat of the branch at global batch `b`
@@ -181,19 +185,26 @@ def summarize_branches(*, base_batch: float, losses: Mapping[float, Sequence[flo
     cb = read_off_critical_batch(mean, eps)
     fit = fit_b_noise({b: start_loss - v for b, v in mean.items()})
     num_repeats = min(len(v) for v in losses.values())
-    per_repeat = [fit_b_noise({float(b): start_loss - v[r] for b, v in losses.items()}).b_noise
-                  for r in range(num_repeats)]
+    per_repeat = [
+        fit_b_noise({float(b): start_loss - v[r] for b, v in losses.items()}).b_noise for r in range(num_repeats)
+    ]
     c_repeats = [measured_calibration(b, b_noise_online) for b in per_repeat]
-    pairs = {b: fit_b_noise_pair(base_batch, b / base_batch, start_loss - mean[base_batch],
-                                 start_loss - v)
-             for b, v in mean.items() if b != base_batch and base_batch in mean}
+    pairs = {
+        b: fit_b_noise_pair(base_batch, b / base_batch, start_loss - mean[base_batch], start_loss - v)
+        for b, v in mean.items()
+        if b != base_batch and base_batch in mean
+    }
     finite_c = [c for c in c_repeats if math.isfinite(c)]
     return {
-        "base_batch": base_batch, "start_loss": start_loss, "epsilon": eps,
+        "base_batch": base_batch,
+        "start_loss": start_loss,
+        "epsilon": eps,
         "mean_loss": mean,
         "critical_batch": {"lower": cb.lower, "upper": cb.upper, "value": cb.value},
-        "b_noise_fit": fit.b_noise, "fit_residual_rms": fit.residual_rms,
-        "b_noise_pairs": pairs, "b_noise_fit_repeats": per_repeat,
+        "b_noise_fit": fit.b_noise,
+        "fit_residual_rms": fit.residual_rms,
+        "b_noise_pairs": pairs,
+        "b_noise_fit_repeats": per_repeat,
         "b_noise_online": b_noise_online,
         "c": measured_calibration(fit.b_noise, b_noise_online),
         "c_repeats": c_repeats,

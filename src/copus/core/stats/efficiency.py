@@ -12,8 +12,7 @@ from numpy.typing import ArrayLike
 LR_RULES = ("none", "linear", "sqrt", "adascale", "sqrt-gain")
 
 
-def statistical_efficiency(b_noise: ArrayLike, global_batch_size: ArrayLike,
-                           ref_batch: ArrayLike = 1.0) -> np.ndarray:
+def statistical_efficiency(b_noise: ArrayLike, global_batch_size: ArrayLike, ref_batch: ArrayLike = 1.0) -> np.ndarray:
     """Progress per sample at batch B relative to batch B0: E(B) = (b_noise + B0)/(b_noise + B).
 
     Pollux (Qiao et al., OSDI'21) §3.2, E_t(M) with M0 = B0; COPUS (arXiv 2604.26687) Eq. 6 with
@@ -28,8 +27,9 @@ def statistical_efficiency(b_noise: ArrayLike, global_batch_size: ArrayLike,
     return eff[()]
 
 
-def adascale_gain(grad_sqnorm: ArrayLike, grad_trace_cov: ArrayLike, scale: ArrayLike,
-                  ref_batch: ArrayLike = 1.0) -> np.ndarray:
+def adascale_gain(
+    grad_sqnorm: ArrayLike, grad_trace_cov: ArrayLike, scale: ArrayLike, ref_batch: ArrayLike = 1.0
+) -> np.ndarray:
     """AdaScale gain r = (σ² + μ²)/(σ²/S + μ²) with σ² = tr(Σ)/B0, μ² = |G|², S = B/B0.
 
     Johnson et al., ICML 2020, §3 (gain ratio); Pollux's E(B) = r/S. Estimates are clamped to
@@ -37,8 +37,7 @@ def adascale_gain(grad_sqnorm: ArrayLike, grad_trace_cov: ArrayLike, scale: Arra
     1 and S.
     """
     mu2 = np.asarray(grad_sqnorm, dtype=float)
-    sigma2 = np.maximum(np.asarray(grad_trace_cov, dtype=float), 0.0) / np.asarray(ref_batch,
-                                                                                   dtype=float)
+    sigma2 = np.maximum(np.asarray(grad_trace_cov, dtype=float), 0.0) / np.asarray(ref_batch, dtype=float)
     s = np.asarray(scale, dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):
         gain = np.where(mu2 > 0, (sigma2 + mu2) / (sigma2 / s + mu2), s)
@@ -46,9 +45,13 @@ def adascale_gain(grad_sqnorm: ArrayLike, grad_trace_cov: ArrayLike, scale: Arra
     return np.clip(gain, np.minimum(s, 1.0), np.maximum(s, 1.0))[()]
 
 
-def lr_scale(rule: str, new_batch: ArrayLike, ref_batch: ArrayLike,
-             grad_sqnorm: ArrayLike | None = None,
-             grad_trace_cov: ArrayLike | None = None) -> np.ndarray:
+def lr_scale(
+    rule: str,
+    new_batch: ArrayLike,
+    ref_batch: ArrayLike,
+    grad_sqnorm: ArrayLike | None = None,
+    grad_trace_cov: ArrayLike | None = None,
+) -> np.ndarray:
     """Factor to multiply the learning rate (tuned at `ref_batch`) by at `new_batch`.
 
     none: 1 (Lau et al. 2025, "optimizer scaling rule: None"); linear: B/B0 (Goyal et al. 2017);

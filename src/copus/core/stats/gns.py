@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 
 
-def two_batch_estimate(small_sqnorm: float, small_batch: float, big_sqnorm: float,
-                       big_batch: float) -> tuple[float, float]:
+def two_batch_estimate(
+    small_sqnorm: float, small_batch: float, big_sqnorm: float, big_batch: float
+) -> tuple[float, float]:
     """Unbiased `(grad_sqnorm, grad_trace_cov)` = estimates of (|G|², tr(Σ)).
 
     With s̄ = `small_sqnorm` (mean squared norm of gradients over `small_batch` = b samples) and
@@ -32,8 +33,10 @@ def two_batch_estimate(small_sqnorm: float, small_batch: float, big_sqnorm: floa
     if not small_batch > 0:
         raise ValueError(f"small_batch={small_batch!r} is invalid; allowed: a number > 0")
     if not big_batch > small_batch:
-        raise ValueError(f"big_batch={big_batch!r} is invalid; allowed: a number > "
-                         f"small_batch={small_batch!r} (two different batch sizes are needed)")
+        raise ValueError(
+            f"big_batch={big_batch!r} is invalid; allowed: a number > "
+            f"small_batch={small_batch!r} (two different batch sizes are needed)"
+        )
     b, big = float(small_batch), float(big_batch)
     grad_sqnorm = (big * big_sqnorm - b * small_sqnorm) / (big - b)
     grad_trace_cov = (small_sqnorm - big_sqnorm) / (1.0 / b - 1.0 / big)
@@ -99,8 +102,15 @@ class GnsEstimator:
         self.last_grad_sqnorm = math.nan
         self.last_grad_trace_cov = math.nan
 
-    def update(self, small_sqnorm: float, small_batch: float, big_sqnorm: float,
-               big_batch: float, tokens: int = 0, decay: float | None = None) -> bool:
+    def update(
+        self,
+        small_sqnorm: float,
+        small_batch: float,
+        big_sqnorm: float,
+        big_batch: float,
+        tokens: int = 0,
+        decay: float | None = None,
+    ) -> bool:
         """Add one step's statistics; `tokens` = tokens consumed so far (selects the decay),
         or `decay` = this update's decay, overriding the schedule (`core.gns_tracking` ties it
         to samples).
@@ -120,8 +130,13 @@ class GnsEstimator:
         e = self._ema
         e["w1"] = a * e["w1"] + (1.0 - a)
         e["w2"] = a * a * e["w2"] + (1.0 - a) ** 2
-        for key, value in (("m_sqnorm", x), ("m_trace", y), ("m_sqnorm2", x * x),
-                           ("m_trace2", y * y), ("m_cross", x * y)):
+        for key, value in (
+            ("m_sqnorm", x),
+            ("m_trace", y),
+            ("m_sqnorm2", x * x),
+            ("m_trace2", y * y),
+            ("m_cross", x * y),
+        ):
             e[key] = a * e[key] + (1.0 - a) * value
         self.num_updates += 1
         self.last_grad_sqnorm, self.last_grad_trace_cov = x, y

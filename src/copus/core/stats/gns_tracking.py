@@ -47,21 +47,21 @@ class TrackingGnsEstimator:
         if not lepski_z > 0:
             raise ValueError(f"lepski_z={lepski_z!r} is invalid; allowed: a number > 0")
         self.ref_batch = float(ref_batch)
-        self.timescales = [self.ref_batch * 2.0 ** k for k in range(levels)]
+        self.timescales = [self.ref_batch * 2.0**k for k in range(levels)]
         self.lepski_z = float(lepski_z)
         self.levels = [GnsEstimator(0.5) for _ in self.timescales]
         self.num_skipped = 0
         self._chosen: int | None = None
 
     # ---- updates ---------------------------------------------------------------------------
-    def update(self, small_sqnorm: float, small_batch: float, big_sqnorm: float,
-               big_batch: float, tokens: int = 0) -> bool:
+    def update(
+        self, small_sqnorm: float, small_batch: float, big_sqnorm: float, big_batch: float, tokens: int = 0
+    ) -> bool:
         """Add one step's statistics to every level (decay exp(−B/τ_k)); False if unusable."""
         ok = False
         for tau, level in zip(self.timescales, self.levels):
             decay = math.exp(-float(big_batch) / tau) if _positive(big_batch) else 0.0
-            ok = level.update(small_sqnorm, small_batch, big_sqnorm, big_batch, tokens,
-                              decay=decay)
+            ok = level.update(small_sqnorm, small_batch, big_sqnorm, big_batch, tokens, decay=decay)
             if not ok:
                 break
         if not ok:
@@ -136,26 +136,36 @@ class TrackingGnsEstimator:
 
     # ---- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "tracking", "ref_batch": self.ref_batch,
-                "lepski_z": self.lepski_z, "num_skipped": self.num_skipped,
-                "num_updates": self.num_updates,
-                "levels": [lv.state_dict() for lv in self.levels]}
+        return {
+            "version": STATE_VERSION,
+            "kind": "tracking",
+            "ref_batch": self.ref_batch,
+            "lepski_z": self.lepski_z,
+            "num_skipped": self.num_skipped,
+            "num_updates": self.num_updates,
+            "levels": [lv.state_dict() for lv in self.levels],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; the level count and B0 must match the configuration."""
         if state.get("kind") is None and state.get("version") == 1:
-            raise ValueError("GNS state kind='ema' (one EMA: copus 0.1, or gns.estimator='ema') is "
-                             "invalid for gns.estimator='tracking'; allowed: resume it with "
-                             "--set gns.estimator=ema, or start a new run")
+            raise ValueError(
+                "GNS state kind='ema' (one EMA: copus 0.1, or gns.estimator='ema') is "
+                "invalid for gns.estimator='tracking'; allowed: resume it with "
+                "--set gns.estimator=ema, or start a new run"
+            )
         if state.get("version") != STATE_VERSION or state.get("kind") != "tracking":
-            raise ValueError(f"GNS state kind={state.get('kind')!r} version="
-                             f"{state.get('version')!r} is invalid; allowed: tracking, "
-                             f"{STATE_VERSION}")
-        if len(state["levels"]) != len(self.levels) or \
-                float(state["ref_batch"]) != self.ref_batch:
-            raise ValueError(f"GNS state with {len(state['levels'])} levels at ref_batch="
-                             f"{state['ref_batch']} is invalid here; allowed: {len(self.levels)}"
-                             f" levels at ref_batch={self.ref_batch:g}")
+            raise ValueError(
+                f"GNS state kind={state.get('kind')!r} version="
+                f"{state.get('version')!r} is invalid; allowed: tracking, "
+                f"{STATE_VERSION}"
+            )
+        if len(state["levels"]) != len(self.levels) or float(state["ref_batch"]) != self.ref_batch:
+            raise ValueError(
+                f"GNS state with {len(state['levels'])} levels at ref_batch="
+                f"{state['ref_batch']} is invalid here; allowed: {len(self.levels)}"
+                f" levels at ref_batch={self.ref_batch:g}"
+            )
         for lv, st in zip(self.levels, state["levels"]):
             lv.load_state_dict(st)
         self.num_skipped = int(state.get("num_skipped", 0))
@@ -165,10 +175,16 @@ class TrackingGnsEstimator:
 ESTIMATORS = ("tracking", "ema")
 
 
-def make_estimator(kind: str, *, ref_batch: float, decay: float = 0.95,
-                   decay_late: float = 0.99, decay_switch_tokens: int = 8_000_000,
-                   levels: int = 9, lepski_z: float = 2.0
-                   ) -> TrackingGnsEstimator | GnsEstimator:
+def make_estimator(
+    kind: str,
+    *,
+    ref_batch: float,
+    decay: float = 0.95,
+    decay_late: float = 0.99,
+    decay_switch_tokens: int = 8_000_000,
+    levels: int = 9,
+    lepski_z: float = 2.0,
+) -> TrackingGnsEstimator | GnsEstimator:
     """`gns.estimator`: "tracking" (this module, the default) or "ema" (COPUS §3.2: one EMA
     per step, `decay` before `decay_switch_tokens` tokens, then `decay_late`)."""
     from copus.core.stats.gns import DecaySchedule
@@ -176,8 +192,7 @@ def make_estimator(kind: str, *, ref_batch: float, decay: float = 0.95,
     if kind == "tracking":
         return TrackingGnsEstimator(ref_batch, levels=levels, lepski_z=lepski_z)
     if kind == "ema":
-        return GnsEstimator(DecaySchedule(decay=decay, decay_late=decay_late,
-                                          switch_tokens=decay_switch_tokens))
+        return GnsEstimator(DecaySchedule(decay=decay, decay_late=decay_late, switch_tokens=decay_switch_tokens))
     raise ValueError(f"gns.estimator={kind!r} is invalid; allowed: {', '.join(ESTIMATORS)}")
 
 

@@ -47,12 +47,13 @@ import math
 
 import numpy as np
 
-LR_EXPONENT_SGD = 1.0    # McCandlish et al. 2018, Eq. 2.6
-LR_EXPONENT_ADAM = 0.5   # Adam as a sign-like update (Su's derivation; Malladi et al. 2022's sqrt rule)
+LR_EXPONENT_SGD = 1.0  # McCandlish et al. 2018, Eq. 2.6
+LR_EXPONENT_ADAM = 0.5  # Adam as a sign-like update (Su's derivation; Malladi et al. 2022's sqrt rule)
 
 
-def optimal_lr(global_batch_size: float, b_noise: float, lr_max: float = 1.0,
-               exponent: float = LR_EXPONENT_SGD) -> float:
+def optimal_lr(
+    global_batch_size: float, b_noise: float, lr_max: float = 1.0, exponent: float = LR_EXPONENT_SGD
+) -> float:
     """ε_opt(B) = ε_max / (1 + B_noise/B)^p (McCandlish 2018 Eq. 2.6 at p = 1)."""
     return lr_max / (1.0 + b_noise / global_batch_size) ** exponent
 
@@ -71,20 +72,40 @@ def warmup_factor(tokens: float, warmup_tokens: float) -> float:
     return np.minimum(1.0, np.maximum(tokens, 0.0) / warmup_tokens)
 
 
-def lr_fraction(global_batch_size: float, b_noise: float, lr_fraction_x0: float, *,
-                ref_batch: float = 16.0, exponent: float = LR_EXPONENT_SGD,
-                warmup: float = 1.0) -> float:
+def lr_fraction(
+    global_batch_size: float,
+    b_noise: float,
+    lr_fraction_x0: float,
+    *,
+    ref_batch: float = 16.0,
+    exponent: float = LR_EXPONENT_SGD,
+    warmup: float = 1.0,
+) -> float:
     """x = η(B)/ε_opt(B) for η(B) = η0·w·sqrt(B/B_ref), η0 = x0·ε_opt(B_ref):
     x0·w·sqrt(B/B_ref)·[(1 + B_noise/B)/(1 + B_noise/B_ref)]^p (module docstring)."""
     ratio = optimal_lr(ref_batch, b_noise, exponent=exponent) / optimal_lr(
-        global_batch_size, b_noise, exponent=exponent)
+        global_batch_size, b_noise, exponent=exponent
+    )
     return lr_fraction_x0 * warmup * np.sqrt(global_batch_size / ref_batch) * ratio
 
 
-def sqrt_lr_progress_factor(global_batch_size: float, b_noise: float, lr_fraction_x0: float, *,
-                            ref_batch: float = 16.0, exponent: float = LR_EXPONENT_SGD,
-                            tokens: float = math.inf, warmup_tokens: float = 0.0) -> float:
+def sqrt_lr_progress_factor(
+    global_batch_size: float,
+    b_noise: float,
+    lr_fraction_x0: float,
+    *,
+    ref_batch: float = 16.0,
+    exponent: float = LR_EXPONENT_SGD,
+    tokens: float = math.inf,
+    warmup_tokens: float = 0.0,
+) -> float:
     """The factor 2x − x² by which a sqrt-scaled, untuned LR scales the LR-tuned progress."""
-    x = lr_fraction(global_batch_size, b_noise, lr_fraction_x0, ref_batch=ref_batch,
-                    exponent=exponent, warmup=warmup_factor(tokens, warmup_tokens))
+    x = lr_fraction(
+        global_batch_size,
+        b_noise,
+        lr_fraction_x0,
+        ref_batch=ref_batch,
+        exponent=exponent,
+        warmup=warmup_factor(tokens, warmup_tokens),
+    )
     return progress_factor(x)

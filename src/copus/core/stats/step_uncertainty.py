@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-PRIOR_MODEL_ERROR = 0.10      # before any prediction was checked: the planner's typical miss
-MEDIAN_EFFICIENCY = 1.2533    # sqrt(pi/2): se(median) / se(mean) for a normal sample
-MAD_TO_SIGMA = 1.4826         # sigma = 1.4826 * MAD for a normal sample
+PRIOR_MODEL_ERROR = 0.10  # before any prediction was checked: the planner's typical miss
+MEDIAN_EFFICIENCY = 1.2533  # sqrt(pi/2): se(median) / se(mean) for a normal sample
+MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 * MAD for a normal sample
 
 
 def relative_spread(times: Sequence[float]) -> float:
@@ -67,6 +67,5 @@ def required_gain(margin: float, u_current: float, u_best: float, z: float) -> f
     """margin + z · sqrt(u_current² + u_best²): the gain a switch must show (module docstring)."""
     if margin < 0 or z < 0:
         raise ValueError(f"margin={margin}, z={z} are invalid; allowed: both >= 0")
-    u = math.hypot(u_current if math.isfinite(u_current) else 0.0,
-                   u_best if math.isfinite(u_best) else 0.0)
+    u = math.hypot(u_current if math.isfinite(u_current) else 0.0, u_best if math.isfinite(u_best) else 0.0)
     return margin + z * u

@@ -32,11 +32,17 @@ import numpy as np
 
 from copus.runtime.data import shards as fmt
 from copus.runtime.data.sources import documents, expand_inputs
-from copus.runtime.data.tokenizer import (ByteCodec, HfTokenizer, load_tokenizer, parse_spec,
-                                     token_dtype, train_bpe_tokenizer)
+from copus.runtime.data.tokenizer import (
+    ByteCodec,
+    HfTokenizer,
+    load_tokenizer,
+    parse_spec,
+    token_dtype,
+    train_bpe_tokenizer,
+)
 
-SHARD_TOKENS = 1 << 28        # 512 MiB of uint16 per shard
-BATCH_CHARS = 1 << 21         # characters per tokenization task
+SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
+BATCH_CHARS = 1 << 21  # characters per tokenization task
 
 
 # ------------------------------------------------------------------------------ tokenize workers
@@ -66,6 +72,7 @@ def _encode(texts: list[str], tok=None) -> tuple[np.ndarray, np.ndarray]:
 
 # ------------------------------------------------------------------------------------- writing
 
+
 class SplitWriter:
     """One split's shard files (`<split>-NNNNN.bin`) and document starts, hashed as written."""
 
@@ -84,8 +91,7 @@ class SplitWriter:
         name = f"{self.split}-{len(self.shards):05d}.bin"
         self._fh = open(self.root / name, "wb")  # noqa: SIM115 - closed in _close_shard()
         self._hash, self._in_shard = hashlib.sha256(), 0
-        self.shards.append({"file": name, "split": self.split, "num_tokens": 0, "bytes": 0,
-                            "sha256": ""})
+        self.shards.append({"file": name, "split": self.split, "num_tokens": 0, "bytes": 0, "sha256": ""})
 
     def _close_shard(self) -> None:
         if self._fh is None:
@@ -95,8 +101,9 @@ class SplitWriter:
         self._fh.close()
         self._fh = None
         entry = self.shards[-1]
-        entry.update(num_tokens=self._in_shard, bytes=self._in_shard * self.dtype.itemsize,
-                     sha256=self._hash.hexdigest())
+        entry.update(
+            num_tokens=self._in_shard, bytes=self._in_shard * self.dtype.itemsize, sha256=self._hash.hexdigest()
+        )
 
     def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents (their concatenated tokens and token counts)."""
@@ -130,6 +137,7 @@ class SplitWriter:
 
 # ------------------------------------------------------------------------------------ pipeline
 
+
 def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
     """(documents, input bytes consumed so far) in input order, ~BATCH_CHARS characters each."""
     done_bytes, batch, chars = 0, [], 0
@@ -150,8 +158,7 @@ def _is_val(u: np.ndarray, fraction: float) -> np.ndarray:
     return np.floor((u + 1) * fraction) > np.floor(u * fraction)
 
 
-def _tokenized(files, text_field, tok, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray,
-                                                                         int, int]]:
+def _tokenized(files, text_field, tok, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int, int]]:
     """(tokens, lengths, input bytes done, characters) per batch, in input order."""
     if workers <= 1:
         for texts, nbytes in _batches(files, text_field):
@@ -172,23 +179,28 @@ def _tokenized(files, text_field, tok, workers: int) -> Iterator[tuple[np.ndarra
             yield (*res.get(), b, c)
 
 
-def _settings(files: list[Path], spec: str, text_field: str, val_fraction: float,
-              shard_tokens: int) -> dict:
-    return {"sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size,
-                         "sha256": fmt.file_sha256(p)} for p in files],
-            "tokenizer_spec": spec, "text_field": text_field, "val_fraction": val_fraction,
-            "shard_tokens": shard_tokens}
+def _settings(files: list[Path], spec: str, text_field: str, val_fraction: float, shard_tokens: int) -> dict:
+    return {
+        "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "sha256": fmt.file_sha256(p)} for p in files],
+        "tokenizer_spec": spec,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+    }
 
 
 def check_out(out: Path) -> None:
     """`out` may be missing, empty, or a prepared folder (checked against the inputs later);
     anything else is refused before anything is written."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out={str(out)!r}: is a file; allowed: a new or empty folder, or a "
-                         "folder copus prepare wrote")
+        raise ValueError(
+            f"--out={str(out)!r}: is a file; allowed: a new or empty folder, or a folder copus prepare wrote"
+        )
     if out.is_dir() and any(out.iterdir()) and not fmt.is_prepared(out):
-        raise ValueError(f"--out={str(out)!r}: the folder holds other files; allowed: a new or "
-                         "empty folder, or a folder copus prepare wrote")
+        raise ValueError(
+            f"--out={str(out)!r}: the folder holds other files; allowed: a new or "
+            "empty folder, or a folder copus prepare wrote"
+        )
 
 
 class _Progress:
@@ -197,8 +209,15 @@ class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare",
-                        disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="prepare",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         self.t0, self.tokens, self.done = time.perf_counter(), 0, 0
 
     def update(self, nbytes: int, ntokens: int) -> None:
@@ -213,10 +232,18 @@ class _Progress:
         self.bar.close()
 
 
-def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "byte",
-            text_field: str = "text", val_fraction: float = 0.01, workers: int = 1,
-            shard_tokens: int = SHARD_TOKENS, progress: bool = True,
-            log=print) -> dict:
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    *,
+    tokenizer: str = "byte",
+    text_field: str = "text",
+    val_fraction: float = 0.01,
+    workers: int = 1,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+    log=print,
+) -> dict:
     """Write the prepared folder `out`; returns its meta.json content. Idempotent: an existing
     prepared `out` of the same inputs and settings is left as it is."""
     if not 0.0 <= val_fraction <= 0.5 or not math.isfinite(val_fraction):
@@ -233,19 +260,22 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "byte",
     if fmt.is_prepared(out):
         meta = fmt.read_meta(out)
         if meta.get("settings") == settings:
-            log(f"copus prepare: {out} is up to date ({meta['splits']['train']['num_tokens']} "
-                "training tokens); nothing to do")
+            log(
+                f"copus prepare: {out} is up to date ({meta['splits']['train']['num_tokens']} "
+                "training tokens); nothing to do"
+            )
             return meta
-        raise ValueError(f"--out={str(out)!r}: holds a prepared folder of other inputs or "
-                         "settings; allowed: a new or empty folder (or remove it)")
+        raise ValueError(
+            f"--out={str(out)!r}: holds a prepared folder of other inputs or "
+            "settings; allowed: a new or empty folder (or remove it)"
+        )
     partial = out.parent / f".{out.name}.partial"
     if partial.exists():
         log(f"copus prepare: removing {partial} left by an interrupted prepare; starting clean")
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     try:
-        meta = _write(files, partial, spec, settings, text_field, val_fraction, workers,
-                      shard_tokens, progress)
+        meta = _write(files, partial, spec, settings, text_field, val_fraction, workers, shard_tokens, progress)
         if out.is_dir():
             out.rmdir()  # empty (checked above)
         os.replace(partial, out)
@@ -275,14 +305,23 @@ def _build_tokenizer(spec, files, text_field, val_fraction):
     return train_bpe_tokenizer(train_docs(), spec.vocab_size)
 
 
-def _write(files, root: Path, spec, settings: dict, text_field: str, val_fraction: float,
-           workers: int, shard_tokens: int, progress: bool) -> dict:
+def _write(
+    files,
+    root: Path,
+    spec,
+    settings: dict,
+    text_field: str,
+    val_fraction: float,
+    workers: int,
+    shard_tokens: int,
+    progress: bool,
+) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = _build_tokenizer(spec, files, text_field, val_fraction)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: SplitWriter(root, s, dtype, shard_tokens) for s in fmt.SPLITS}
     bar = _Progress(sum(p.stat().st_size for p in files), progress)
-    held: tuple[np.ndarray, np.ndarray] | None = None   # the last document, written at the end
+    held: tuple[np.ndarray, np.ndarray] | None = None  # the last document, written at the end
     u = 0
     num_chars = 0
     for tokens, lengths, nbytes, nchars in _tokenized(files, text_field, tok, workers):
@@ -291,9 +330,12 @@ def _write(files, root: Path, spec, settings: dict, text_field: str, val_fractio
         if held is not None:
             writers["train"].write(*held)
         ends = np.cumsum(lengths)
-        val = (_is_val(np.arange(u, u + len(lengths)), val_fraction) if val_fraction
-               else np.zeros(len(lengths), dtype=bool))
-        last = len(lengths) - 1          # hold back the batch's last train document
+        val = (
+            _is_val(np.arange(u, u + len(lengths)), val_fraction)
+            if val_fraction
+            else np.zeros(len(lengths), dtype=bool)
+        )
+        last = len(lengths) - 1  # hold back the batch's last train document
         pieces = np.split(tokens, ends[:-1])
         for split, mask in (("val", val), ("train", ~val)):
             mask = mask.copy()
@@ -311,9 +353,11 @@ def _write(files, root: Path, spec, settings: dict, text_field: str, val_fractio
         split = "val" if val_fraction and writers["val"].num_docs == 0 else "train"
         writers[split].write(*held)
     if writers["train"].num_tokens == 0:
-        raise ValueError(f"INPUT: only {u} document(s): none left for training after the "
-                         f"validation split (--val-fraction={val_fraction}); allowed: more "
-                         "documents or --val-fraction=0")
+        raise ValueError(
+            f"INPUT: only {u} document(s): none left for training after the "
+            f"validation split (--val-fraction={val_fraction}); allowed: more "
+            "documents or --val-fraction=0"
+        )
     docs = {s: w.close() for s, w in writers.items()}
     shard_list = writers["train"].shards + writers["val"].shards
     tok_file = None
@@ -321,15 +365,18 @@ def _write(files, root: Path, spec, settings: dict, text_field: str, val_fractio
         tok_file = fmt.TOKENIZER_FILE
         _write_synced(root / tok_file, tok.to_json().encode())
     tok_sha = tok.sha256
-    _write_synced(root / fmt.INDEX, json.dumps({"shards": shard_list, "docs": docs},
-                                               indent=1).encode())
+    _write_synced(root / fmt.INDEX, json.dumps({"shards": shard_list, "docs": docs}, indent=1).encode())
     meta = {
         "format": fmt.FORMAT,
-        "tokenizer": {"spec": spec.kind if spec.kind != "file" else "file", "sha256": tok_sha,
-                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "file": tok_file},
+        "tokenizer": {
+            "spec": spec.kind if spec.kind != "file" else "file",
+            "sha256": tok_sha,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "file": tok_file,
+        },
         "dtype": dtype.name,
-        "splits": {s: {"num_tokens": w.num_tokens, "num_docs": w.num_docs}
-                   for s, w in writers.items()},
+        "splits": {s: {"num_tokens": w.num_tokens, "num_docs": w.num_docs} for s, w in writers.items()},
         "num_chars": num_chars,
         "settings": settings,
     }

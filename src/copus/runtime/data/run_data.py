@@ -40,14 +40,20 @@ class RunData:
 def build_run_data(cfg, shape: ModelShape) -> RunData:
     """Datasets (validation sized for eval.num_samples), tokenizer, fitted shape, sampler."""
     min_val = cfg.eval.num_samples if cfg.eval.interval_steps > 0 else 0
-    train, val, tok = data_mod.build_datasets(cfg.data, shape.seq_len, shape.vocab_size,
-                                              min_val_windows=min_val, share=rank_share(),
-                                              agree=agree_on_problem)
-    what = (f"the tokenizer of {cfg.data.source}" if is_prepared(cfg.data.source)
-            else f"data.tokenizer={cfg.data.tokenizer!r}")
+    train, val, tok = data_mod.build_datasets(
+        cfg.data, shape.seq_len, shape.vocab_size, min_val_windows=min_val, share=rank_share(), agree=agree_on_problem
+    )
+    what = (
+        f"the tokenizer of {cfg.data.source}"
+        if is_prepared(cfg.data.source)
+        else f"data.tokenizer={cfg.data.tokenizer!r}"
+    )
     fitted = fit_vocab(shape, tok.vocab_size, what=what)
-    sampler = (FeistelSampler(len(train), cfg.train.seed) if is_prepared(cfg.data.source)
-               else data_mod.GlobalSampler(len(train), cfg.train.seed))
+    sampler = (
+        FeistelSampler(len(train), cfg.train.seed)
+        if is_prepared(cfg.data.source)
+        else data_mod.GlobalSampler(len(train), cfg.train.seed)
+    )
     return RunData(train, val, tok, fitted, sampler)
 
 
@@ -75,18 +81,19 @@ def agree_on_problem(problem: str) -> str:
 
 def tokenizer_state(tok, shape: ModelShape) -> dict:
     """The trainer-state entry that ties a checkpoint to its tokenizer and vocabulary."""
-    return {"sha256": tok.sha256, "vocab_size": int(tok.vocab_size),
-            "model_vocab_size": int(shape.vocab_size)}
+    return {"sha256": tok.sha256, "vocab_size": int(tok.vocab_size), "model_vocab_size": int(shape.vocab_size)}
 
 
 def check_resumed_tokenizer(saved: dict | None, tok, where: str) -> None:
     """A checkpoint written with another tokenizer is refused (one line, both hashes)."""
     if not saved or saved.get("sha256") == tok.sha256:
         return
-    raise ValueError(f"{where} was trained with tokenizer sha256 {saved['sha256'][:16]} "
-                     f"(vocab {saved.get('vocab_size')}), this run's data uses sha256 "
-                     f"{tok.sha256[:16]} (vocab {tok.vocab_size}); allowed: the same tokenizer "
-                     "(data.source prepared with it)")
+    raise ValueError(
+        f"{where} was trained with tokenizer sha256 {saved['sha256'][:16]} "
+        f"(vocab {saved.get('vocab_size')}), this run's data uses sha256 "
+        f"{tok.sha256[:16]} (vocab {tok.vocab_size}); allowed: the same tokenizer "
+        "(data.source prepared with it)"
+    )
 
 
 def save_tokenizer(run_dir: Path, tok) -> None:
@@ -115,7 +122,11 @@ def eval_note(rows: int, dp: int, num_val: int, num_samples: int) -> str | None:
     if rows * dp >= num_samples:
         return None
     if rows == 0:
-        return (f"validation skipped: the held-out split has {num_val} windows, fewer than one "
-                "evaluation batch; raise data.val_fraction or use more data")
-    return (f"validation on {rows * dp} windows: the held-out split has {num_val}, fewer than "
-            f"eval.num_samples={num_samples}")
+        return (
+            f"validation skipped: the held-out split has {num_val} windows, fewer than one "
+            "evaluation batch; raise data.val_fraction or use more data"
+        )
+    return (
+        f"validation on {rows * dp} windows: the held-out split has {num_val}, fewer than "
+        f"eval.num_samples={num_samples}"
+    )

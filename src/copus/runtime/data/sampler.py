@@ -16,8 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 
-def epoch_walk(offset: int, count: int, num_samples: int,
-               ids_of: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+def epoch_walk(offset: int, count: int, num_samples: int, ids_of: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
     """Sample ids of global positions [offset, offset + count): position p is element
     p mod num_samples of epoch p // num_samples; `ids_of(epoch, start, stop)` gives one epoch's
     slice. Shared by every sampler, so the offset arithmetic exists once."""
@@ -30,6 +29,7 @@ def epoch_walk(offset: int, count: int, num_samples: int,
         out.append(ids_of(epoch, start, start + take))
         pos += take
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 ROUNDS = 6
@@ -59,8 +59,9 @@ class FeistelSampler:
 
     def _keys(self, epoch: int) -> list[np.uint64]:
         base = _splitmix(np.asarray([self.seed], dtype=np.uint64))[0]
-        return [_splitmix(np.asarray([base ^ np.uint64(epoch * ROUNDS + r + 1)],
-                                     dtype=np.uint64))[0] for r in range(ROUNDS)]
+        return [
+            _splitmix(np.asarray([base ^ np.uint64(epoch * ROUNDS + r + 1)], dtype=np.uint64))[0] for r in range(ROUNDS)
+        ]
 
     def _feistel(self, x: np.ndarray, keys: list[np.uint64]) -> np.ndarray:
         h = np.uint64(self.half)
@@ -85,5 +86,6 @@ class FeistelSampler:
         return offset // self.num_samples
 
     def ids(self, offset: int, count: int) -> np.ndarray:
-        return epoch_walk(offset, count, self.num_samples,
-                          lambda epoch, start, stop: self.permute(epoch, np.arange(start, stop)))
+        return epoch_walk(
+            offset, count, self.num_samples, lambda epoch, start, stop: self.permute(epoch, np.arange(start, stop))
+        )

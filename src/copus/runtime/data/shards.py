@@ -71,9 +71,9 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-VERIFIED = "verified.json"   # {file: [bytes, mtime_ns, sha256]} of shards whose sha256 matched
+VERIFIED = "verified.json"  # {file: [bytes, mtime_ns, sha256]} of shards whose sha256 matched
 
-Agree = Callable[[str], str]    # this rank's problem ("" if none) → the first of every rank's
+Agree = Callable[[str], str]  # this rank's problem ("" if none) → the first of every rank's
 
 
 def hash_shares(sizes: list[int], world: int) -> list[int]:
@@ -92,8 +92,9 @@ def hash_shares(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
-def verify_folder(path: str | Path, *, checksums: bool = True, share: tuple[int, int] = (0, 1),
-                  agree: Agree | None = None) -> None:
+def verify_folder(
+    path: str | Path, *, checksums: bool = True, share: tuple[int, int] = (0, 1), agree: Agree | None = None
+) -> None:
     """Every shard listed in index.json exists with its byte size (always) and sha256 (when
     `checksums`). ValueError names the first bad file.
 
@@ -132,8 +133,10 @@ def _check(root: Path, entry: dict, hash_it: bool, stamp: dict, fresh: dict) -> 
         return f"{where} is missing; prepare the folder again (copus prepare)"
     st = f.stat()
     if st.st_size != entry["bytes"]:
-        return (f"{where} has {st.st_size} bytes, the index says {entry['bytes']} (truncated or "
-                "replaced); prepare the folder again")
+        return (
+            f"{where} has {st.st_size} bytes, the index says {entry['bytes']} (truncated or "
+            "replaced); prepare the folder again"
+        )
     seen = [st.st_size, st.st_mtime_ns, entry["sha256"]]
     if hash_it and stamp.get(entry["file"]) != seen and file_sha256(f) != entry["sha256"]:
         return f"{where} fails its sha256 checksum (corrupted); prepare the folder again"
@@ -178,7 +181,7 @@ def _write_stamp(root: Path, stamp: dict) -> None:
 @dataclass(frozen=True, slots=True)
 class _Shard:
     path: Path
-    start: int        # first token's offset in the split stream
+    start: int  # first token's offset in the split stream
     num_tokens: int
 
 
@@ -195,7 +198,7 @@ class ShardedTokens:
         self.num_tokens = pos
         self._starts = np.asarray([s.start for s in self.shards], dtype=np.int64)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
-        self._mapped = 0      # bytes possibly made resident since the last `release`
+        self._mapped = 0  # bytes possibly made resident since the last `release`
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -205,10 +208,9 @@ class ShardedTokens:
         if k not in self._maps:
             with open(self.shards[k].path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            if _RANDOM is not None:      # windows are read at random: no read-ahead
+            if _RANDOM is not None:  # windows are read at random: no read-ahead
                 mm.madvise(_RANDOM)
-            self._maps[k] = (mm, np.frombuffer(mm, dtype=self.dtype,
-                                               count=self.shards[k].num_tokens))
+            self._maps[k] = (mm, np.frombuffer(mm, dtype=self.dtype, count=self.shards[k].num_tokens))
         return self._maps[k][1]
 
     def release(self) -> None:
@@ -230,7 +232,7 @@ class ShardedTokens:
             take = min(end, shard.start + shard.num_tokens) - pos
             if take > 0:
                 off = pos - shard.start
-                parts.append(self._view(k)[off:off + take])
+                parts.append(self._view(k)[off : off + take])
             pos += take
             k += 1
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -267,12 +269,18 @@ class ShardedTokens:
             del view
             try:
                 mm.close()
-            except BufferError:      # a caller still holds a view: the map goes with it
+            except BufferError:  # a caller still holds a view: the map goes with it
                 pass
 
     def __getstate__(self) -> dict:  # maps are not inherited by pickling
-        return {"dtype": self.dtype, "shards": self.shards, "num_tokens": self.num_tokens,
-                "_starts": self._starts, "_maps": {}, "_mapped": 0}
+        return {
+            "dtype": self.dtype,
+            "shards": self.shards,
+            "num_tokens": self.num_tokens,
+            "_starts": self._starts,
+            "_maps": {},
+            "_mapped": 0,
+        }
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -286,10 +294,10 @@ class ShardedTokens:
 
 
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
-RELEASE_BYTES = 256 << 20    # resident mapped pages allowed before they are dropped
+RELEASE_BYTES = 256 << 20  # resident mapped pages allowed before they are dropped
 _RANDOM = getattr(mmap, "MADV_RANDOM", None)
 _PAGE = mmap.PAGESIZE
-_FAULT_AROUND = 64 << 10     # what Linux maps around a read fault (fault_around_bytes)
+_FAULT_AROUND = 64 << 10  # what Linux maps around a read fault (fault_around_bytes)
 
 
 class WindowDataset:
@@ -312,8 +320,7 @@ class WindowDataset:
     def batch(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
-            raise IndexError(f"sample ids must lie in [0, {len(self)}), got "
-                             f"[{ids.min()}, {ids.max()}]")
+            raise IndexError(f"sample ids must lie in [0, {len(self)}), got [{ids.min()}, {ids.max()}]")
         return self.tokens.windows(ids * self.seq_len, self.seq_len + 1)
 
 

@@ -58,8 +58,9 @@ def _pyarrow(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"INPUT={str(path)!r}: reading .parquet needs pyarrow "
-                         "(pip install 'copus[parquet]')") from None
+        raise ValueError(
+            f"INPUT={str(path)!r}: reading .parquet needs pyarrow (pip install 'copus[parquet]')"
+        ) from None
     return pq
 
 
@@ -80,7 +81,7 @@ def _txt_documents(path: Path) -> Iterator[str]:
                 if cut < 0:
                     break
                 yield buf[:cut]
-                buf = buf[cut + 2:]
+                buf = buf[cut + 2 :]
     if buf:
         yield buf
 
@@ -96,12 +97,13 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or text_field not in obj:
                 keys = ", ".join(list(obj)[:8]) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f"{path}:{lineno}: no {text_field!r} field (found: {keys}); "
-                                 "allowed: --text-field naming a string field")
+                raise ValueError(
+                    f"{path}:{lineno}: no {text_field!r} field (found: {keys}); "
+                    "allowed: --text-field naming a string field"
+                )
             text = obj[text_field]
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} is "
-                                 f"{type(text).__name__}, allowed: a string")
+                raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, allowed: a string")
             yield text
 
 
@@ -109,16 +111,19 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
     pq = _pyarrow(path)
     pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no column {text_field!r} (found: "
-                         f"{', '.join(pf.schema_arrow.names[:8])}); allowed: --text-field "
-                         "naming a string column")
+        raise ValueError(
+            f"{path}: no column {text_field!r} (found: "
+            f"{', '.join(pf.schema_arrow.names[:8])}); allowed: --text-field "
+            "naming a string column"
+        )
     row = 0
     for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
         for text in batch.column(0).to_pylist():
             row += 1
             if not isinstance(text, str):
-                raise ValueError(f"{path}: row {row}: column {text_field!r} is "
-                                 f"{type(text).__name__}, allowed: a string")
+                raise ValueError(
+                    f"{path}: row {row}: column {text_field!r} is {type(text).__name__}, allowed: a string"
+                )
             yield text
 
 
@@ -133,5 +138,4 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
         else:
             yield from _parquet_documents(path, text_field)
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
-        raise ValueError(f"INPUT={str(path)!r}: cannot be read as UTF-8 "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"INPUT={str(path)!r}: cannot be read as UTF-8 ({type(exc).__name__}: {exc})") from None

@@ -33,6 +33,7 @@ DOC_SEPARATOR = "\n\n"
 
 # --------------------------------------------------------------------------------------- text
 
+
 def _read_one(path: Path | Traversable, limit: int) -> str:
     """Read a .txt or .txt.gz file as UTF-8, at most `limit` characters (0 = all)."""
     try:
@@ -41,8 +42,9 @@ def _read_one(path: Path | Traversable, limit: int) -> str:
             with io.TextIOWrapper(stream, encoding="utf-8") as fh:
                 return fh.read(limit) if limit > 0 else fh.read()
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
-        raise ValueError(f"data.source={str(path)!r}: cannot be read as UTF-8 text "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"data.source={str(path)!r}: cannot be read as UTF-8 text ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _text_files(source: str) -> list[Path | Traversable]:
@@ -51,17 +53,17 @@ def _text_files(source: str) -> list[Path | Traversable]:
         return [root / name for name in EMBEDDED_FILES]
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.iterdir()
-                       if p.is_file() and p.name.endswith((".txt", ".txt.gz")))
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".txt", ".txt.gz")))
         if not files:
             raise ValueError(f"data.source={source!r}: the folder holds no .txt or .txt.gz files")
         return files
     if not path.exists():
-        raise ValueError(f"data.source={source!r}: no such file or folder; allowed: 'embedded', "
-                         "a .txt/.txt.gz file or a folder of them")
+        raise ValueError(
+            f"data.source={source!r}: no such file or folder; allowed: 'embedded', "
+            "a .txt/.txt.gz file or a folder of them"
+        )
     if not path.name.endswith((".txt", ".txt.gz")):
-        raise ValueError(f"data.source={source!r}: allowed: a .txt or .txt.gz file, a folder of "
-                         "them, or 'embedded'")
+        raise ValueError(f"data.source={source!r}: allowed: a .txt or .txt.gz file, a folder of them, or 'embedded'")
     return [path]
 
 
@@ -120,6 +122,7 @@ def check_data(data_cfg) -> None:
 # --------------------------------------------------------------------------------- tokenizers
 # One tokenizer wrapper and one BPE trainer for the whole package: runtime/data/tokenizer.py.
 
+
 def bpe_cache_key(text: str, vocab_size: int) -> str:
     """sha256 of (format version, tokenizers version, vocab size, text): same input → same file."""
     import tokenizers
@@ -136,14 +139,13 @@ def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -
     Deterministic for a given text and vocab size; cached as `<cache_dir>/bpe-<hash>.json`, written
     atomically (temp file + rename), so concurrent ranks can race safely."""
     if vocab_size < 260:
-        raise ValueError(f"data.bpe_vocab_size={vocab_size!r}: allowed: an integer >= 260 "
-                         "(256 bytes + merges)")
+        raise ValueError(f"data.bpe_vocab_size={vocab_size!r}: allowed: an integer >= 260 (256 bytes + merges)")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / f"bpe-{bpe_cache_key(text, vocab_size)}.json"
     if path.is_file():
         try:
             tok = HfTokenizer.from_file(path)
-            tok.name = path.stem        # the stem names its cached encodings
+            tok.name = path.stem  # the stem names its cached encodings
             return tok
         except ValueError:  # a corrupt cache entry is rebuilt, not fatal
             pass
@@ -154,8 +156,7 @@ def train_bpe(text: str, vocab_size: int, cache_dir: str | Path | None = None) -
     return tok
 
 
-def encode_cached(tokenizer: ByteCodec | HfTokenizer, text: str,
-                  cache_dir: str | Path | None = None) -> np.ndarray:
+def encode_cached(tokenizer: ByteCodec | HfTokenizer, text: str, cache_dir: str | Path | None = None) -> np.ndarray:
     """tokenizer.encode(text); a BPE encoding of a large text (seconds) is cached beside the
     tokenizer as `<tokenizer name>-tokens-<text hash>.npy`. Bytes are never cached (≈ 0.2 s for
     the whole embedded corpus)."""
@@ -179,8 +180,9 @@ def encode_cached(tokenizer: ByteCodec | HfTokenizer, text: str,
     return tokens
 
 
-def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
-                    cache_dir: str | Path | None = None) -> ByteCodec | HfTokenizer:
+def build_tokenizer(
+    kind: str, text: str = "", vocab_size: int = 4096, cache_dir: str | Path | None = None
+) -> ByteCodec | HfTokenizer:
     """`"byte"`/`"auto"` → ByteCodec; `"bpe"` → train_bpe(text, vocab_size, cache_dir); a path
     → that tokenizer.json (cached encodings keyed by its identity)."""
     if kind in ("byte", "auto"):
@@ -193,14 +195,17 @@ def build_tokenizer(kind: str, text: str = "", vocab_size: int = 4096,
 def _tokenizer_path(kind: str) -> Path:
     from copus.runtime.data.tokenizer import tokenizer_file
 
-    path = tokenizer_file(kind)    # a Hugging Face folder: its tokenizer.json
+    path = tokenizer_file(kind)  # a Hugging Face folder: its tokenizer.json
     if not path.is_file():
-        raise ValueError(f"data.tokenizer={kind!r}: no such tokenizer file; allowed: 'auto', "
-                         "'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder")
+        raise ValueError(
+            f"data.tokenizer={kind!r}: no such tokenizer file; allowed: 'auto', "
+            "'byte', 'bpe', a path to a tokenizer.json file or a Hugging Face folder"
+        )
     return path
 
 
 # ------------------------------------------------------------------------------------ samples
+
 
 @dataclass(frozen=True, slots=True)
 class TokenDataset:
@@ -223,20 +228,20 @@ class TokenDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         start = i * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1]
+        return self.tokens[start : start + self.seq_len + 1]
 
     def batch(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Samples `ids` stacked: int array [len(ids), seq_len + 1] (one gather, no Python loop)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
-            raise IndexError(f"sample ids must lie in [0, {len(self)}), got "
-                             f"[{ids.min()}, {ids.max()}]")
+            raise IndexError(f"sample ids must lie in [0, {len(self)}), got [{ids.min()}, {ids.max()}]")
         idx = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return self.tokens[idx]
 
 
-def split_train_val(tokens: np.ndarray, val_fraction: float, seq_len: int,
-                    min_val_windows: int = 0) -> tuple[TokenDataset, TokenDataset]:
+def split_train_val(
+    tokens: np.ndarray, val_fraction: float, seq_len: int, min_val_windows: int = 0
+) -> tuple[TokenDataset, TokenDataset]:
     """Train = the first (1 − val_fraction) of the tokens, val = the last val_fraction, contiguous,
     so no validation token appears in any training window. val_fraction = 0 → empty val set.
 
@@ -248,11 +253,12 @@ def split_train_val(tokens: np.ndarray, val_fraction: float, seq_len: int,
         wanted = max(min_val_windows, 1) * seq_len + 1
         n_val = max(n_val, min(wanted, n // 2))
         n_val = max(n_val, seq_len + 1)
-    train, val = TokenDataset(tokens[:n - n_val], seq_len), TokenDataset(tokens[n - n_val:],
-                                                                         seq_len)
+    train, val = TokenDataset(tokens[: n - n_val], seq_len), TokenDataset(tokens[n - n_val :], seq_len)
     if len(train) < 1:
-        raise ValueError(f"the text has {n} tokens: too few for one training sample of "
-                         f"seq_len={seq_len} after the validation split ({n_val} tokens)")
+        raise ValueError(
+            f"the text has {n} tokens: too few for one training sample of "
+            f"seq_len={seq_len} after the validation split ({n_val} tokens)"
+        )
     return train, val
 
 
@@ -282,8 +288,9 @@ class GlobalSampler:
     def ids(self, offset: int, count: int) -> np.ndarray:
         from copus.runtime.data.sampler import epoch_walk
 
-        return epoch_walk(offset, count, self.num_samples,
-                          lambda epoch, start, stop: self.permutation(epoch)[start:stop])
+        return epoch_walk(
+            offset, count, self.num_samples, lambda epoch, start, stop: self.permutation(epoch)[start:stop]
+        )
 
 
 def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:
@@ -294,12 +301,20 @@ def local_slice(global_ids: np.ndarray, dp_rank: int, dp: int) -> np.ndarray:
     if n % dp:
         raise ValueError(f"global_batch_size={n} is not a multiple of dp={dp}")
     per = n // dp
-    return global_ids[dp_rank * per:(dp_rank + 1) * per]
+    return global_ids[dp_rank * per : (dp_rank + 1) * per]
 
 
-def build_datasets(data_cfg, seq_len: int, vocab_size: int,
-                   cache_dir: str | Path | None = None, *, min_val_windows: int = 0,
-                   verify: bool = True, share: tuple[int, int] = (0, 1), agree=None):
+def build_datasets(
+    data_cfg,
+    seq_len: int,
+    vocab_size: int,
+    cache_dir: str | Path | None = None,
+    *,
+    min_val_windows: int = 0,
+    verify: bool = True,
+    share: tuple[int, int] = (0, 1),
+    agree=None,
+):
     """config.DataConfig → (train, val, tokenizer). ValueError if the tokenizer's vocabulary does
     not fit the model's (`vocab_size`; a byte-level model of 256 follows any tokenizer, see
     runtime/tokenizer.fit_vocab). BPE is trained on the training part of the text only. A
@@ -308,8 +323,7 @@ def build_datasets(data_cfg, seq_len: int, vocab_size: int,
     from copus.runtime.data.shards import is_prepared
 
     if is_prepared(data_cfg.source):
-        return open_prepared(data_cfg, seq_len, vocab_size, verify=verify, share=share,
-                             agree=agree)
+        return open_prepared(data_cfg, seq_len, vocab_size, verify=verify, share=share, agree=agree)
     text = load_text(data_cfg.source, data_cfg.max_chars)
     if data_cfg.tokenizer == "bpe":
         cut = len(text) - int(len(text) * data_cfg.val_fraction)
@@ -319,15 +333,18 @@ def build_datasets(data_cfg, seq_len: int, vocab_size: int,
     if tokenizer.vocab_size > vocab_size and vocab_size != 256:
         key = "data.bpe_vocab_size" if data_cfg.tokenizer == "bpe" else "data.tokenizer"
         val = data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
-        raise ValueError(f"{key}={val!r}: the tokenizer has {tokenizer.vocab_size} tokens; "
-                         f"allowed: at most the model's vocab_size={vocab_size}")
+        raise ValueError(
+            f"{key}={val!r}: the tokenizer has {tokenizer.vocab_size} tokens; "
+            f"allowed: at most the model's vocab_size={vocab_size}"
+        )
     tokens = encode_cached(tokenizer, text, cache_dir)
     train, val = split_train_val(tokens, data_cfg.val_fraction, seq_len, min_val_windows)
     return train, val, tokenizer
 
 
-def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = True,
-                  share: tuple[int, int] = (0, 1), agree=None):
+def open_prepared(
+    data_cfg, seq_len: int, vocab_size: int, *, verify: bool = True, share: tuple[int, int] = (0, 1), agree=None
+):
     """A prepared folder → (train windows, val windows, its tokenizer), after checking the shard
     sizes (and sha256 when `verify`), that data.tokenizer agrees with the folder's tokenizer and
     that the tokenizer fits the model (one line naming both hashes / sizes)."""
@@ -338,18 +355,22 @@ def open_prepared(data_cfg, seq_len: int, vocab_size: int, *, verify: bool = Tru
     meta = shards.read_meta(root)
     shards.verify_folder(root, checksums=verify, share=share, agree=agree)
     info = meta["tokenizer"]
-    tok = (HfTokenizer.from_file(root / info["file"]) if info.get("file") else ByteCodec())
+    tok = HfTokenizer.from_file(root / info["file"]) if info.get("file") else ByteCodec()
     check_tokenizer_agrees(data_cfg.tokenizer, info["sha256"], str(root))
     if vocab_size != 256:
         check_vocab(info["vocab_size"], vocab_size, "this run's", what=f"the tokenizer of {root}")
     if data_cfg.max_chars:
-        raise ValueError(f"data.max_chars={data_cfg.max_chars!r}: allowed: 0 with a prepared "
-                         f"folder ({root}); prepare a smaller input instead")
+        raise ValueError(
+            f"data.max_chars={data_cfg.max_chars!r}: allowed: 0 with a prepared "
+            f"folder ({root}); prepare a smaller input instead"
+        )
     train = shards.open_split(root, "train", seq_len)
     val = shards.open_split(root, "val", seq_len)
     if len(train) < 1:
-        raise ValueError(f"data.source={str(root)!r}: {len(train.tokens)} training tokens: too "
-                         f"few for one sample of seq_len={seq_len}")
+        raise ValueError(
+            f"data.source={str(root)!r}: {len(train.tokens)} training tokens: too "
+            f"few for one sample of seq_len={seq_len}"
+        )
     return train, val, tok
 
 
@@ -358,10 +379,14 @@ def check_tokenizer_agrees(setting: str, folder_sha: str, where: str) -> None:
     if setting == "auto":
         return
     if setting == "bpe":
-        raise ValueError(f"data.tokenizer='bpe': a prepared folder ({where}) brings its own "
-                         "tokenizer; allowed: 'auto', or the tokenizer it was prepared with")
+        raise ValueError(
+            f"data.tokenizer='bpe': a prepared folder ({where}) brings its own "
+            "tokenizer; allowed: 'auto', or the tokenizer it was prepared with"
+        )
     mine = "byte" if setting == "byte" else HfTokenizer.from_file(_tokenizer_path(setting)).sha256
     if mine != folder_sha:
-        raise ValueError(f"data.tokenizer={setting!r} (sha256 {mine[:16]}) differs from the "
-                         f"tokenizer {where} was prepared with (sha256 {folder_sha[:16]}); "
-                         "allowed: 'auto' or that tokenizer")
+        raise ValueError(
+            f"data.tokenizer={setting!r} (sha256 {mine[:16]}) differs from the "
+            f"tokenizer {where} was prepared with (sha256 {folder_sha[:16]}); "
+            "allowed: 'auto' or that tokenizer"
+        )

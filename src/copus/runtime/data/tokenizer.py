@@ -26,8 +26,9 @@ import numpy as np
 
 BYTE = "byte"
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-SPEC_ALLOWED = ("allowed: 'byte', 'bpe:N' (N >= 260), a path to a tokenizer.json file or a Hugging "
-                "Face folder holding one")
+SPEC_ALLOWED = (
+    "allowed: 'byte', 'bpe:N' (N >= 260), a path to a tokenizer.json file or a Hugging Face folder holding one"
+)
 VOCAB_MULTIPLE = 64
 BYTE_VOCAB = 256
 
@@ -71,7 +72,7 @@ def config_eos(path: Path, tok) -> int | None:
         eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(eos, dict):    # {"content": "</s>", ...} (AddedToken form)
+    if isinstance(eos, dict):  # {"content": "</s>", ...} (AddedToken form)
         eos = eos.get("content")
     tid = tok.token_to_id(eos) if isinstance(eos, str) else None
     return None if tid is None else int(tid)
@@ -98,10 +99,11 @@ class HfTokenizer:
             tok = Tokenizer.from_str(Path(path).read_text(encoding="utf-8"))
         except Exception as exc:  # noqa: BLE001 - any parse failure is a user mistake
             first = (str(exc).splitlines() or [""])[0][:120]
-            raise ValueError(f"tokenizer {str(path)!r}: not a readable tokenizer.json file "
-                             f"({type(exc).__name__}: {first})") from None
+            raise ValueError(
+                f"tokenizer {str(path)!r}: not a readable tokenizer.json file ({type(exc).__name__}: {first})"
+            ) from None
         out = cls.from_hf(tok, str(path))
-        eos = config_eos(Path(path), tok)     # a Hugging Face folder names its end-of-text token
+        eos = config_eos(Path(path), tok)  # a Hugging Face folder names its end-of-text token
         if eos is not None:
             out.eos_id = eos
         return out
@@ -125,8 +127,7 @@ class HfTokenizer:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -196,9 +197,12 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> HfTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return HfTokenizer.from_hf(Tokenizer.from_str(tok.to_str()))
 
@@ -223,8 +227,7 @@ def fit_vocab(shape, vocab_size: int, *, what: str = "the tokenizer"):
     A byte-level shape (vocab 256, the CPU shapes) follows the tokenizer: its vocabulary becomes
     `vocab_size` rounded up to a multiple of 64 (the extra rows are never a target). A published
     shape keeps its vocabulary, and a tokenizer larger than it is refused (`check_vocab`)."""
-    if vocab_size <= shape.vocab_size and (shape.vocab_size != BYTE_VOCAB
-                                           or vocab_size == BYTE_VOCAB):
+    if vocab_size <= shape.vocab_size and (shape.vocab_size != BYTE_VOCAB or vocab_size == BYTE_VOCAB):
         return shape
     if shape.vocab_size == BYTE_VOCAB:
         padded = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -233,9 +236,10 @@ def fit_vocab(shape, vocab_size: int, *, what: str = "the tokenizer"):
     return shape
 
 
-def check_vocab(tok_vocab: int, model_vocab: int, model_name: str, *,
-                what: str = "the tokenizer") -> None:
+def check_vocab(tok_vocab: int, model_vocab: int, model_name: str, *, what: str = "the tokenizer") -> None:
     """ValueError (one line, both sizes) when the tokenizer's ids do not fit the embedding."""
     if tok_vocab > model_vocab:
-        raise ValueError(f"{what} has {tok_vocab} tokens but model {model_name!r} embeds "
-                         f"{model_vocab}; allowed: a tokenizer of at most {model_vocab} tokens")
+        raise ValueError(
+            f"{what} has {tok_vocab} tokens but model {model_name!r} embeds "
+            f"{model_vocab}; allowed: a tokenizer of at most {model_vocab} tokens"
+        )

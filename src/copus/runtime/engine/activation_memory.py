@@ -32,8 +32,8 @@ __all__ = ["ActivationBytes", "measure_activation_bytes"]
 class ActivationBytes:
     """Bytes held between forward and backward (see module docstring)."""
 
-    saved_bytes: int     # via saved_tensors_hooks, outside checkpointed regions
-    live_bytes: int      # every storage created by the forward and still alive after it
+    saved_bytes: int  # via saved_tensors_hooks, outside checkpointed regions
+    live_bytes: int  # every storage created by the forward and still alive after it
 
 
 class _StorageRecorder(TorchDispatchMode):
@@ -57,9 +57,9 @@ def _storage_ids(tensors) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def measure_activation_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
-                             inputs: tuple[torch.Tensor, ...] = ()
-                             ) -> tuple[torch.Tensor, ActivationBytes]:
+def measure_activation_bytes(
+    model: torch.nn.Module, forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...] = ()
+) -> tuple[torch.Tensor, ActivationBytes]:
     """Run `forward()` (which calls `model`) under both meters; returns (output, bytes). The
     output keeps the graph alive: call backward on it (or drop it) afterwards."""
     existing = _storage_ids([*model.parameters(), *model.buffers(), *inputs])
@@ -75,6 +75,5 @@ def measure_activation_bytes(model: torch.nn.Module, forward: Callable[[], torch
     with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     skip = existing | _storage_ids([out])
-    live = sum(n for key, (ref, n) in recorder.storages.items()
-               if key not in skip and not ref.expired())
+    live = sum(n for key, (ref, n) in recorder.storages.items() if key not in skip and not ref.expired())
     return out, ActivationBytes(saved_bytes=sum(packed.values()), live_bytes=live)

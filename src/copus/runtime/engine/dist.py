@@ -25,7 +25,7 @@ MESH_DIMS = ("pp", "dp", "tp")
 
 
 def backend_for(device: torch.device | str, backend: str = "auto") -> str:
-    """"gloo" for CPU, "nccl" for CUDA when `backend` is "auto"; otherwise `backend` itself."""
+    """ "gloo" for CPU, "nccl" for CUDA when `backend` is "auto"; otherwise `backend` itself."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is invalid; allowed: 'auto', 'gloo', 'nccl'")
     if backend != "auto":
@@ -40,11 +40,12 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-DEFAULT_TIMEOUT_S = 1800.0   # = train.nccl_timeout_s's default (config.py)
+DEFAULT_TIMEOUT_S = 1800.0  # = train.nccl_timeout_s's default (config.py)
 
 
-def init_distributed(device: torch.device | None = None, backend: str = "auto",
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+def init_distributed(
+    device: torch.device | None = None, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> torch.device:
     """Join the default process group from torchrun's environment (idempotent); return the device.
 
     `timeout_s` (train.nccl_timeout_s): how long a collective may wait for a peer before the
@@ -59,13 +60,16 @@ def init_distributed(device: torch.device | None = None, backend: str = "auto",
     if not timeout_s > 0:
         raise ValueError(f"train.nccl_timeout_s={timeout_s}: allowed: a number > 0 (seconds)")
     device = default_device() if device is None else torch.device(device)
-    if device.type == "cuda":   # CUDA only: bind this process to its device
+    if device.type == "cuda":  # CUDA only: bind this process to its device
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device, backend), timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend_for(device, backend),
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return device
 
 
@@ -95,8 +99,7 @@ class MeshCache:
     def get(self, *, dp: int, tp: int, pp: int) -> DeviceMesh:
         key = (pp, dp, tp)
         if pp * dp * tp != dist.get_world_size():
-            raise ValueError(f"dp*tp*pp={dp}*{tp}*{pp} must equal the world size "
-                             f"{dist.get_world_size()}")
+            raise ValueError(f"dp*tp*pp={dp}*{tp}*{pp} must equal the world size {dist.get_world_size()}")
         if key not in self._meshes:
             self._meshes[key] = init_device_mesh(self.device_type, key, mesh_dim_names=MESH_DIMS)
         return self._meshes[key]
@@ -136,13 +139,13 @@ def _forget_meshes(native: bool = False) -> None:
     objects sit in reference cycles that still hold the groups: without a collection their
     sockets (gloo) or communicators (NCCL) live on, +8 descriptors per switch at 2 ranks
     (tests/runtime/test_process_groups.py)."""
-    try:   # torch-internal caches (torch 2.13); absent elsewhere: nothing to clear
+    try:  # torch-internal caches (torch 2.13); absent elsewhere: nothing to clear
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
         clear_redistribute_planner_cache()
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-        if native:   # the C++ fast path's copy: see MeshCache.__init__
+        if native:  # the C++ fast path's copy: see MeshCache.__init__
             torch._C._clear_DTensor_sharding_propagator_cache()
     except (ImportError, AttributeError):
         pass

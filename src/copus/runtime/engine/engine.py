@@ -66,34 +66,32 @@ class EngineSettings:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0                 # 0 = off
-    pp_schedule: str = "1f1b"              # "1f1b" | "gpipe"
-    activation_checkpointing: bool | str = "none"   # "none" | "selective" | "full" (bool: full/none)
+    grad_clip: float = 1.0  # 0 = off
+    pp_schedule: str = "1f1b"  # "1f1b" | "gpipe"
+    activation_checkpointing: bool | str = "none"  # "none" | "selective" | "full" (bool: full/none)
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
-    loss_parallel: bool = True             # under TP: vocab-sharded logits and loss
-    gns_small: str = "microbatch"          # "microbatch" | "rank"
-    ip_extras: bool = False                # keep small gradients for g_jᵀḡ (memory, see grad_stats)
-    dtype: str = "auto"                    # "auto" (bf16 on CUDA, else fp32) | "fp32" | "bf16"
-    compile: bool = False                  # torch.compile each block (inductor)
+    loss_parallel: bool = True  # under TP: vocab-sharded logits and loss
+    gns_small: str = "microbatch"  # "microbatch" | "rank"
+    ip_extras: bool = False  # keep small gradients for g_jᵀḡ (memory, see grad_stats)
+    dtype: str = "auto"  # "auto" (bf16 on CUDA, else fp32) | "fp32" | "bf16"
+    compile: bool = False  # torch.compile each block (inductor)
 
     def __post_init__(self) -> None:
         if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r} is invalid; allowed: "
-                             f"{', '.join(SCHEDULES)}")
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} is invalid; allowed: {', '.join(SCHEDULES)}")
         if self.gns_small not in MODES:
             raise ValueError(f"gns_small={self.gns_small!r} is invalid; allowed: {', '.join(MODES)}")
         if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: auto, "
-                             f"{', '.join(DTYPES)}")
+            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: auto, {', '.join(DTYPES)}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} is invalid; allowed: >= 0 (0 = off)")
-        ac_mode(self.activation_checkpointing)       # raises on an unknown mode
+        ac_mode(self.activation_checkpointing)  # raises on an unknown mode
         if self.compile:
             check_compile_available()
 
     def resolved_dtype(self, device: torch.device) -> str:
-        """"auto" → "bf16" on CUDA, "fp32" elsewhere; other values as given."""
+        """ "auto" → "bf16" on CUDA, "fp32" elsewhere; other values as given."""
         if self.dtype == "auto":
             return "bf16" if torch.device(device).type == "cuda" else "fp32"
         return self.dtype
@@ -103,26 +101,35 @@ def settings_from_config(cfg, ip_extras: bool = False) -> EngineSettings:
     """The engine's settings from a `copus.config.Config` (trainer, profiler, benchmarks)."""
     t, par = cfg.train, cfg.parallel
     return EngineSettings(
-        weight_decay=t.weight_decay, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-        grad_clip=t.grad_clip, pp_schedule=par.pp_schedule,
+        weight_decay=t.weight_decay,
+        beta1=t.beta1,
+        beta2=t.beta2,
+        eps=t.eps,
+        grad_clip=t.grad_clip,
+        pp_schedule=par.pp_schedule,
         activation_checkpointing=par.activation_checkpointing,
         reshard_after_forward=par.reshard_after_forward,
-        sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel,
-        gns_small=cfg.gns.small, ip_extras=ip_extras, dtype=t.dtype, compile=t.compile)
+        sequence_parallel=par.sequence_parallel,
+        loss_parallel=par.loss_parallel,
+        gns_small=cfg.gns.small,
+        ip_extras=ip_extras,
+        dtype=t.dtype,
+        compile=t.compile,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutput:
     """One optimizer step, identical on every rank (statistics before clipping)."""
 
-    loss: float                # mean token loss over the global batch
-    small_sqnorm: float        # s̄ = mean_j ‖g_j‖²
-    small_batch: int           # samples per small gradient
-    num_small: int             # J
-    big_sqnorm: float          # q = ‖ḡ‖², ḡ over the global batch
-    ip_sq_mean: float | None   # (1/J) Σ_j (g_jᵀḡ)², only with ip_extras
-    grad_norm: float           # ‖ḡ‖ before clipping
-    finite: bool               # False: optimizer step skipped, gradients dropped
+    loss: float  # mean token loss over the global batch
+    small_sqnorm: float  # s̄ = mean_j ‖g_j‖²
+    small_batch: int  # samples per small gradient
+    num_small: int  # J
+    big_sqnorm: float  # q = ‖ḡ‖², ḡ over the global batch
+    ip_sq_mean: float | None  # (1/J) Σ_j (g_jᵀḡ)², only with ip_extras
+    grad_norm: float  # ‖ḡ‖ before clipping
+    finite: bool  # False: optimizer step skipped, gradients dropped
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -139,9 +146,17 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 class Engine:
     """This rank's share of one (dp, tp, pp) layout; see module docstring."""
 
-    def __init__(self, shape: ModelShape, plan: ParallelPlan, settings: EngineSettings,
-                 device: torch.device | str, mesh_cache: MeshCache, seed: int = 0,
-                 allocate: bool = True, init: bool = True) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        plan: ParallelPlan,
+        settings: EngineSettings,
+        device: torch.device | str,
+        mesh_cache: MeshCache,
+        seed: int = 0,
+        allocate: bool = True,
+        init: bool = True,
+    ) -> None:
         """`allocate=False`: the model stays on the meta device (no memory, no optimizer); the
         caller fills it (reconfigure's direct path: `runtime/state/redistribute.py`) and then calls
         `finish_build()`. `init=False`: memory but no initial values drawn (the caller loads a
@@ -158,10 +173,16 @@ class Engine:
             split_stage(model, self.pp_rank, plan.pp)
         self.dtype = settings.resolved_dtype(self.device)
         self.loss_parallel = settings.loss_parallel and plan.tp > 1
-        parallelize(model, self.mesh, sequence_parallel=settings.sequence_parallel,
-                    activation_checkpointing=settings.activation_checkpointing,
-                    reshard_after_forward=settings.reshard_after_forward, dtype=self.dtype,
-                    compile=settings.compile, loss_parallel=self.loss_parallel)
+        parallelize(
+            model,
+            self.mesh,
+            sequence_parallel=settings.sequence_parallel,
+            activation_checkpointing=settings.activation_checkpointing,
+            reshard_after_forward=settings.reshard_after_forward,
+            dtype=self.dtype,
+            compile=settings.compile,
+            loss_parallel=self.loss_parallel,
+        )
         self.model = materialize(model, self.device, seed, init=init) if allocate else model
         self.optimizer = self.pipeline = self.stats = None
         if allocate:
@@ -172,16 +193,20 @@ class Engine:
         """AdamW, pipeline stage and gradient statistics on the materialised model."""
         settings, plan = self.settings, self.plan
         self.optimizer = self._build_optimizer()
-        self.pipeline = (Pipeline(self.model, self.mesh["pp"], self.device, settings.pp_schedule,
-                                  token_loss) if plan.pp > 1 else None)
+        self.pipeline = (
+            Pipeline(self.model, self.mesh["pp"], self.device, settings.pp_schedule, token_loss)
+            if plan.pp > 1
+            else None
+        )
         self.gns_small = settings.gns_small if plan.dp > 1 else "microbatch"
         self.stats = GradStats(self.model, plan.tp, self.gns_small, settings.ip_extras)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW (`optim.build_adamw`: fused on CUDA, torch's default elsewhere)."""
         s = self.settings
-        return build_adamw(list(self.model.parameters()), weight_decay=s.weight_decay,
-                           betas=(s.beta1, s.beta2), eps=s.eps)
+        return build_adamw(
+            list(self.model.parameters()), weight_decay=s.weight_decay, betas=(s.beta1, s.beta2), eps=s.eps
+        )
 
     def _loss_context(self):
         """`loss_parallel()` around the loss and its backward under TP's vocab-sharded logits."""
@@ -190,17 +215,24 @@ class Engine:
     def set_plan(self, plan: ParallelPlan) -> None:
         """Same layout, new micro-batching (the pipeline builds a new schedule on next use)."""
         if plan.layout != self.plan.layout:
-            raise ValueError(f"set_plan: layout {plan.layout} differs from the engine's "
-                             f"{self.plan.layout}; allowed: same (dp, tp, pp), rebuild otherwise")
+            raise ValueError(
+                f"set_plan: layout {plan.layout} differs from the engine's "
+                f"{self.plan.layout}; allowed: same (dp, tp, pp), rebuild otherwise"
+            )
         plan.validate(dist.get_world_size(), self.shape)
         self.plan = plan
 
     # ----------------------------------------------------------------------------- steps
     def _check_tokens(self, local_tokens: torch.Tensor, rows: int | None) -> torch.Tensor:
-        if local_tokens.ndim != 2 or local_tokens.shape[1] != self.shape.seq_len + 1 or (
-                rows is not None and local_tokens.shape[0] != rows):
-            raise ValueError(f"local_tokens shape {tuple(local_tokens.shape)} is invalid; allowed: "
-                             f"[{rows or 'n'}, {self.shape.seq_len + 1}]")
+        if (
+            local_tokens.ndim != 2
+            or local_tokens.shape[1] != self.shape.seq_len + 1
+            or (rows is not None and local_tokens.shape[0] != rows)
+        ):
+            raise ValueError(
+                f"local_tokens shape {tuple(local_tokens.shape)} is invalid; allowed: "
+                f"[{rows or 'n'}, {self.shape.seq_len + 1}]"
+            )
         return local_tokens.to(self.device)
 
     def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -248,7 +280,7 @@ class Engine:
             dots = self.stats.dots(self.model, self.dp_rank * per_rank, num_small)
             vec = torch.cat([vec, dots.to(self.device)])
         dist.all_reduce(vec)  # the step's only statistics collective: [loss, Σ‖g_j‖², ‖ḡ‖², dots]
-        loss, small_sum, big_sq, *dots = vec.tolist()   # the step's one host read of it
+        loss, small_sum, big_sq, *dots = vec.tolist()  # the step's one host read of it
         ip = sum(d * d for d in dots) / len(dots) if self.settings.ip_extras else None
         finite = all(math.isfinite(x) for x in (loss, small_sum, big_sq))
         grad_norm = math.sqrt(big_sq) if finite and big_sq >= 0 else float("nan")
@@ -260,9 +292,16 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.stats.kept.clear()
         small_batch = p.micro_batch_size * (p.num_microbatches // per_rank)
-        return StepOutput(loss=loss, small_sqnorm=small_sum / num_small, small_batch=small_batch,
-                          num_small=num_small, big_sqnorm=big_sq, ip_sq_mean=ip,
-                          grad_norm=grad_norm, finite=finite)
+        return StepOutput(
+            loss=loss,
+            small_sqnorm=small_sum / num_small,
+            small_batch=small_batch,
+            num_small=num_small,
+            big_sqnorm=big_sq,
+            ip_sq_mean=ip,
+            grad_norm=grad_norm,
+            finite=finite,
+        )
 
     @torch.no_grad()
     def _clip(self, grads: list[torch.Tensor], grad_norm: float) -> None:
@@ -280,18 +319,21 @@ class Engine:
         if self.pipeline is not None:
             k = max(k, p.pp)  # a schedule needs >= one micro-batch per stage
         if rows % k:
-            raise ValueError(f"eval rows {rows} cannot be split into {k} equal micro-batches; "
-                             f"allowed: a multiple of {k}")
+            raise ValueError(
+                f"eval rows {rows} cannot be split into {k} equal micro-batches; allowed: a multiple of {k}"
+            )
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         share = 1.0 / (p.dp * p.tp)
         with self._loss_context():
             if self.pipeline is None:
-                losses = [token_loss(self.model(x), y) for x, y in zip(inputs.chunk(k),
-                                                                       targets.chunk(k))]
+                losses = [token_loss(self.model(x), y) for x, y in zip(inputs.chunk(k), targets.chunk(k))]
             else:
                 losses = self.pipeline.run(inputs, targets, k, train=False)
-        part = torch.stack([_plain(x).float() for x in losses]).mean() * share if losses else \
-            torch.zeros((), device=self.device)
+        part = (
+            torch.stack([_plain(x).float() for x in losses]).mean() * share
+            if losses
+            else torch.zeros((), device=self.device)
+        )
         vec = part.to(self.device, torch.float64).reshape(1)
         dist.all_reduce(vec)
         return float(vec.cpu()[0])
@@ -308,8 +350,9 @@ class Engine:
         return self.state_dicts()[1]
 
     def load_state(self, model_sd: dict, optim_sd: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=optim_sd, options=DCP_OPTIONS)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=DCP_OPTIONS
+        )
 
     def close(self) -> None:
         """Drop hooks, model and optimizer (the cached mesh and its groups stay alive). The

@@ -97,7 +97,7 @@ def weighted_sqnorm(tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
         groups.setdefault((x.device, x.dtype, replication_weight(t, tp)), []).append(x)
     out: torch.Tensor | None = None
     for (_device, _dtype, w), xs in groups.items():
-        norms = torch._foreach_norm(xs, 2.0, dtype=torch.float32)   # fp32 accumulation
+        norms = torch._foreach_norm(xs, 2.0, dtype=torch.float32)  # fp32 accumulation
         part = torch.stack(norms).square().sum() * w
         out = part if out is None else out + part.to(out.device)
     return out if out is not None else torch.zeros((), dtype=torch.float32)
@@ -122,13 +122,13 @@ class GradStats:
         if mode not in MODES:
             raise ValueError(f"gns_small={mode!r} is invalid; allowed: {', '.join(MODES)}")
         self.tp, self.mode, self.keep_grads = tp, mode, keep_grads
-        self.device = model_device(model)        # where every statistics tensor lives
-        self._fqn: dict[int, str] = {}         # id(unsharded param) -> parameter name
+        self.device = model_device(model)  # where every statistics tensor lives
+        self._fqn: dict[int, str] = {}  # id(unsharded param) -> parameter name
         self._calls: dict[int, int] = {}
         self.kept: dict[str, list[torch.Tensor]] = {}
         self._handles = []
         self._param_handles = []
-        self._small: torch.Tensor | None = None   # created on the gradients' device
+        self._small: torch.Tensor | None = None  # created on the gradients' device
         self._norms: list[torch.Tensor] = []  # per-hook Σ x²
         self._weights: list[float] = []
         self._partial: list[torch.Tensor] = []
@@ -142,19 +142,17 @@ class GradStats:
         # block forward, after FSDP2's unshard, so torch.compile sees no hook registration)
         # and one per other module that owns parameters (embeddings, final norm, head)
         layers = getattr(model, "layers", None)
-        blocks = ({f"layers.{k}" for k, _ in layers.named_children()}
-                  if isinstance(layers, nn.Module) else set())
+        blocks = {f"layers.{k}" for k, _ in layers.named_children()} if isinstance(layers, nn.Module) else set()
         for mod_name, mod in model.named_modules():
             in_block = any(mod_name.startswith(b + ".") for b in blocks)
-            if mod_name in blocks or (not in_block and any(
-                    p is not None for p in mod._parameters.values())):
-                self._handles.append(mod.register_forward_pre_hook(
-                    self._make_pre_hook(mod_name, recurse=mod_name in blocks)))
+            if mod_name in blocks or (not in_block and any(p is not None for p in mod._parameters.values())):
+                self._handles.append(
+                    mod.register_forward_pre_hook(self._make_pre_hook(mod_name, recurse=mod_name in blocks))
+                )
 
     def _make_pre_hook(self, mod_name: str, recurse: bool = False):
         def pre_hook(module: nn.Module, args) -> None:
-            named = (module.named_parameters(remove_duplicate=False) if recurse
-                     else module._parameters.items())
+            named = module.named_parameters(remove_duplicate=False) if recurse else module._parameters.items()
             for pname, p in named:
                 if p is None or not p.requires_grad or id(p) in self._fqn:
                     continue
@@ -164,6 +162,7 @@ class GradStats:
                 else:
                     h = p.register_post_accumulate_grad_hook(self._make_acc_hook(id(p)))
                 self._param_handles.append(h)
+
         return pre_hook
 
     def _record(self, pid: int, g: torch.Tensor) -> None:
@@ -189,6 +188,7 @@ class GradStats:
     def _make_grad_hook(self, pid: int):
         def hook(grad: torch.Tensor) -> None:
             self._record(pid, grad)
+
         return hook
 
     def _make_acc_hook(self, pid: int):
@@ -196,6 +196,7 @@ class GradStats:
             self._calls[pid] = self._calls.get(pid, 0) + 1
             if self._calls[pid] == self._k:
                 self._record(pid, self._accumulated(p))
+
         return hook
 
     def _accumulated(self, p: torch.Tensor) -> torch.Tensor:
@@ -208,8 +209,9 @@ class GradStats:
         """FSDP2's record of the unsharded parameter `p` (None outside FSDP2)."""
         key = id(p)
         if key not in self._fsdp_of:
-            self._fsdp_of[key] = next((fp for fp in self._fsdp_params
-                                       if getattr(fp, "_unsharded_param", None) is p), None)
+            self._fsdp_of[key] = next(
+                (fp for fp in self._fsdp_params if getattr(fp, "_unsharded_param", None) is p), None
+            )
         return self._fsdp_of[key]
 
     def begin(self, num_microbatches: int, grad_scale: float) -> None:
@@ -244,7 +246,7 @@ class GradStats:
             self._partial.clear()
             part = vec.pow(2).sum() / self.tp
             self._small = part if self._small is None else self._small + part
-        if self._small is None:   # no parameter of this rank saw a gradient
+        if self._small is None:  # no parameter of this rank saw a gradient
             self._small = torch.zeros((), device=self.device)
         return self._small
 

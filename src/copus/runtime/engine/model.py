@@ -36,9 +36,25 @@ from torch import nn
 
 from copus.core.specs.models import ModelShape, RopeScaling
 
-__all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
-           "rope_cache", "llama3_inv_freq", "apply_rope", "build_model", "init_weights", "reset_rope", "materialize",
-           "param_seed", "tile_seed", "init_local", "local_indices", "DrawCounter"]
+__all__ = [
+    "RMSNorm",
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
+    "Transformer",
+    "rope_cache",
+    "llama3_inv_freq",
+    "apply_rope",
+    "build_model",
+    "init_weights",
+    "reset_rope",
+    "materialize",
+    "param_seed",
+    "tile_seed",
+    "init_local",
+    "local_indices",
+    "DrawCounter",
+]
 
 
 class RMSNorm(nn.Module):
@@ -63,15 +79,15 @@ def llama3_inv_freq(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     low_wl = s.original_max_position_embeddings / s.low_freq_factor
     high_wl = s.original_max_position_embeddings / s.high_freq_factor
     scaled = torch.where(wavelen > low_wl, inv / s.factor, inv)
-    a = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+    a = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smooth = (1 - a) * scaled / s.factor + a * scaled
     medium = (wavelen >= high_wl) & (wavelen <= low_wl)
     return torch.where(medium, smooth, scaled)
 
 
-def rope_cache(head_dim: int, seq_len: int, theta: float, device=None,
-               scaling: RopeScaling | None = None) -> torch.Tensor:
+def rope_cache(
+    head_dim: int, seq_len: int, theta: float, device=None, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """cos/sin table [seq_len, head_dim/2, 2] of RoPE (Su et al. 2021): angle_{t,i} = t·θ^(-2i/d),
     the frequencies scaled by `llama3_inv_freq` when `scaling` is given."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
@@ -121,8 +137,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, table), apply_rope(k, table)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=q.shape[2] != k.shape[2]
+        )
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -151,7 +168,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         """`rope`: a table for a standalone call (tests); None reads the shared buffer."""
-        a = self.attention_norm(x)       # one input when the table is the buffer (TP's SP hooks)
+        a = self.attention_norm(x)  # one input when the table is the buffer (TP's SP hooks)
         h = x + (self.attention(a) if rope is None else self.attention(a, rope))
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -168,8 +185,11 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta,
-                                                scaling=shape.rope_scaling), persistent=False)
+        self.register_buffer(
+            "rope",
+            rope_cache(shape.head_dim, shape.seq_len, shape.rope_theta, scaling=shape.rope_scaling),
+            persistent=False,
+        )
         self.share_rope()
 
     def share_rope(self) -> None:
@@ -198,8 +218,8 @@ def build_model(shape: ModelShape, device: torch.device | str = "meta") -> Trans
         return Transformer(shape)
 
 
-TILE_ROWS = 16     # rows per initialisation tile (part of the weights' definition: fixed)
-TILE_COLS = 256    # columns per initialisation tile
+TILE_ROWS = 16  # rows per initialisation tile (part of the weights' definition: fixed)
+TILE_COLS = 256  # columns per initialisation tile
 
 
 class DrawCounter:
@@ -297,7 +317,7 @@ def init_local(name: str, p: torch.Tensor, shape: ModelShape, seed: int) -> torc
     full = (p.shape[0], p.shape[1])
     for i, row_runs in row_tiles.items():
         for j, col_runs in col_tiles.items():
-            tile = _tile(seed, name, full, i, j, std)      # each tile drawn once per rank
+            tile = _tile(seed, name, full, i, j, std)  # each tile drawn once per rank
             for local_r, tile_r in row_runs:
                 for local_c, tile_c in col_runs:
                     out[local_r, local_c] = tile[tile_r, tile_c]
@@ -324,13 +344,11 @@ def init_weights(model: Transformer, seed: int) -> None:
 def reset_rope(model: Transformer) -> None:
     """Recompute the non-persistent RoPE buffer (garbage after `to_empty`), shared by every block."""
     s = model.shape
-    model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device,
-                            scaling=s.rope_scaling)
+    model.rope = rope_cache(s.head_dim, s.seq_len, s.rope_theta, device=model.rope.device, scaling=s.rope_scaling)
     model.share_rope()
 
 
-def materialize(model: Transformer, device: torch.device | str, seed: int,
-                init: bool = True) -> Transformer:
+def materialize(model: Transformer, device: torch.device | str, seed: int, init: bool = True) -> Transformer:
     """`to_empty(device)` then deterministic weights (`init_weights`; `init=False`: none, the
     caller loads every parameter next) and the RoPE buffer."""
     model.to_empty(device=device)

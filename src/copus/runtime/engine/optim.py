@@ -29,18 +29,16 @@ class LrSchedule:
     base_lr: float
     kind: str = "cosine"
     warmup_tokens: int = 0
-    total_tokens: int = 0          # decay horizon; 0 = no decay (constant after warm-up)
+    total_tokens: int = 0  # decay horizon; 0 = no decay (constant after warm-up)
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
-            raise ValueError(f"train.lr_schedule={self.kind!r} is invalid; allowed: "
-                             f"{', '.join(SCHEDULES)}")
+            raise ValueError(f"train.lr_schedule={self.kind!r} is invalid; allowed: {', '.join(SCHEDULES)}")
         if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
             raise ValueError(f"train.lr={self.base_lr!r} is invalid; allowed: a number > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r} is invalid; "
-                             "allowed: 0 <= ratio <= 1")
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r} is invalid; allowed: 0 <= ratio <= 1")
         if self.warmup_tokens < 0 or self.total_tokens < 0:
             raise ValueError("train.warmup_tokens and the decay horizon must be >= 0")
 
@@ -78,9 +76,9 @@ class LearningRate:
         """Learning rate for the step that starts after `tokens` consumed tokens."""
         return self.schedule.base_lr * self.factor * self.schedule.multiplier(tokens)
 
-    def on_batch_change(self, new_batch: int, *, step: int = 0,
-                        grad_sqnorm: float = float("nan"),
-                        grad_trace_cov: float = float("nan")) -> float:
+    def on_batch_change(
+        self, new_batch: int, *, step: int = 0, grad_sqnorm: float = float("nan"), grad_trace_cov: float = float("nan")
+    ) -> float:
         """Recompute the factor for `new_batch` relative to `ref_batch`; return the new factor.
 
         The factor is absolute (relative to the reference batch), not a product of successive
@@ -89,21 +87,30 @@ class LearningRate:
         """
         from copus.core.stats.efficiency import lr_scale
 
-        new = float(lr_scale(self.rule, new_batch, self.ref_batch,
-                             grad_sqnorm=grad_sqnorm, grad_trace_cov=grad_trace_cov))
+        new = float(
+            lr_scale(self.rule, new_batch, self.ref_batch, grad_sqnorm=grad_sqnorm, grad_trace_cov=grad_trace_cov)
+        )
         if not math.isfinite(new) or new <= 0:
             new = self.factor
-        self.history.append({"step": step, "global_batch_size": int(new_batch),
-                             "old_factor": self.factor, "factor": new})
+        self.history.append(
+            {"step": step, "global_batch_size": int(new_batch), "old_factor": self.factor, "factor": new}
+        )
         self.factor = new
         return new
 
     def state_dict(self) -> dict:
         s = self.schedule
-        return {"base_lr": s.base_lr, "kind": s.kind, "warmup_tokens": s.warmup_tokens,
-                "total_tokens": s.total_tokens, "min_lr_ratio": s.min_lr_ratio,
-                "rule": self.rule, "ref_batch": self.ref_batch, "factor": self.factor,
-                "history": list(self.history)}
+        return {
+            "base_lr": s.base_lr,
+            "kind": s.kind,
+            "warmup_tokens": s.warmup_tokens,
+            "total_tokens": s.total_tokens,
+            "min_lr_ratio": s.min_lr_ratio,
+            "rule": self.rule,
+            "ref_batch": self.ref_batch,
+            "factor": self.factor,
+            "history": list(self.history),
+        }
 
     def load_state_dict(self, d: dict) -> None:
         """Restore the rule state. The schedule stays as configured (a resumed run may extend
@@ -117,14 +124,18 @@ def build_learning_rate(train_cfg, ref_batch: int, seq_len: int) -> LearningRate
     total = int(train_cfg.max_tokens)
     if total <= 0 and train_cfg.max_steps > 0:
         total = int(train_cfg.max_steps) * ref_batch * seq_len
-    schedule = LrSchedule(base_lr=float(train_cfg.lr), kind=train_cfg.lr_schedule,
-                          warmup_tokens=int(train_cfg.warmup_tokens), total_tokens=total,
-                          min_lr_ratio=float(train_cfg.min_lr_ratio))
+    schedule = LrSchedule(
+        base_lr=float(train_cfg.lr),
+        kind=train_cfg.lr_schedule,
+        warmup_tokens=int(train_cfg.warmup_tokens),
+        total_tokens=total,
+        min_lr_ratio=float(train_cfg.min_lr_ratio),
+    )
     return LearningRate(schedule=schedule, rule=train_cfg.lr_rule, ref_batch=ref_batch)
 
 
 def adamw_impl(devices: set[str]) -> str:
-    """"fused" when every parameter is on CUDA (one multi-tensor kernel per step, as torchtitan
+    """ "fused" when every parameter is on CUDA (one multi-tensor kernel per step, as torchtitan
     runs it), else "default" (torch's own choice: the per-tensor loop on CPU, where DTensor
     parameters on different meshes (norms on dp, projections on dp×tp) meet in one group)."""
     return "fused" if devices == {"cuda"} else "default"
@@ -138,8 +149,7 @@ def build_adamw(params: list, *, weight_decay: float, betas: tuple[float, float]
 
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = adamw_impl({p.device.type for p in params})
     extra = {"fused": True} if impl == "fused" else {}
     return torch.optim.AdamW(groups, lr=0.0, betas=betas, eps=eps, **extra)

@@ -60,7 +60,7 @@ from torch.utils.checkpoint import (
 from copus.runtime.engine.model import Transformer
 
 AC_MODES = ("none", "selective", "full")
-RECOMPILE_LIMIT = 64   # graphs per compiled block code object (2 per layout; module docstring)
+RECOMPILE_LIMIT = 64  # graphs per compiled block code object (2 per layout; module docstring)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -69,27 +69,32 @@ def ac_mode(value: bool | str) -> str:
     if isinstance(value, bool):
         return "full" if value else "none"
     if value not in AC_MODES:
-        raise ValueError(f"activation_checkpointing={value!r} is invalid; allowed: "
-                         f"{', '.join(AC_MODES)} (or true / false)")
+        raise ValueError(
+            f"activation_checkpointing={value!r} is invalid; allowed: {', '.join(AC_MODES)} (or true / false)"
+        )
     return value
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> None:
+def apply_tp(
+    model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> None:
     """Shard the projections over `tp_mesh` (no-op when its size is 1)."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
-                                                output_layouts=Shard(1) if sp else Replicate())
+        top["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
+        )
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     if model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
@@ -102,20 +107,23 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         model.tok_embeddings.register_forward_hook(_plain_output)
     for block in model.layers.values():
         plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
         }
         if sp:
-            plan.update({
-                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                desired_input_layouts=(Replicate(),)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -136,13 +144,16 @@ def _plain_output(_module: object, _inputs: object, output: torch.Tensor) -> tor
 def _saved_ops() -> set:
     """Ops whose outputs selective AC keeps (torchtitan's `_save_list`, CPU SDPA added)."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-    ops = {aten.mm.default,
-           aten._scaled_dot_product_efficient_attention.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default,
-           aten._scaled_dot_product_cudnn_attention.default,
-           c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
-           c10d.reduce_scatter_tensor.default}
+    ops = {
+        aten.mm.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        c10d.all_reduce.default,
+        c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default,
+    }
     return ops
 
 
@@ -170,8 +181,7 @@ def _checkpointed(forward, mode: str):
 
     @functools.wraps(forward)
     def run(*args, **kw):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                          **kw, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kw, **kwargs)
 
     return run
 
@@ -199,12 +209,12 @@ def apply_compile(model: Transformer) -> None:
     layouts in one process keeps compiling instead of silently falling back to eager."""
     check_compile_available()
     for block in model.layers.values():
-        block.forward = _dynamic_batch(torch.compile(block.forward,
-                                                     recompile_limit=RECOMPILE_LIMIT))
+        block.forward = _dynamic_batch(torch.compile(block.forward, recompile_limit=RECOMPILE_LIMIT))
 
 
 def _dynamic_batch(compiled):
     """Call `compiled(x, ...)` with x's batch dimension marked dynamic (no recompile per size)."""
+
     @functools.wraps(compiled)
     def run(x: torch.Tensor, *args, **kwargs):
         torch._dynamo.maybe_mark_dynamic(x, 0)
@@ -227,8 +237,9 @@ def check_compile_available() -> None:
                 raise RuntimeError("CUDA without a working Triton")
     except Exception as exc:  # noqa: BLE001 - any failure means "unavailable"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"train.compile=true is unavailable here (inductor: {first}); "
-                         "allowed: train.compile=false") from None
+        raise ValueError(
+            f"train.compile=true is unavailable here (inductor: {first}); allowed: train.compile=false"
+        ) from None
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -242,8 +253,9 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
-               dtype: str = "fp32") -> None:
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool = True, dtype: str = "fp32"
+) -> None:
     """`fully_shard` over `dp_mesh`: the token embedding, each block and the output head as their
     own units (torchtitan's wrapping), then the root (final norm). Each unit is gathered only
     around its own forward and backward: with `reshard_after_forward` the embedding's V·h/tp
@@ -254,21 +266,25 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: b
     mp = mixed_precision(dtype)
     tied = model.shape.tie_embeddings and model.tok_embeddings is not None and model.output is not None
     if model.tok_embeddings is not None and not tied:
-        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp)
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     if model.output is not None and not tied:
-        fully_shard(model.output, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp)
+        fully_shard(model.output, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                activation_checkpointing: bool | str = "none",
-                reshard_after_forward: bool = True, dtype: str = "fp32",
-                compile: bool = False, loss_parallel: bool = False) -> Transformer:
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool | str = "none",
+    reshard_after_forward: bool = True,
+    dtype: str = "fp32",
+    compile: bool = False,
+    loss_parallel: bool = False,
+) -> Transformer:
     """TP → AC → compile → FSDP2 on a (possibly meta, possibly stage-split) model; returns it."""
     apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel)
     apply_ac(model, activation_checkpointing)
@@ -278,6 +294,16 @@ def parallelize(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool
     return model
 
 
-__all__ = ["AC_MODES", "DTYPES", "ac_mode", "apply_tp", "apply_ac", "apply_compile",
-           "apply_fsdp", "check_compile_available", "mixed_precision", "parallelize",
-           "selective_policy_contexts"]
+__all__ = [
+    "AC_MODES",
+    "DTYPES",
+    "ac_mode",
+    "apply_tp",
+    "apply_ac",
+    "apply_compile",
+    "apply_fsdp",
+    "check_compile_available",
+    "mixed_precision",
+    "parallelize",
+    "selective_policy_contexts",
+]

@@ -52,8 +52,10 @@ def split_stage(model: Transformer, stage_index: int, num_stages: int) -> Transf
 def chunk_stage_ids(rank: int, pp: int, virtual_stages: int) -> list[int]:
     """Global stage indices of pipeline rank `rank` under interleaving: r, r + pp, ..."""
     if not 0 <= rank < pp or virtual_stages < 1:
-        raise ValueError(f"rank={rank}, pp={pp}, virtual_stages={virtual_stages} are invalid; "
-                         "allowed: 0 <= rank < pp, virtual_stages >= 1")
+        raise ValueError(
+            f"rank={rank}, pp={pp}, virtual_stages={virtual_stages} are invalid; "
+            "allowed: 0 <= rank < pp, virtual_stages >= 1"
+        )
     return [rank + k * pp for k in range(virtual_stages)]
 
 
@@ -69,20 +71,30 @@ class Pipeline:
     backward over `num_microbatches` micro-batches (the schedule scales grads by 1/num_microbatches,
     so `loss_fn` must be a mean)."""
 
-    def __init__(self, model: Transformer | Sequence[Transformer], pp_mesh: DeviceMesh, device: torch.device,
-                 schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        model: Transformer | Sequence[Transformer],
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} is invalid; allowed: {', '.join(SCHEDULES)}")
         chunks = list(model) if isinstance(model, Sequence) else [model]
         if (schedule in MULTI_STAGE) != (len(chunks) > 1):
-            raise ValueError(f"pp_schedule={schedule!r} with {len(chunks)} model chunk(s); allowed: "
-                             "interleaved-1f1b with >= 2 chunks (`split_chunks`), the others with 1")
+            raise ValueError(
+                f"pp_schedule={schedule!r} with {len(chunks)} model chunk(s); allowed: "
+                "interleaved-1f1b with >= 2 chunks (`split_chunks`), the others with 1"
+            )
         rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
         self.stage_ids = chunk_stage_ids(rank, pp, len(chunks))
         self.stage_index = rank
         self.num_stages = pp * len(chunks)
-        self.stages = [PipelineStage(chunk, sid, self.num_stages, device, group=pp_mesh.get_group())
-                       for chunk, sid in zip(chunks, self.stage_ids, strict=True)]
+        self.stages = [
+            PipelineStage(chunk, sid, self.num_stages, device, group=pp_mesh.get_group())
+            for chunk, sid in zip(chunks, self.stage_ids, strict=True)
+        ]
         self.stage = self.stages[0]
         self.schedule_name = schedule
         self.loss_fn = loss_fn
@@ -104,16 +116,18 @@ class Pipeline:
         key = (num_microbatches, micro_batch_size, train)
         if key != self._key:
             if self.schedule_name in MULTI_STAGE:
-                self._schedule = SCHEDULES[self.schedule_name](self.stages, n_microbatches=num_microbatches,
-                                                               loss_fn=self.loss_fn)
+                self._schedule = SCHEDULES[self.schedule_name](
+                    self.stages, n_microbatches=num_microbatches, loss_fn=self.loss_fn
+                )
             else:
                 cls = SCHEDULES[self.schedule_name] if train else ScheduleGPipe
                 self._schedule = cls(self.stage, n_microbatches=num_microbatches, loss_fn=self.loss_fn)
             self._key = key
         return self._schedule
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
-            train: bool = True) -> list[torch.Tensor]:
+    def run(
+        self, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int, train: bool = True
+    ) -> list[torch.Tensor]:
         """One pass over the local batch (chunked into `num_microbatches`); returns the per-
         micro-batch losses on the last stage, [] elsewhere."""
         sched = self.schedule(num_microbatches, inputs.shape[0] // num_microbatches, train)

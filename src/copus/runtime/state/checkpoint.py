@@ -45,8 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner,
-                                         FileSystemReader)
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from copus.atomic import atomic_write_json, fsync_path
 from copus.runtime.state.hashing_writer import SIDECAR_SUFFIX, HashingWriter, read_sidecars
@@ -85,9 +84,15 @@ def _sha256(path: Path) -> str:
 # Globals DCP's `.metadata` pickle may name (torch 2.13); anything else is refused.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -102,7 +107,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
@@ -113,8 +119,16 @@ def read_metadata(path: str | Path) -> Metadata:
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError,
-            IndexError, KeyError) as exc:
+    except (
+        OSError,
+        EOFError,
+        pickle.UnpicklingError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+    ) as exc:
         raise CheckpointError(f"{file} is not valid DCP metadata ({exc})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
@@ -132,7 +146,7 @@ class _SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             metadata = read_metadata(self.path)
-        else:   # a shallow copy: DCP sets the load id on it; the tensor entries are shared
+        else:  # a shallow copy: DCP sets the load id on it; the tensor entries are shared
             metadata = copy.copy(self._metadata)
             metadata.storage_meta = copy.copy(metadata.storage_meta)
         if getattr(metadata, "storage_meta", None) is None:
@@ -149,9 +163,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             why = [x for x in str(exc).splitlines() if "Unsupported" in x or "global" in x]
-            raise CheckpointError(f"item {read_item.dest_index.fqn!r} is not plain data, "
-                                  f"refused ({(why or ['weights-only load failed'])[0].strip()})"
-                                  ) from None
+            raise CheckpointError(
+                f"item {read_item.dest_index.fqn!r} is not plain data, "
+                f"refused ({(why or ['weights-only load failed'])[0].strip()})"
+            ) from None
         safe = io.BytesIO()
         torch.save(obj, safe)
         safe.seek(0)
@@ -167,13 +182,11 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    out = [(int(m.group(1)), p) for p in root.iterdir()
-           if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
     return sorted(out, reverse=True)
 
 
-def verify(path: str | Path, share: tuple[int, int] = (0, 1),
-           threads: int | None = None) -> str | None:
+def verify(path: str | Path, share: tuple[int, int] = (0, 1), threads: int | None = None) -> str | None:
     """None if `path` is a complete checkpoint, else a one-line problem naming the bad file.
 
     `share=(r, n)`: check only the r-th of n interleaved parts of the files' checksums (every
@@ -232,8 +245,7 @@ def verify_threads() -> int:
     return max(1, min(8, cores))
 
 
-def find_latest(root: str | Path, log: Callable[[str], None] = print,
-                threads: int | None = None) -> Path | None:
+def find_latest(root: str | Path, log: Callable[[str], None] = print, threads: int | None = None) -> Path | None:
     """The highest valid `step-N` under `root`; each invalid newer one is logged and skipped.
     One process: the checksums are hashed on `threads` threads (default `verify_threads`)."""
     bad: list[str] = []
@@ -287,8 +299,7 @@ def _write_manifest(folder: Path, step: int, known: dict[str, dict] | None = Non
     for p in _files(folder):
         name, size = str(p.relative_to(folder)), p.stat().st_size
         entry = known.get(name)
-        files[name] = entry if entry is not None and entry["bytes"] == size else \
-            {"bytes": size, "sha256": _sha256(p)}
+        files[name] = entry if entry is not None and entry["bytes"] == size else {"bytes": size, "sha256": _sha256(p)}
     atomic_write_json(folder / MANIFEST, {"step": step, "files": files})
 
 
@@ -302,8 +313,7 @@ def _write_json(path: Path, obj: Any) -> dict:
     return {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
-def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict,
-         *, keep: int = 0) -> Path:
+def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict, *, keep: int = 0) -> Path:
     """Write checkpoint `step` atomically (collective); return `<root>/step-N`.
 
     `dcp_state` maps names to (D)Tensor state dicts, e.g. {"model": ..., "optim": ...};
@@ -324,9 +334,10 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
     except CheckpointException as exc:  # a BaseException holding each rank's traceback
         causes = sorted({str(failure) for failure, _ in exc.failures.values()})
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)   # free the space a full disk needs back
-        raise CheckpointError(f"checkpoint {final} not saved ({'; '.join(causes)}); earlier "
-                              "checkpoints are intact") from None
+            shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
+        raise CheckpointError(
+            f"checkpoint {final} not saved ({'; '.join(causes)}); earlier checkpoints are intact"
+        ) from None
     # every rank hashed the files it wrote while writing them; rank 0 gathers the checksums
     known = writer.hashes
     if _distributed():
@@ -340,10 +351,11 @@ def save(root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: 
         except (OSError, TypeError, ValueError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(not problem):        # every rank learns rank 0's outcome (no one hangs)
+    if not _all_ok(not problem):  # every rank learns rank 0's outcome (no one hangs)
         state = "written but not finished" if final.exists() else "not saved"
-        raise CheckpointError(f"checkpoint {final} {state} ({problem or 'failed on rank 0'}); "
-                              "earlier checkpoints are intact")
+        raise CheckpointError(
+            f"checkpoint {final} {state} ({problem or 'failed on rank 0'}); earlier checkpoints are intact"
+        )
     return final
 
 
@@ -376,18 +388,19 @@ class AsyncCheckpointer:
 
     def _process_group(self) -> Any:
         if self._group is None and _distributed():
-            self._group = dist.new_group(backend="gloo")   # collective: the first save
+            self._group = dist.new_group(backend="gloo")  # collective: the first save
         return self._group
 
-    def save(self, root: str | Path, step: int, dcp_state: dict[str, Any],
-             trainer_state: dict, *, keep: int = 0) -> Path:
+    def save(
+        self, root: str | Path, step: int, dcp_state: dict[str, Any], trainer_state: dict, *, keep: int = 0
+    ) -> Path:
         """Start checkpoint `step` (collective); return the path it will have once finished."""
         import threading
 
         self.wait()
         root = Path(root)
         tmp, final = root / f"{_TMP_PREFIX}{step}", root / f"step-{step}"
-        state = json.loads(json.dumps(trainer_state))      # a snapshot, JSON-checked now
+        state = json.loads(json.dumps(trainer_state))  # a snapshot, JSON-checked now
         if _rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(_TMP_PREFIX + "*"):
@@ -398,11 +411,14 @@ class AsyncCheckpointer:
         writer.background_nice = self.nice
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        kind = (AsyncCheckpointerType.PROCESS if self.kind == "process" else
-                AsyncCheckpointerType.THREAD)
-        future = dcp.async_save(dcp_state, storage_writer=writer,
-                                process_group=self._process_group(),
-                                async_checkpointer_type=kind, no_dist=not _distributed())
+        kind = AsyncCheckpointerType.PROCESS if self.kind == "process" else AsyncCheckpointerType.THREAD
+        future = dcp.async_save(
+            dcp_state,
+            storage_writer=writer,
+            process_group=self._process_group(),
+            async_checkpointer_type=kind,
+            no_dist=not _distributed(),
+        )
         problem: list[str] = []
         rank = _rank()
 
@@ -433,8 +449,7 @@ class AsyncCheckpointer:
         if not _all_ok(not problem):
             state = "written but not finished" if final.exists() else "not saved"
             why = problem[0] if problem else "failed on another rank"
-            raise CheckpointError(f"checkpoint {final} {state} ({why}); earlier checkpoints are "
-                                  "intact")
+            raise CheckpointError(f"checkpoint {final} {state} ({why}); earlier checkpoints are intact")
         return final
 
     @property
@@ -451,13 +466,13 @@ class AsyncCheckpointer:
                 self._group = None
 
 
-def _finalize(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict,
-              keep: int, known: dict[str, dict] | None = None) -> None:
+def _finalize(
+    root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, keep: int, known: dict[str, dict] | None = None
+) -> None:
     """Rank 0, after every rank's DCP files are written and hashed (`known`): trainer state,
     fsync, manifest, rename, fsync of the parent, retention."""
     json.dumps(trainer_state)  # fail before touching the folder if not serialisable
-    known = {**read_sidecars(tmp), **(known or {}),
-             TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
+    known = {**read_sidecars(tmp), **(known or {}), TRAINER_STATE: _write_json(tmp / TRAINER_STATE, trainer_state)}
     for side in tmp.glob(f"*{SIDECAR_SUFFIX}"):
         side.unlink()
     for f in _files(tmp):
@@ -497,8 +512,7 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True,
-         metadata: Metadata | None = None) -> dict:
+def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True, metadata: Metadata | None = None) -> dict:
     """Load tensors into `dcp_state` in place (resharding to its layout); return trainer state.
 
     `dcp_state` must be the target structure (the current engine's state dicts). With
@@ -512,9 +526,13 @@ def load(path: str | Path, dcp_state: dict[str, Any], *, check: bool = True,
         if problem is not None:
             raise CheckpointError(problem)
     try:
-        dcp.load(dcp_state, checkpoint_id=str(path),
-                 storage_reader=_SafeReader(str(path), metadata),
-                 planner=_SafeLoadPlanner(), no_dist=not _distributed())
+        dcp.load(
+            dcp_state,
+            checkpoint_id=str(path),
+            storage_reader=_SafeReader(str(path), metadata),
+            planner=_SafeLoadPlanner(),
+            no_dist=not _distributed(),
+        )
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except CheckpointException as exc:  # DCP wraps each rank's failure; surface a refusal
@@ -544,8 +562,7 @@ def rng_state() -> dict:
     py_state = random.getstate()
     return {
         "torch": torch.get_rng_state().tolist(),
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
-                  float(np_state[4])],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python": [py_state[0], list(py_state[1]), py_state[2]],
     }
 

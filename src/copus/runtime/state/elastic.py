@@ -35,7 +35,7 @@ class ReplanInputs:
 
     candidates: CandidateSet
     model: StepTimePredictor
-    b_noise: float                 # calibrated; inf = unknown
+    b_noise: float  # calibrated; inf = unknown
     model_name: str
     lr_aware: bool = True
     lr_ref_batch: float | None = None
@@ -46,44 +46,65 @@ def fixed_degrees(cfg: Config) -> FixedDegrees:
     return FixedDegrees(dp=p.dp, tp=p.tp, pp=p.pp, micro_batch_size=p.micro_batch_size)
 
 
-def replan_inputs(cfg: Config, policy: Any, b_noise: float, saved: ParallelPlan, world: int,
-                  shape: ModelShape, hardware: HardwareProfile | None) -> ReplanInputs:
+def replan_inputs(
+    cfg: Config,
+    policy: Any,
+    b_noise: float,
+    saved: ParallelPlan,
+    world: int,
+    shape: ModelShape,
+    hardware: HardwareProfile | None,
+) -> ReplanInputs:
     """The goodput controller's candidates and model, else every plan at the saved batch."""
-    if hasattr(policy, "candidates") and hasattr(policy, "model"):     # core.controller
+    if hasattr(policy, "candidates") and hasattr(policy, "model"):  # core.controller
         opts = getattr(policy, "search_options", {})
         fitted = getattr(getattr(policy, "fitter", None), "num_fits", 0) > 0
-        return ReplanInputs(candidates=policy.candidates, model=policy.model,
-                            b_noise=policy.calibration * b_noise,
-                            model_name=f"goodput controller's {'fitted' if fitted else 'prior'}"
-                                       " step-time",
-                            lr_aware=opts.get("lr_aware", True),
-                            lr_ref_batch=opts.get("lr_ref_batch"))
+        return ReplanInputs(
+            candidates=policy.candidates,
+            model=policy.model,
+            b_noise=policy.calibration * b_noise,
+            model_name=f"goodput controller's {'fitted' if fitted else 'prior'} step-time",
+            lr_aware=opts.get("lr_aware", True),
+            lr_ref_batch=opts.get("lr_ref_batch"),
+        )
     B, mbs = saved.global_batch_size, cfg.parallel.micro_batch_size
     sizes = [mbs] if mbs else list(range(1, max(saved.micro_batch_size, 4) + 1))
-    cands = build_candidates(world, shape, min_batch=min(B, cfg.batch.min),
-                             max_batch=max(B, cfg.batch.max), micro_batch_sizes=sizes)
-    return ReplanInputs(candidates=cands, model=prior_model(shape, hardware, world),
-                        b_noise=math.inf, model_name="analytic step-time")
+    cands = build_candidates(
+        world, shape, min_batch=min(B, cfg.batch.min), max_batch=max(B, cfg.batch.max), micro_batch_sizes=sizes
+    )
+    return ReplanInputs(
+        candidates=cands, model=prior_model(shape, hardware, world), b_noise=math.inf, model_name="analytic step-time"
+    )
 
 
-def configured_plan(cfg: Config, initial: ParallelPlan, global_batch_size: int, world: int,
-                    shape: ModelShape) -> ParallelPlan:
+def configured_plan(
+    cfg: Config, initial: ParallelPlan, global_batch_size: int, world: int, shape: ModelShape
+) -> ParallelPlan:
     """The configured layout (`initial`, from setup.initial_plan) at `global_batch_size` when
     it divides, with parallel.micro_batch_size or the default; else `initial` as it is."""
     per = initial.dp
     if global_batch_size % per:
         return initial
-    mbs = cfg.parallel.micro_batch_size or default_micro_batch_size(global_batch_size // per,
-                                                                    initial.pp)
+    mbs = cfg.parallel.micro_batch_size or default_micro_batch_size(global_batch_size // per, initial.pp)
     if (global_batch_size // per) % mbs:
         return initial
     plan = initial.with_batch(global_batch_size, mbs)
     return initial if plan_problems(plan, world, shape) else plan
 
 
-def resume_plan(cfg: Config, *, saved: ParallelPlan, saved_world: int, world: int,
-                shape: ModelShape, policy: Any, b_noise: float, initial: ParallelPlan,
-                hardware: HardwareProfile | None = None, step: int = 0) -> Decision | None:
+def resume_plan(
+    cfg: Config,
+    *,
+    saved: ParallelPlan,
+    saved_world: int,
+    world: int,
+    shape: ModelShape,
+    policy: Any,
+    b_noise: float,
+    initial: ParallelPlan,
+    hardware: HardwareProfile | None = None,
+    step: int = 0,
+) -> Decision | None:
     """None: the checkpoint's plan `saved` runs on `world` ranks and keeps the fixed dp/tp/pp.
     Otherwise the plan for this world as a Decision whose reason starts "world size changed
     from X to Y" (or names the problem of the checkpoint's plan); when no candidate respects
@@ -95,15 +116,29 @@ def resume_plan(cfg: Config, *, saved: ParallelPlan, saved_world: int, world: in
     if saved_world and saved_world != world:
         why = f"world size changed from {saved_world} to {world}"
     else:
-        why = (f"checkpoint plan {saved.describe()} does not fit: "
-               f"{problems[0] if problems else '[parallel] ' + fixed.describe()}")
+        why = (
+            f"checkpoint plan {saved.describe()} does not fit: "
+            f"{problems[0] if problems else '[parallel] ' + fixed.describe()}"
+        )
     inp = replan_inputs(cfg, policy, b_noise, saved, world, shape, hardware)
-    decision = replan(inp.candidates, inp.model, saved=saved, why=why, fixed=fixed,
-                      b_noise=inp.b_noise, lr_aware=inp.lr_aware, lr_ref_batch=inp.lr_ref_batch,
-                      model_name=inp.model_name, step=step)
+    decision = replan(
+        inp.candidates,
+        inp.model,
+        saved=saved,
+        why=why,
+        fixed=fixed,
+        b_noise=inp.b_noise,
+        lr_aware=inp.lr_aware,
+        lr_ref_batch=inp.lr_ref_batch,
+        model_name=inp.model_name,
+        step=step,
+    )
     if decision is not None:
         return decision
     plan = configured_plan(cfg, initial, saved.global_batch_size, world, shape)
-    return Decision(kind=decision_kind(saved, plan), plan=plan, step=step,
-                    reason=f"{why}: no candidate respects {fixed.describe()}; configured plan "
-                           f"{plan.describe()}")
+    return Decision(
+        kind=decision_kind(saved, plan),
+        plan=plan,
+        step=step,
+        reason=f"{why}: no candidate respects {fixed.describe()}; configured plan {plan.describe()}",
+    )

@@ -46,15 +46,17 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if step is None:
         path = ckpt.find_latest(root, log=lambda _: None) if root.is_dir() else None
         if path is None:
-            raise ValueError(f"RUN_DIR={str(run_dir)!r}: has no valid checkpoint; allowed: a run "
-                             "folder with checkpoints/step-N")
+            raise ValueError(
+                f"RUN_DIR={str(run_dir)!r}: has no valid checkpoint; allowed: a run folder with checkpoints/step-N"
+            )
         return path
     path = root / f"step-{step}"
     steps = [s for s, _ in ckpt.step_dirs(root)] if root.is_dir() else []
     if not path.is_dir():
-        raise ValueError(f"--step={step}: no checkpoint step-{step} in {root}; allowed: "
-                         f"{', '.join(map(str, steps)) or 'none'}")
-    problem = ckpt.verify(path)             # hashed on a few threads (checkpoint.verify)
+        raise ValueError(
+            f"--step={step}: no checkpoint step-{step} in {root}; allowed: {', '.join(map(str, steps)) or 'none'}"
+        )
+    problem = ckpt.verify(path)  # hashed on a few threads (checkpoint.verify)
     if problem is not None:
         raise ValueError(f"--step={step}: {problem}")
     return path
@@ -64,20 +66,21 @@ def model_tensors(path: Path, meta=None) -> dict[str, tuple[torch.Size, torch.dt
     """copus name → (global shape, stored dtype) of every model tensor, from the DCP metadata
     (`meta`: already read)."""
     meta = ckpt.read_metadata(path) if meta is None else meta
-    out = {key[len("model."):]: (item.size, item.properties.dtype)
-           for key, item in meta.state_dict_metadata.items()
-           if key.startswith("model.") and hasattr(item, "size")}
+    out = {
+        key[len("model.") :]: (item.size, item.properties.dtype)
+        for key, item in meta.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(item, "size")
+    }
     if "tok_embeddings.weight" not in out:
         raise ValueError(f"{path}: holds no model tensors (tok_embeddings.weight missing)")
     return out
 
 
-def load_tensors(path: Path, sizes: dict[str, tuple[torch.Size, torch.dtype]],
-                 meta=None) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, sizes: dict[str, tuple[torch.Size, torch.dtype]], meta=None) -> dict[str, torch.Tensor]:
     """The named model tensors, full size, on CPU (DCP reads and reassembles only their shards;
     `meta`: the checkpoint's metadata, read once by the caller, else read here)."""
     sd = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in sizes.items()}
-    with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         ckpt.load(path, {"model": sd}, check=False, metadata=meta)
     return sd
@@ -103,21 +106,34 @@ def hf_config(shape: ModelShape, dtype: torch.dtype, eos_id: int | None) -> dict
     arch, model_type = hf_weights.hf_architecture(shape)
     rope: dict = {"rope_type": "default", "rope_theta": shape.rope_theta}
     if shape.rope_scaling is not None:
-        rope = {"rope_type": "llama3", **dataclasses.asdict(shape.rope_scaling),
-                "rope_theta": shape.rope_theta}
+        rope = {"rope_type": "llama3", **dataclasses.asdict(shape.rope_scaling), "rope_theta": shape.rope_theta}
     config = {
-        "architectures": [arch], "model_type": model_type,
-        "hidden_size": shape.dim, "intermediate_size": shape.ffn_dim,
-        "num_hidden_layers": shape.n_layers, "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads, "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab_size, "max_position_embeddings": shape.seq_len,
-        "rms_norm_eps": shape.norm_eps, "rope_theta": shape.rope_theta,
-        "rope_parameters": rope, "rope_scaling": None if shape.rope_scaling is None else rope,
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": shape.dim,
+        "intermediate_size": shape.ffn_dim,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.seq_len,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": None if shape.rope_scaling is None else rope,
         "tie_word_embeddings": shape.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": shape.qkv_bias, "attention_dropout": 0.0,
-        "mlp_bias": False, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
-        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": "silu",
+        "attention_bias": shape.qkv_bias,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
     if model_type == "qwen2":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.n_layers)
@@ -174,8 +190,9 @@ def shard_groups(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return groups
 
 
-def write_safetensors_stream(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                             produce: Callable[[str], torch.Tensor]) -> None:
+def write_safetensors_stream(
+    path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, produce: Callable[[str], torch.Tensor]
+) -> None:
     """A safetensors file written tensor by tensor: the header (names, shapes, offsets) first,
     then `produce(name)` for each entry in order; one tensor in memory at a time.
     Format: u64 little-endian header length, JSON header padded to 8 bytes, raw data."""
@@ -195,15 +212,22 @@ def write_safetensors_stream(path: Path, entries: list[tuple[str, tuple[int, ...
             t = produce(name).to(dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: produced shape {list(t.shape)}, header says {list(shape)}")
-            if t.numel():   # the tensor's own bytes through the buffer protocol: no copy
+            if t.numel():  # the tensor's own bytes through the buffer protocol: no copy
                 fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             del t
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def _write_weights(out: Path, path: Path, shape: ModelShape, sizes: dict[str, tuple[torch.Size, torch.dtype]],
-                   dtype: torch.dtype, max_shard_bytes: int, meta=None) -> None:
+def _write_weights(
+    out: Path,
+    path: Path,
+    shape: ModelShape,
+    sizes: dict[str, tuple[torch.Size, torch.dtype]],
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    meta=None,
+) -> None:
     """Every tensor of `shape`, streamed from checkpoint `path` into one or more safetensors files
     (the DCP metadata `meta` read once for all of them)."""
     meta = ckpt.read_metadata(path) if meta is None else meta
@@ -222,20 +246,23 @@ def _write_weights(out: Path, path: Path, shape: ModelShape, sizes: dict[str, tu
 
     by_hf = {v: k for k, v in hf_of.items()}
     groups = shard_groups(nbytes, max_shard_bytes)
-    files = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
+    files = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    )
     for fname, group in zip(files, groups):
         write_safetensors_stream(out / fname, [(hf_of[n], tuple(sizes[n][0])) for n in group], dtype, produce)
     if len(groups) > 1:
         weight_map = {hf_of[n]: f for f, g in zip(files, groups) for n in g}
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2) + "\n")
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2) + "\n"
+        )
 
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out={str(out)!r}: exists and is not an empty folder; allowed: a new "
-                         "or empty folder")
+        raise ValueError(f"--out={str(out)!r}: exists and is not an empty folder; allowed: a new or empty folder")
 
 
 def trained_seq_len(run_dir: Path) -> int | None:
@@ -282,8 +309,14 @@ def _fsync_all(files: Iterable[Path]) -> None:
             os.fsync(fh.fileno())
 
 
-def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
-           max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str | torch.dtype = "float32") -> Path:
+def export(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    dtype: str | torch.dtype = "float32",
+) -> Path:
     """Write the Hugging Face folder `out` from `run_dir`'s checkpoint in `dtype`, tensor by
     tensor; return the checkpoint used. Written into `.<out>.partial` and renamed, so `out` is
     complete or absent."""
@@ -292,10 +325,11 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     _check_out(out)
     path = find_checkpoint(run_dir, step)
     state = json.loads((path / ckpt.TRAINER_STATE).read_text())
-    meta = ckpt.read_metadata(path)          # once: every tensor's load reuses it
+    meta = ckpt.read_metadata(path)  # once: every tensor's load reuses it
     sizes = model_tensors(path, meta)
-    shape = dataclasses.replace(get_model_shape(state["model"], trained_seq_len(run_dir)),
-                                vocab_size=int(sizes["tok_embeddings.weight"][0][0]))
+    shape = dataclasses.replace(
+        get_model_shape(state["model"], trained_seq_len(run_dir)), vocab_size=int(sizes["tok_embeddings.weight"][0][0])
+    )
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -305,7 +339,8 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None,
         config = hf_config(shape, out_dtype, eos_id)
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (partial / "generation_config.json").write_text(
-            json.dumps(generation_config(eos_id, shape.seq_len), indent=2) + "\n")
+            json.dumps(generation_config(eos_id, shape.seq_len), indent=2) + "\n"
+        )
         _fsync_all(partial.iterdir())
         if out.is_dir():
             out.rmdir()

@@ -52,7 +52,7 @@ class _HashingStream:
     def writable(self) -> bool:
         return True
 
-    def __getattr__(self, name: str) -> Any:   # tell, flush, fileno, close, ...
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
         return getattr(self.raw, name)
 
 
@@ -64,7 +64,7 @@ class HashingFileSystem(FileSystem):
         self.hashes: dict[str, dict] = {}
         self._lock = threading.Lock()
 
-    def __getstate__(self) -> dict:      # pickled into DCP's checkpoint process: no lock
+    def __getstate__(self) -> dict:  # pickled into DCP's checkpoint process: no lock
         return {"hashes": dict(self.hashes)}
 
     def __setstate__(self, state: dict) -> None:
@@ -97,15 +97,15 @@ class HashingWriter(FileSystemWriter):
     def hashes(self) -> dict[str, dict]:
         return dict(self.fs.hashes)
 
-    background_nice = 0     # > 0: the thread that writes lowers its scheduling priority
+    background_nice = 0  # > 0: the thread that writes lowers its scheduling priority
 
     def write_data(self, plan, planner):
         if self.background_nice > 0 and threading.current_thread() is not threading.main_thread():
-            try:            # Linux: a thread is a task with its own nice value
+            try:  # Linux: a thread is a task with its own nice value
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.background_nice)
             except (AttributeError, OSError):
                 pass
-        fut = super().write_data(plan, planner)   # written when it returns (a done future)
+        fut = super().write_data(plan, planner)  # written when it returns (a done future)
         mine = {k: v for k, v in self.fs.hashes.items() if k.endswith(".distcp")}
         _write_sidecar(Path(self.path) / f"__{self.rank or 0}{SIDECAR_SUFFIX}", mine)
         return fut

@@ -35,8 +35,10 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
         with safe_open(str(folder / SINGLE), framework="pt") as fh:
             return {k: folder / SINGLE for k in fh.keys()}
-    raise ValueError(f"--init-from {str(folder)!r}: holds no {SINGLE} or {INDEX}; allowed: a "
-                     "Hugging Face folder with safetensors weights (save_pretrained)")
+    raise ValueError(
+        f"--init-from {str(folder)!r}: holds no {SINGLE} or {INDEX}; allowed: a "
+        "Hugging Face folder with safetensors weights (save_pretrained)"
+    )
 
 
 def _local_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -56,21 +58,23 @@ def read_local(fh, hf_key: str, name: str, p: torch.Tensor, shape: ModelShape) -
     local, offset = _local_box(p)
     full = tuple(fh.get_slice(hf_key).get_shape())
     if full != tuple(p.shape):
-        raise ValueError(f"--init-from: {hf_key} has shape {list(full)}, the model expects "
-                         f"{list(p.shape)}; allowed: a folder whose config.json matches its weights")
+        raise ValueError(
+            f"--init-from: {hf_key} has shape {list(full)}, the model expects "
+            f"{list(p.shape)}; allowed: a folder whose config.json matches its weights"
+        )
     if 0 in local:
         return torch.empty(local)
     sl = fh.get_slice(hf_key)
     r0, r1 = offset[0], offset[0] + local[0]
     rope = any(k in name for k in ("attention.wq.", "attention.wk."))
-    if rope:                         # whole heads: the permutation stays inside one head
+    if rope:  # whole heads: the permutation stays inside one head
         hd = shape.head_dim
         h0, h1 = r0 // hd * hd, -(-r1 // hd) * hd
-        rows = sl[h0:h1] if len(full) == 1 else sl[h0:h1, offset[1]:offset[1] + local[1]]
-        return hf_weights.from_hf(name, rows, shape)[r0 - h0:r1 - h0].contiguous()
+        rows = sl[h0:h1] if len(full) == 1 else sl[h0:h1, offset[1] : offset[1] + local[1]]
+        return hf_weights.from_hf(name, rows, shape)[r0 - h0 : r1 - h0].contiguous()
     if len(full) == 1:
         return sl[r0:r1].contiguous()
-    return sl[r0:r1, offset[1]:offset[1] + local[1]].contiguous()
+    return sl[r0:r1, offset[1] : offset[1] + local[1]].contiguous()
 
 
 @torch.no_grad()
@@ -89,8 +93,10 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> int:
         for name, p in model.named_parameters():
             key = hf_weights.hf_name(name)
             if key not in files:
-                raise ValueError(f"--init-from {str(folder)!r}: has no tensor {key}; allowed: a "
-                                 "folder whose config.json matches its weights")
+                raise ValueError(
+                    f"--init-from {str(folder)!r}: has no tensor {key}; allowed: a "
+                    "folder whose config.json matches its weights"
+                )
             if files[key] not in handles:
                 handles[files[key]] = safe_open(str(files[key]), framework="pt").__enter__()
             box = read_local(handles[files[key]], key, name, p, shape)

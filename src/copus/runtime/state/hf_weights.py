@@ -40,8 +40,11 @@ LAYER_MAP = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _ROPE_ROWS = ("attention.wq.", "attention.wk.")
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def copus_names(shape: ModelShape) -> list[str]:

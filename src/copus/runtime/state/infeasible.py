@@ -33,7 +33,7 @@ from copus.core.plan.plan import ParallelPlan
 
 RECORD_FILE = "infeasible.jsonl"
 STOP_FILE = "oom-stop"
-EXIT_CODE = 3        # the process's exit status after an out-of-memory stop
+EXIT_CODE = 3  # the process's exit status after an out-of-memory stop
 POLL_S = 0.25
 
 _FIELDS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")
@@ -44,14 +44,18 @@ def generation(env: dict[str, str] | None = None) -> int:
     return int((os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def record(run_dir: str | Path, plan: ParallelPlan, *, step: int, rank: int,
-           message: str) -> dict[str, Any]:
+def record(run_dir: str | Path, plan: ParallelPlan, *, step: int, rank: int, message: str) -> dict[str, Any]:
     """Append the event (one short line: O_APPEND keeps concurrent writers' lines whole) and
     write the stop marker for this generation. Returns the row."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    row = {"plan": {f: getattr(plan, f) for f in _FIELDS}, "step": step, "rank": rank,
-           "generation": generation(), "error": message.splitlines()[0][:300] if message else ""}
+    row = {
+        "plan": {f: getattr(plan, f) for f in _FIELDS},
+        "step": step,
+        "rank": rank,
+        "generation": generation(),
+        "error": message.splitlines()[0][:300] if message else "",
+    }
     with open(run_dir / RECORD_FILE, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
         fh.flush()
@@ -79,8 +83,11 @@ def load(run_dir: str | Path) -> list[ParallelPlan]:
 
 def covers(bad: ParallelPlan, plan: ParallelPlan) -> bool:
     """Whether the out-of-memory event of `bad` rules out `plan` (module docstring)."""
-    return (plan.layout == bad.layout and plan.micro_batch_size >= bad.micro_batch_size
-            and plan.num_microbatches >= min(bad.num_microbatches, 2))
+    return (
+        plan.layout == bad.layout
+        and plan.micro_batch_size >= bad.micro_batch_size
+        and plan.num_microbatches >= min(bad.num_microbatches, 2)
+    )
 
 
 def is_infeasible(plan: ParallelPlan, bad: Iterable[ParallelPlan]) -> bool:
@@ -96,8 +103,7 @@ def fallback_plan(plan: ParallelPlan, bad: list[ParallelPlan]) -> ParallelPlan |
     for mbs in range(plan.micro_batch_size - 1, 0, -1):
         if local % mbs:
             continue
-        cand = ParallelPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, micro_batch_size=mbs,
-                            num_microbatches=local // mbs)
+        cand = ParallelPlan(dp=plan.dp, tp=plan.tp, pp=plan.pp, micro_batch_size=mbs, num_microbatches=local // mbs)
         if not is_infeasible(cand, bad):
             return cand
     return None
@@ -130,7 +136,9 @@ class OomWatch:
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):
             if self.due():
-                sys.stderr.write(f"copus: rank {self.rank}: stopping, another rank ran out of "
-                                 f"device memory (see {self.path.parent / RECORD_FILE})\n")
+                sys.stderr.write(
+                    f"copus: rank {self.rank}: stopping, another rank ran out of "
+                    f"device memory (see {self.path.parent / RECORD_FILE})\n"
+                )
                 sys.stderr.flush()
                 os._exit(EXIT_CODE)

@@ -39,13 +39,44 @@ from copus.core.plan.records import Decision, StepRecord
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "decisions.jsonl")
 
 # The keys every metrics.jsonl line has (design.md §2 vocabulary).
-METRIC_KEYS = ("step", "samples", "tokens", "wall_s", "step_s", "loss", "lr",
-               "global_batch_size", "micro_batch_size", "dp", "tp", "pp", "grad_sqnorm",
-               "grad_trace_cov", "b_noise", "tokens_per_s", "mfu", "peak_memory_bytes")
+METRIC_KEYS = (
+    "step",
+    "samples",
+    "tokens",
+    "wall_s",
+    "step_s",
+    "loss",
+    "lr",
+    "global_batch_size",
+    "micro_batch_size",
+    "dp",
+    "tp",
+    "pp",
+    "grad_sqnorm",
+    "grad_trace_cov",
+    "b_noise",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_bytes",
+)
 
-TB_KEYS = ("loss", "lr", "global_batch_size", "micro_batch_size", "num_microbatches", "step_s",
-           "tokens_per_s", "grad_sqnorm", "grad_trace_cov", "b_noise", "dp", "tp", "pp", "mfu",
-           "peak_memory_bytes")
+TB_KEYS = (
+    "loss",
+    "lr",
+    "global_batch_size",
+    "micro_batch_size",
+    "num_microbatches",
+    "step_s",
+    "tokens_per_s",
+    "grad_sqnorm",
+    "grad_trace_cov",
+    "b_noise",
+    "dp",
+    "tp",
+    "pp",
+    "mfu",
+    "peak_memory_bytes",
+)
 
 
 def json_safe(value: Any) -> Any:
@@ -85,8 +116,7 @@ def last_wall_s(path: Path, tail_bytes: int = 1 << 16) -> float:
     return 0.0
 
 
-def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = None,
-             **extra: Any) -> dict[str, Any]:
+def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = None, **extra: Any) -> dict[str, Any]:
     """One metrics.jsonl row. tokens_per_s defaults to global_batch_size·seq_len / step_s, with
     seq_len = tokens / samples (both cumulative, so it holds after a resume). `mfu` (model FLOPs
     utilisation, `runtime/train/perf.py`) and `peak_memory_bytes` (the fullest rank's peak
@@ -94,17 +124,29 @@ def step_row(record: StepRecord, wall_s: float, tokens_per_s: float | None = Non
     plan = record.plan
     if tokens_per_s is None:
         seq_len = record.tokens / record.samples if record.samples else 0.0
-        tokens_per_s = (plan.global_batch_size * seq_len / record.step_s
-                        if record.step_s > 0 else float("nan"))
+        tokens_per_s = plan.global_batch_size * seq_len / record.step_s if record.step_s > 0 else float("nan")
     row = {
-        "step": record.step, "samples": record.samples, "tokens": record.tokens,
-        "wall_s": wall_s, "step_s": record.step_s, "loss": record.loss, "lr": record.lr,
-        "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-        "num_microbatches": plan.num_microbatches, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-        "grad_sqnorm": record.grad_sqnorm, "grad_trace_cov": record.grad_trace_cov,
-        "b_noise": record.b_noise, "b_noise_rel_err": record.b_noise_rel_err,
-        "tokens_per_s": tokens_per_s, "skipped": record.skipped,
-        "mfu": None, "peak_memory_bytes": None,
+        "step": record.step,
+        "samples": record.samples,
+        "tokens": record.tokens,
+        "wall_s": wall_s,
+        "step_s": record.step_s,
+        "loss": record.loss,
+        "lr": record.lr,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "num_microbatches": plan.num_microbatches,
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "grad_sqnorm": record.grad_sqnorm,
+        "grad_trace_cov": record.grad_trace_cov,
+        "b_noise": record.b_noise,
+        "b_noise_rel_err": record.b_noise_rel_err,
+        "tokens_per_s": tokens_per_s,
+        "skipped": record.skipped,
+        "mfu": None,
+        "peak_memory_bytes": None,
     }
     row.update(extra)
     return row
@@ -117,13 +159,21 @@ class RunWriter:
     The progress bar counts steps when `total_steps` > 0, else tokens when `total_tokens` > 0; it
     is shown only when `progress` is true and stderr is a terminal."""
 
-    def __init__(self, run_dir: str | Path, rank0: bool = True, tensorboard: bool = False,
-                 progress: bool = False, total_steps: int = 0, total_tokens: int = 0,
-                 wall_offset_s: float | None = None, progress_interval_s: float = 30.0,
-                 trackers: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        rank0: bool = True,
+        tensorboard: bool = False,
+        progress: bool = False,
+        total_steps: int = 0,
+        total_tokens: int = 0,
+        wall_offset_s: float | None = None,
+        progress_interval_s: float = 30.0,
+        trackers: list[Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.rank0 = rank0
-        if wall_offset_s is None:   # a resumed run continues the clock of its metrics.jsonl
+        if wall_offset_s is None:  # a resumed run continues the clock of its metrics.jsonl
             wall_offset_s = last_wall_s(self.run_dir / "metrics.jsonl") if rank0 else 0.0
         self._t0 = time.monotonic() - wall_offset_s
         self._files: dict[str, Any] = {}
@@ -133,12 +183,12 @@ class RunWriter:
         self._bar_pos = 0
         self.last_step: dict[str, Any] | None = None
         self.last_eval: dict[str, Any] | None = None
-        self.batch_timeline: list[dict[str, Any]] = []   # each change of global/micro batch
-        self.plan_timeline: list[dict[str, Any]] = []    # each change of (dp, tp, pp)
-        self.switches: list[dict[str, Any]] = []         # decisions with their measured cost
+        self.batch_timeline: list[dict[str, Any]] = []  # each change of global/micro batch
+        self.plan_timeline: list[dict[str, Any]] = []  # each change of (dp, tp, pp)
+        self.switches: list[dict[str, Any]] = []  # decisions with their measured cost
         self.first_step: int | None = None
         self._totals = (total_steps, total_tokens)
-        self._plain_every_s: float | None = None   # plain progress lines (no usable terminal)
+        self._plain_every_s: float | None = None  # plain progress lines (no usable terminal)
         self._plain_last = -math.inf
         if not rank0:
             return
@@ -147,7 +197,7 @@ class RunWriter:
             from torch.utils.tensorboard import SummaryWriter  # lazy: heavy import
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-        if trackers:   # W&B / MLflow get what TensorBoard gets (runtime/state/trackers.py)
+        if trackers:  # W&B / MLflow get what TensorBoard gets (runtime/state/trackers.py)
             from copus.runtime.state.trackers import with_trackers
 
             self._tb = with_trackers(self._tb, trackers)
@@ -157,8 +207,14 @@ class RunWriter:
             from tqdm import tqdm
 
             total = total_steps if total_steps > 0 else (total_tokens or None)
-            self._bar = tqdm(total=total, unit=self._bar_unit, unit_scale=self._bar_unit == "token",
-                             leave=True, file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total,
+                unit=self._bar_unit,
+                unit_scale=self._bar_unit == "token",
+                leave=True,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
     # ----------------------------------------------------------------------------------- files
 
@@ -191,8 +247,9 @@ class RunWriter:
         marked = sum(supersede_jsonl(self.run_dir / name, step) for name in LOG_FILES)
         self._t0 = time.monotonic() - last_wall_s(self.run_dir / "metrics.jsonl")
         if marked:
-            self.console(f"copus: resume from step {step}: {marked} log rows written after "
-                         "that checkpoint are marked superseded")
+            self.console(
+                f"copus: resume from step {step}: {marked} log rows written after that checkpoint are marked superseded"
+            )
         return marked
 
     def wall_s(self) -> float:
@@ -223,13 +280,13 @@ class RunWriter:
         tmp.write_text(config, encoding="utf-8")
         tmp.replace(self.run_dir / "config.toml")
 
-    def log_step(self, record: StepRecord, wall_s: float | None = None,
-                 tokens_per_s: float | None = None, **extra: Any) -> dict[str, Any] | None:
+    def log_step(
+        self, record: StepRecord, wall_s: float | None = None, tokens_per_s: float | None = None, **extra: Any
+    ) -> dict[str, Any] | None:
         """Append one metrics.jsonl line (extra keys allowed), TensorBoard, progress bar."""
         if not self.rank0:
             return None
-        row = step_row(record, self.wall_s() if wall_s is None else wall_s, tokens_per_s,
-                       **extra)
+        row = step_row(record, self.wall_s() if wall_s is None else wall_s, tokens_per_s, **extra)
         self._append("metrics.jsonl", row)
         self._track_timelines(row)
         if self._tb is not None:
@@ -248,14 +305,13 @@ class RunWriter:
         batch = (row["global_batch_size"], row["micro_batch_size"])
         last = self.batch_timeline[-1] if self.batch_timeline else None
         if last is None or (last["global_batch_size"], last["micro_batch_size"]) != batch:
-            self.batch_timeline.append({k: row[k] for k in ("step", "tokens", "wall_s",
-                                                            "global_batch_size",
-                                                            "micro_batch_size")})
+            self.batch_timeline.append(
+                {k: row[k] for k in ("step", "tokens", "wall_s", "global_batch_size", "micro_batch_size")}
+            )
         layout = (row["dp"], row["tp"], row["pp"])
         last = self.plan_timeline[-1] if self.plan_timeline else None
         if last is None or (last["dp"], last["tp"], last["pp"]) != layout:
-            self.plan_timeline.append({k: row[k] for k in ("step", "tokens", "wall_s", "dp",
-                                                           "tp", "pp")})
+            self.plan_timeline.append({k: row[k] for k in ("step", "tokens", "wall_s", "dp", "tp", "pp")})
 
     def _advance_bar(self, row: dict[str, Any]) -> None:
         if self._bar is None:
@@ -263,7 +319,9 @@ class RunWriter:
         self._bar.set_postfix_str(
             f"loss {_fmt(row['loss'], '.4f')} | {_fmt(row['tokens_per_s'], ',.0f')} tok/s | "
             f"B {row['global_batch_size']} {row_layout(row)} "
-            f"| b_noise {_fmt(row['b_noise'], '.1f')}{_perf_text(row, ' | ')}", refresh=False)
+            f"| b_noise {_fmt(row['b_noise'], '.1f')}{_perf_text(row, ' | ')}",
+            refresh=False,
+        )
         pos = row["step"] if self._bar_unit == "step" else row["tokens"]
         self._bar.update(max(0, pos - self._bar_pos))
         self._bar_pos = pos
@@ -278,32 +336,63 @@ class RunWriter:
         self._plain_last = now
         self.console(progress_line(row, *self._totals))
 
-    def log_eval(self, step: int, val_loss: float, *, samples: int = 0, tokens: int = 0,
-                 wall_s: float | None = None, **extra: Any) -> None:
+    def log_eval(
+        self,
+        step: int,
+        val_loss: float,
+        *,
+        samples: int = 0,
+        tokens: int = 0,
+        wall_s: float | None = None,
+        **extra: Any,
+    ) -> None:
         """Append one eval.jsonl line: step, samples, tokens, wall_s, val_loss (+ extra)."""
         if not self.rank0:
             return
-        row = {"step": step, "samples": samples, "tokens": tokens,
-               "wall_s": self.wall_s() if wall_s is None else wall_s, "val_loss": val_loss,
-               **extra}
+        row = {
+            "step": step,
+            "samples": samples,
+            "tokens": tokens,
+            "wall_s": self.wall_s() if wall_s is None else wall_s,
+            "val_loss": val_loss,
+            **extra,
+        }
         self._append("eval.jsonl", row)
         if self._tb is not None and math.isfinite(val_loss):
             self._tb.add_scalar("eval/val_loss", val_loss, step)
         self.console(f"copus: step {step}: val_loss {_fmt(val_loss, '.4f')}")
         self.last_eval = row
 
-    def log_decision(self, decision: Decision, *, switch_s: float | None = None,
-                     wall_s: float | None = None, **extra: Any) -> None:
+    def log_decision(
+        self, decision: Decision, *, switch_s: float | None = None, wall_s: float | None = None, **extra: Any
+    ) -> None:
         """Append one decisions.jsonl line: Decision.to_dict() + wall_s + measured switch cost
         (`switch_s`, seconds the batch change or reconfiguration took, None if not measured)."""
         if not self.rank0:
             return
-        row = {**decision.to_dict(), "wall_s": self.wall_s() if wall_s is None else wall_s,
-               "switch_s": switch_s, **extra}
+        row = {
+            **decision.to_dict(),
+            "wall_s": self.wall_s() if wall_s is None else wall_s,
+            "switch_s": switch_s,
+            **extra,
+        }
         self._append("decisions.jsonl", row)
-        self.switches.append({k: row[k] for k in ("step", "kind", "dp", "tp", "pp",
-                                                  "micro_batch_size", "global_batch_size",
-                                                  "switch_s", "reason")})
+        self.switches.append(
+            {
+                k: row[k]
+                for k in (
+                    "step",
+                    "kind",
+                    "dp",
+                    "tp",
+                    "pp",
+                    "micro_batch_size",
+                    "global_batch_size",
+                    "switch_s",
+                    "reason",
+                )
+            }
+        )
         if self._tb is not None and switch_s is not None:
             self._tb.add_scalar(f"switch/{decision.kind}_s", switch_s, decision.step)
 
@@ -321,13 +410,16 @@ class RunWriter:
             return {}
         last = self.last_step or {}
         data = {
-            "steps": last.get("step", 0), "samples": last.get("samples", 0),
+            "steps": last.get("step", 0),
+            "samples": last.get("samples", 0),
             "tokens": last.get("tokens", 0),
             "wall_s": self.wall_s() if wall_s is None else wall_s,
-            "final_loss": last.get("loss"), "final_lr": last.get("lr"),
+            "final_loss": last.get("loss"),
+            "final_lr": last.get("lr"),
             "final_val_loss": (self.last_eval or {}).get("val_loss"),
             "final_b_noise": last.get("b_noise"),
-            "batch_timeline": self.batch_timeline, "plan_timeline": self.plan_timeline,
+            "batch_timeline": self.batch_timeline,
+            "plan_timeline": self.plan_timeline,
             "switches": self.switches,
             "switch_s_total": sum(s["switch_s"] or 0.0 for s in self.switches),
             **extra,
@@ -377,22 +469,28 @@ def usable_terminal() -> bool:
 
 def row_layout(row: dict[str, Any]) -> str:
     """A metrics row's plan in the canonical spelling (`core.plan.layout_name`)."""
-    return layout_name(row["dp"], row["tp"], row["pp"], row["micro_batch_size"],
-                       row.get("num_microbatches"))
+    return layout_name(row["dp"], row["tp"], row["pp"], row["micro_batch_size"], row.get("num_microbatches"))
 
 
 def progress_line(row: dict[str, Any], total_steps: int = 0, total_tokens: int = 0) -> str:
     """The plain progress line: step, tokens (and % of the run), loss, throughput, plan."""
-    done = (f" ({row['tokens'] / total_tokens:.0%})" if total_tokens > 0 else
-            f" ({row['step'] / total_steps:.0%})" if total_steps > 0 else "")
-    return (f"copus: step {row['step']}, {row['tokens']:,} tokens{done}, loss "
-            f"{_fmt(row['loss'], '.4f')}, {_fmt(row['tokens_per_s'], ',.0f')} tokens/s, "
-            f"B {row['global_batch_size']} {row_layout(row)}{_perf_text(row, ', ')}, "
-            f"{_fmt(row['wall_s'], '.0f')} s")
+    done = (
+        f" ({row['tokens'] / total_tokens:.0%})"
+        if total_tokens > 0
+        else f" ({row['step'] / total_steps:.0%})"
+        if total_steps > 0
+        else ""
+    )
+    return (
+        f"copus: step {row['step']}, {row['tokens']:,} tokens{done}, loss "
+        f"{_fmt(row['loss'], '.4f')}, {_fmt(row['tokens_per_s'], ',.0f')} tokens/s, "
+        f"B {row['global_batch_size']} {row_layout(row)}{_perf_text(row, ', ')}, "
+        f"{_fmt(row['wall_s'], '.0f')} s"
+    )
 
 
 def _perf_text(row: dict[str, Any], sep: str) -> str:
-    """"MFU 41.2%" and "peak 37.9 GiB" when the row has them ("" otherwise)."""
+    """ "MFU 41.2%" and "peak 37.9 GiB" when the row has them ("" otherwise)."""
     parts = []
     if isinstance(row.get("mfu"), (int, float)) and math.isfinite(row["mfu"]):
         parts.append(f"MFU {row['mfu']:.1%}")
@@ -416,8 +514,12 @@ def supersede_jsonl(path: Path, step: int) -> int:
         except (json.JSONDecodeError, UnicodeDecodeError):
             changed = changed or bool(line.strip())
             continue
-        if (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
-                and not row.get("superseded")):
+        if (
+            isinstance(row, dict)
+            and isinstance(row.get("step"), int)
+            and row["step"] > step
+            and not row.get("superseded")
+        ):
             row["superseded"] = True
             marked += 1
             out.append(json_line(row).encode())
@@ -443,13 +545,18 @@ def summary_text(s: dict[str, Any]) -> str:
         f"  final loss {_fmt(s['final_loss'], '.4f')}, val loss {_fmt(s['final_val_loss'], '.4f')}"
         f", b_noise {_fmt(s['final_b_noise'], '.1f')}"
         + (f" ({s['val_note']})" if s.get("val_note") and s["final_val_loss"] is None else ""),
-        "  batch: " + (" -> ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})"
-                                   f"@{b['step']}" for b in s["batch_timeline"]) or "-"),
-        "  plans: " + (" -> ".join(f"{layout_name(p['dp'], p['tp'], p['pp'])}@{p['step']}"
-                                   for p in s["plan_timeline"]) or "-"),
+        "  batch: "
+        + (
+            " -> ".join(f"{b['global_batch_size']}(mb{b['micro_batch_size']})@{b['step']}" for b in s["batch_timeline"])
+            or "-"
+        ),
+        "  plans: "
+        + (" -> ".join(f"{layout_name(p['dp'], p['tp'], p['pp'])}@{p['step']}" for p in s["plan_timeline"]) or "-"),
     ]
     for sw in s["switches"]:
-        lines.append(f"  switch @{sw['step']}: {sw['kind']} -> "
-                     f"{layout_name(sw['dp'], sw['tp'], sw['pp'], sw['micro_batch_size'])} "
-                     f"B={sw['global_batch_size']}, cost {_fmt(sw['switch_s'], '.2f')} s")
+        lines.append(
+            f"  switch @{sw['step']}: {sw['kind']} -> "
+            f"{layout_name(sw['dp'], sw['tp'], sw['pp'], sw['micro_batch_size'])} "
+            f"B={sw['global_batch_size']}, cost {_fmt(sw['switch_s'], '.2f')} s"
+        )
     return "\n".join(lines) + "\n"

@@ -64,35 +64,36 @@ _PHASES = ("stage_s", "teardown_s", "build_s", "load_s", "plan_s", "move_s")
 class SwitchReport:
     """One layout switch, identical on every rank (times and memory: maximum over ranks)."""
 
-    method: str                # "direct" | "in-process" (DCP staging) | "checkpoint"
+    method: str  # "direct" | "in-process" (DCP staging) | "checkpoint"
     old_plan: str
     new_plan: str
-    wall_s: float              # the whole switch, first rank in to last rank out
-    stage_s: float = 0.0       # state dicts + DCP save into the staging folder
-    teardown_s: float = 0.0    # free the old layout's tensors, close the old engine
-    build_s: float = 0.0       # new mesh (cached), model, wrappers, optimizer
-    load_s: float = 0.0        # DCP load (reshard) + set_state_dict
-    plan_s: float = 0.0        # direct: describe both layouts (digests + distinct descriptions) + this rank's plan
-    move_s: float = 0.0        # direct: materialise new shards, exchange, free old shards
-    staged_bytes: int = 0      # size of the staged state, all ranks together
-    staging: str = ""          # "shm" (RAM) | "disk"
-    rss_before_mb: float = 0.0     # resident memory when the switch started
-    rss_peak_mb: float = 0.0       # peak resident memory during the switch (VmHWM)
-    device_peak_mb: float = 0.0    # CUDA: peak allocated during the switch; 0 on CPU
-    fallback_reason: str = ""      # why the direct path did not apply (then DCP staging ran)
-    moved_bytes: int = 0           # direct: bytes sent to another rank, all ranks together
-    local_bytes: int = 0           # direct: bytes copied within a rank, all ranks together
-    buckets: int = 0               # direct: groups of parameters moved one after another
-    collectives: int = 0           # direct: all_to_all_single calls
-    cap_bytes: int = 0             # direct: bucket limit (one parameter with its moments)
-    state_mb: float = 0.0          # direct: max over ranks of max(old, new) moved state, MiB
-    state_peak_mb: float = 0.0     # direct: max over ranks of the moved state held at once
+    wall_s: float  # the whole switch, first rank in to last rank out
+    stage_s: float = 0.0  # state dicts + DCP save into the staging folder
+    teardown_s: float = 0.0  # free the old layout's tensors, close the old engine
+    build_s: float = 0.0  # new mesh (cached), model, wrappers, optimizer
+    load_s: float = 0.0  # DCP load (reshard) + set_state_dict
+    plan_s: float = 0.0  # direct: describe both layouts (digests + distinct descriptions) + this rank's plan
+    move_s: float = 0.0  # direct: materialise new shards, exchange, free old shards
+    staged_bytes: int = 0  # size of the staged state, all ranks together
+    staging: str = ""  # "shm" (RAM) | "disk"
+    rss_before_mb: float = 0.0  # resident memory when the switch started
+    rss_peak_mb: float = 0.0  # peak resident memory during the switch (VmHWM)
+    device_peak_mb: float = 0.0  # CUDA: peak allocated during the switch; 0 on CPU
+    fallback_reason: str = ""  # why the direct path did not apply (then DCP staging ran)
+    moved_bytes: int = 0  # direct: bytes sent to another rank, all ranks together
+    local_bytes: int = 0  # direct: bytes copied within a rank, all ranks together
+    buckets: int = 0  # direct: groups of parameters moved one after another
+    collectives: int = 0  # direct: all_to_all_single calls
+    cap_bytes: int = 0  # direct: bucket limit (one parameter with its moments)
+    state_mb: float = 0.0  # direct: max over ranks of max(old, new) moved state, MiB
+    state_peak_mb: float = 0.0  # direct: max over ranks of the moved state held at once
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 # ------------------------------------------------------------------------------------ memory
+
 
 def _status_kb(field: str) -> float:
     """A `VmRSS`/`VmHWM` line of /proc/self/status in kB (0 where /proc is unavailable)."""
@@ -125,6 +126,7 @@ def peak_rss_mb() -> float:
 
 
 # ------------------------------------------------------------------------------------ helpers
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -214,8 +216,9 @@ def state_bytes(*state_dicts: dict) -> int:
     return total
 
 
-def make_stage_dir(fallback_root: str | Path | None, device: torch.device,
-                   prefer_shm: bool = True, local_bytes: int = 0) -> tuple[Path, str]:
+def make_stage_dir(
+    fallback_root: str | Path | None, device: torch.device, prefer_shm: bool = True, local_bytes: int = 0
+) -> tuple[Path, str]:
     """A staging folder that EVERY rank sees, with room for every rank's `local_bytes`
     (+10 % + 16 MiB): (path, "shm" | "disk"). Collective.
 
@@ -227,7 +230,8 @@ def make_stage_dir(fallback_root: str | Path | None, device: torch.device,
     need = int(total * 1.1) + (16 << 20)
     roots = ([(SHM_ROOT, "shm")] if prefer_shm and SHM_ROOT.is_dir() else []) + [
         (Path(fallback_root), "disk") if fallback_root is not None else (None, "disk"),
-        (Path(tempfile.gettempdir()), "disk")]
+        (Path(tempfile.gettempdir()), "disk"),
+    ]
     for root, kind in roots:
         path = _broadcast(_try_mkdtemp(root, need) if _rank() == 0 else None)
         seen = bool(path) and os.path.isdir(path)
@@ -235,17 +239,18 @@ def make_stage_dir(fallback_root: str | Path | None, device: torch.device,
             return Path(path), kind
         if _rank() == 0 and path:
             shutil.rmtree(path, ignore_errors=True)
-    raise ValueError(f"fallback_root={fallback_root!r}: no staging folder with {need} bytes "
-                     "free is visible to every rank; allowed: a folder on a file system shared "
-                     "by all nodes")
+    raise ValueError(
+        f"fallback_root={fallback_root!r}: no staging folder with {need} bytes "
+        "free is visible to every rank; allowed: a folder on a file system shared "
+        "by all nodes"
+    )
 
 
 def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def release_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> tuple[int, int]:
+def release_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
     """Free the memory of `model`'s parameters, gradients and buffers and of `optimizer`'s state
     now, by resizing their storages to 0 (shared storages once).
 
@@ -303,27 +308,47 @@ class _Meter:
         self.last = now
         self.rss_seen = max(self.rss_seen, rss_mb())
 
-    def report(self, method: str, old: ParallelPlan, new: ParallelPlan, staged_bytes: int,
-               staging: str, *, sums: dict[str, float] | None = None,
-               maxes: dict[str, float] | None = None, **extra: Any) -> SwitchReport:
+    def report(
+        self,
+        method: str,
+        old: ParallelPlan,
+        new: ParallelPlan,
+        staged_bytes: int,
+        staging: str,
+        *,
+        sums: dict[str, float] | None = None,
+        maxes: dict[str, float] | None = None,
+        **extra: Any,
+    ) -> SwitchReport:
         """Reduce this rank's figures: times and memory (and `maxes`) by MAX, bytes (and
         `sums`) by SUM over ranks; `extra` fields are taken as they are (same on every rank)."""
         sums, maxes = dict(sums or {}), dict(maxes or {})
         wall = time.perf_counter() - self.t0
         peak = max(self.rss_seen, peak_rss_mb() if self.shared_peak else 0.0)
-        dev_peak = (torch.cuda.max_memory_allocated(self.device) / 2**20
-                    if self.device.type == "cuda" else 0.0)
-        mx = _allreduce([wall, *self.phases.values(), self.rss_before, peak, dev_peak,
-                         *maxes.values()], dist.ReduceOp.MAX, self.device)
+        dev_peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
+        mx = _allreduce(
+            [wall, *self.phases.values(), self.rss_before, peak, dev_peak, *maxes.values()],
+            dist.ReduceOp.MAX,
+            self.device,
+        )
         sm = _allreduce([float(staged_bytes), *sums.values()], dist.ReduceOp.SUM, self.device)
         n = len(_PHASES)
-        fields = dict(zip(_PHASES, mx[1:1 + n], strict=True))
-        fields.update(zip(maxes, mx[4 + n:], strict=True))
+        fields = dict(zip(_PHASES, mx[1 : 1 + n], strict=True))
+        fields.update(zip(maxes, mx[4 + n :], strict=True))
         fields.update({k: int(v) for k, v in zip(sums, sm[1:], strict=True)})
-        return SwitchReport(method=method, old_plan=old.describe(), new_plan=new.describe(),
-                            wall_s=mx[0], staged_bytes=int(sm[0]), staging=staging,
-                            rss_before_mb=mx[1 + n], rss_peak_mb=mx[2 + n],
-                            device_peak_mb=mx[3 + n], **fields, **extra)
+        return SwitchReport(
+            method=method,
+            old_plan=old.describe(),
+            new_plan=new.describe(),
+            wall_s=mx[0],
+            staged_bytes=int(sm[0]),
+            staging=staging,
+            rss_before_mb=mx[1 + n],
+            rss_peak_mb=mx[2 + n],
+            device_peak_mb=mx[3 + n],
+            **fields,
+            **extra,
+        )
 
 
 # ------------------------------------------------------------------------------------ switches
@@ -331,9 +356,16 @@ class _Meter:
 ENGINE_PATHS = ("auto", "direct", "dcp")
 
 
-def switch_engine(engine, plan: ParallelPlan, build: Callable[..., Any], *,
-                  fallback_root: str | Path | None = None, prefer_shm: bool = True,
-                  path: str = "auto", cap_bytes: int | None = None) -> tuple[Any, SwitchReport]:
+def switch_engine(
+    engine,
+    plan: ParallelPlan,
+    build: Callable[..., Any],
+    *,
+    fallback_root: str | Path | None = None,
+    prefer_shm: bool = True,
+    path: str = "auto",
+    cap_bytes: int | None = None,
+) -> tuple[Any, SwitchReport]:
     """Move `engine`'s model and optimizer state into a new engine for `plan`, in place.
 
     Collective: every rank calls it at the same optimizer-step boundary with the same `plan`.
@@ -350,8 +382,10 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[..., Any], *,
         raise ValueError(f"path={path!r} is invalid; allowed: {', '.join(ENGINE_PATHS)}")
     old_plan, device = engine.plan, engine.device
     if plan.layout == old_plan.layout:
-        raise ValueError(f"switch_engine: layout {plan.layout} is unchanged; allowed: a new "
-                         "(dp, tp, pp) (same layout: Engine.set_plan)")
+        raise ValueError(
+            f"switch_engine: layout {plan.layout} is unchanged; allowed: a new "
+            "(dp, tp, pp) (same layout: Engine.set_plan)"
+        )
     meter = _Meter(device)
     rng = _capture_rng(device)
     reason = ""
@@ -370,25 +404,31 @@ def switch_engine(engine, plan: ParallelPlan, build: Callable[..., Any], *,
             _teardown(engine, device)
             meter.lap("teardown_s")
             _restore_rng(rng, device)
-            mib = 2.0 ** 20
+            mib = 2.0**20
             return new, meter.report(
-                "direct", old_plan, plan, 0, "",
+                "direct",
+                old_plan,
+                plan,
+                0,
+                "",
                 sums={"moved_bytes": stats.bytes_sent, "local_bytes": stats.bytes_local},
-                maxes={"state_mb": max(stats.old_bytes, stats.new_bytes) / mib,
-                       "state_peak_mb": stats.tracked_peak_bytes / mib},
-                buckets=stats.buckets, collectives=stats.collectives, cap_bytes=stats.cap_bytes)
+                maxes={
+                    "state_mb": max(stats.old_bytes, stats.new_bytes) / mib,
+                    "state_peak_mb": stats.tracked_peak_bytes / mib,
+                },
+                buckets=stats.buckets,
+                collectives=stats.collectives,
+                cap_bytes=stats.cap_bytes,
+            )
         if path == "direct":
-            raise ValueError(f"path='direct' cannot apply: {stats}; allowed: path='auto' or "
-                             "'dcp'")
+            raise ValueError(f"path='direct' cannot apply: {stats}; allowed: path='auto' or 'dcp'")
         reason = stats
         new.close()
         del new
         meter.lap("plan_s")
-    new, staged, staging = _switch_through_dcp(engine, plan, build, meter, fallback_root,
-                                               prefer_shm)
+    new, staged, staging = _switch_through_dcp(engine, plan, build, meter, fallback_root, prefer_shm)
     _restore_rng(rng, device)
-    return new, meter.report("in-process", old_plan, plan, staged, staging,
-                             fallback_reason=reason)
+    return new, meter.report("in-process", old_plan, plan, staged, staging, fallback_reason=reason)
 
 
 def _teardown(engine, device: torch.device) -> None:
@@ -396,32 +436,37 @@ def _teardown(engine, device: torch.device) -> None:
     _, stuck = release_tensors(engine.model, engine.optimizer)
     engine.close()
     if stuck:
-        gc.collect()          # some storages could not be shrunk: free them the slow way
+        gc.collect()  # some storages could not be shrunk: free them the slow way
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _switch_through_dcp(engine, plan: ParallelPlan, build: Callable[..., Any], meter: _Meter,
-                        fallback_root: str | Path | None, prefer_shm: bool
-                        ) -> tuple[Any, int, str]:
+def _switch_through_dcp(
+    engine,
+    plan: ParallelPlan,
+    build: Callable[..., Any],
+    meter: _Meter,
+    fallback_root: str | Path | None,
+    prefer_shm: bool,
+) -> tuple[Any, int, str]:
     """Stage → teardown → build → load through a DCP folder; (new engine, bytes, staging)."""
     device = engine.device
     model_sd, optim_sd = engine.state_dicts()
-    stage, staging = make_stage_dir(fallback_root, device, prefer_shm,
-                                    state_bytes(model_sd, optim_sd))
-    dcp.save({"model": model_sd, "optim": optim_sd},
-             storage_writer=dcp.FileSystemWriter(stage, sync_files=False))   # scratch: no fsync
-    staged = _folder_bytes(stage) if _rank() == 0 else 0   # rank 0 sees every rank's files
+    stage, staging = make_stage_dir(fallback_root, device, prefer_shm, state_bytes(model_sd, optim_sd))
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(stage, sync_files=False)
+    )  # scratch: no fsync
+    staged = _folder_bytes(stage) if _rank() == 0 else 0  # rank 0 sees every rank's files
     del model_sd, optim_sd
     meter.lap("stage_s")
     _teardown(engine, device)
     del engine
     meter.lap("teardown_s")
-    new = build(plan, init=False)      # the staged state fills every parameter
+    new = build(plan, init=False)  # the staged state fills every parameter
     meter.lap("build_s")
     model_sd, optim_sd = new.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(stage), no_dist=True)   # every rank plans its own reads
+    dcp.load(state, checkpoint_id=str(stage), no_dist=True)  # every rank plans its own reads
     new.load_state(state["model"], state["optim"])
     del state, model_sd, optim_sd
     meter.lap("load_s")
@@ -431,8 +476,9 @@ def _switch_through_dcp(engine, plan: ParallelPlan, build: Callable[..., Any], m
     return new, staged, staging
 
 
-def timed_switch(method: str, old: ParallelPlan, new: ParallelPlan, device: torch.device,
-                 fn: Callable[[], Any]) -> SwitchReport:
+def timed_switch(
+    method: str, old: ParallelPlan, new: ParallelPlan, device: torch.device, fn: Callable[[], Any]
+) -> SwitchReport:
     """Run another switch implementation (`fn`, collective) and report its wall time and memory
     the same way, e.g. the trainer's `reconfigure_through_checkpoint` (method "checkpoint")."""
     if method not in SWITCH_METHODS:

@@ -73,21 +73,22 @@ class MoveStats:
     describe_s: float
     move_s: float
     finish_s: float
-    bytes_sent: int           # to other ranks
+    bytes_sent: int  # to other ranks
     bytes_received: int
-    bytes_local: int          # copied within this rank (owner unchanged)
+    bytes_local: int  # copied within this rank (owner unchanged)
     buckets: int
-    collectives: int          # all_to_all_single calls (all ranks make the same ones)
-    cap_bytes: int            # bucket size limit
-    old_bytes: int            # this rank's moved state under the old layout
-    new_bytes: int            # ... under the new layout
-    tracked_peak_bytes: int   # max over the switch of the moved state this rank held
+    collectives: int  # all_to_all_single calls (all ranks make the same ones)
+    cap_bytes: int  # bucket size limit
+    old_bytes: int  # this rank's moved state under the old layout
+    new_bytes: int  # ... under the new layout
+    tracked_peak_bytes: int  # max over the switch of the moved state this rank held
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 # ------------------------------------------------------------------------------------ describe
+
 
 def _placement(p) -> tuple:
     if isinstance(p, _StridedShard):
@@ -103,11 +104,9 @@ def _box(t: DTensor) -> Box:
     """This rank's box of DTensor `t`, checked against its local shape."""
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
-    box = local_box(tuple(t.shape), tuple(mesh.shape), tuple(coord),
-                    [_placement(p) for p in t.placements])
+    box = local_box(tuple(t.shape), tuple(mesh.shape), tuple(coord), [_placement(p) for p in t.placements])
     if tuple(hi - lo for lo, hi in box) != tuple(t.to_local().shape):
-        raise UnsupportedLayout(f"computed shard {box} does not match the local shape "
-                                f"{tuple(t.to_local().shape)}")
+        raise UnsupportedLayout(f"computed shard {box} does not match the local shape {tuple(t.to_local().shape)}")
     return box
 
 
@@ -117,7 +116,7 @@ def _layout(t: DTensor, meshes: dict) -> Layout:
     m = meshes.get(id(mesh))
     if m is None:
         m = meshes[id(mesh)] = (mesh, Mesh(tuple(mesh.shape), mesh.mesh.flatten().tolist()))
-    _box(t)   # the arithmetic agrees with the local shape
+    _box(t)  # the arithmetic agrees with the local shape
     return Layout(tuple(t.shape), m[1], tuple(_placement(p) for p in t.placements))
 
 
@@ -137,15 +136,24 @@ def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
             moved, scalars = [], {}
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             for key, v in state.items():
-                if isinstance(v, DTensor) and v.shape == p.shape and \
-                        v.placements == p.placements and v.dtype == p.dtype:
+                if (
+                    isinstance(v, DTensor)
+                    and v.shape == p.shape
+                    and v.placements == p.placements
+                    and v.dtype == p.dtype
+                ):
                     moved.append(key)
-                elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and \
-                        v.ndim == 0 and str(v.dtype) in _SCALAR_DTYPES:
+                elif (
+                    isinstance(v, torch.Tensor)
+                    and not isinstance(v, DTensor)
+                    and v.ndim == 0
+                    and str(v.dtype) in _SCALAR_DTYPES
+                ):
                     scalars[key] = (v.item(), str(v.dtype), v.device.type)
                 else:
-                    raise UnsupportedLayout(f"optimizer state {name}.{key} is neither shaped "
-                                            "like the parameter nor a scalar")
+                    raise UnsupportedLayout(
+                        f"optimizer state {name}.{key} is neither shaped like the parameter nor a scalar"
+                    )
             out[name] = (_layout(p, meshes), str(p.dtype), tuple(moved), scalars, tuple(state))
     except UnsupportedLayout as err:
         return {"params": {}, "problem": str(err)}
@@ -185,10 +193,10 @@ _SCALAR_DTYPES = {**_DTYPES, **{str(d): d for d in (torch.int64, torch.int32)}}
 
 @dataclass
 class _Plan:
-    names: list[str]                      # memory order (the same on every rank)
-    pieces: dict[str, list[Piece]]        # this rank's: it sends or receives each one
-    info: dict[str, tuple]                # name -> (shape, dtype, moved keys, scalars, key order)
-    old_box: dict[str, dict[int, Box]]    # name -> {this rank: its old box} when it holds one
+    names: list[str]  # memory order (the same on every rank)
+    pieces: dict[str, list[Piece]]  # this rank's: it sends or receives each one
+    info: dict[str, tuple]  # name -> (shape, dtype, moved keys, scalars, key order)
+    old_box: dict[str, dict[int, Box]]  # name -> {this rank: its old box} when it holds one
     new_box: dict[str, dict[int, Box]]
     groups: list[list[str]]
     cap: int
@@ -222,8 +230,7 @@ def _layouts(descs: list[dict], info: dict | None) -> tuple[list[str], dict, dic
     return names, info, {k: tuple(v) for k, v in lay.items()}
 
 
-def make_plan(old_descs: list[dict], new_descs: list[dict], me: int, world: int,
-              cap: int | None) -> _Plan | str:
+def make_plan(old_descs: list[dict], new_descs: list[dict], me: int, world: int, cap: int | None) -> _Plan | str:
     """This rank's part of the switch from the distinct descriptions (`share`): the same names
     order and buckets on every rank, the pieces `me` sends or receives, or why it cannot be."""
     found = _layouts(old_descs, None)
@@ -249,7 +256,7 @@ def make_plan(old_descs: list[dict], new_descs: list[dict], me: int, world: int,
             box = box_of(lay, me)
             boxes[name] = {} if box is None else {me: box}
         try:
-            pieces[name] = (rank_pieces(old, new, me) if old_box[name] or new_box[name] else [])
+            pieces[name] = rank_pieces(old, new, me) if old_box[name] or new_box[name] else []
         except UnsupportedLayout as err:
             return f"{name}: {err}"
         per = (1 + len(moved)) * _DTYPES[dtype].itemsize
@@ -266,6 +273,7 @@ def make_plan(old_descs: list[dict], new_descs: list[dict], me: int, world: int,
 
 
 # ------------------------------------------------------------------------------------ move
+
 
 def _rel(box: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, within, strict=True))
@@ -328,8 +336,7 @@ class _Mover:
         plan, me = self.plan, self.rank
         keys = {n: plan.info[n][2] for n in names}
         dst_t = {n: self._materialise(n) for n in names if me in plan.new_box[n]}
-        src_t = {n: _locals(self.old.model, self.old.optimizer, n, keys[n])
-                 for n in names if me in plan.old_box[n]}
+        src_t = {n: _locals(self.old.model, self.old.optimizer, n, keys[n]) for n in names if me in plan.old_box[n]}
         for dtype in sorted({plan.info[n][1] for n in names}):
             group = [n for n in names if plan.info[n][1] == dtype]
             self._exchange(group, src_t, dst_t, _DTYPES[dtype])
@@ -342,8 +349,7 @@ class _Mover:
         plan, me = self.plan, self.rank
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         recv_counts = [0] * self.world
-        unpack: list[list[tuple[list[torch.Tensor], tuple[slice, ...]]]] = [
-            [] for _ in range(self.world)]
+        unpack: list[list[tuple[list[torch.Tensor], tuple[slice, ...]]]] = [[] for _ in range(self.world)]
         for n in names:
             nt = 1 + len(plan.info[n][2])
             for pc in plan.pieces[n]:
@@ -368,8 +374,7 @@ class _Mover:
         inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.device)
         out = torch.empty(sum(recv_counts), dtype=dtype, device=self.device)
         self._track((inp.numel() + out.numel()) * dtype.itemsize)
-        dist.all_to_all_single(out, inp, output_split_sizes=recv_counts,
-                               input_split_sizes=send_counts)
+        dist.all_to_all_single(out, inp, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         self.collectives += 1
         self.sent += inp.numel() * dtype.itemsize
         self.received += out.numel() * dtype.itemsize
@@ -378,7 +383,7 @@ class _Mover:
             for targets, where in unpack[src]:
                 for d in targets:
                     n = d[where].numel()
-                    d[where].copy_(out[off:off + n].view(d[where].shape))
+                    d[where].copy_(out[off : off + n].view(d[where].shape))
                     off += n
         self._track(-(inp.numel() + out.numel()) * dtype.itemsize)
         del inp, out
@@ -401,8 +406,7 @@ class _Mover:
             if not key_order:
                 continue
             moments = self.new_state.pop(name)
-            opt.state[p] = {k: moments[k] if k in moved else self._scalar(*scalars[k])
-                            for k in key_order}
+            opt.state[p] = {k: moments[k] if k in moved else self._scalar(*scalars[k]) for k in key_order}
         old_groups = self.old.optimizer.param_groups
         if len(old_groups) != len(opt.param_groups):
             raise RuntimeError("direct switch: the new optimizer has other parameter groups")
@@ -421,14 +425,14 @@ def redistribute(old, new, *, cap_bytes: int | None = None) -> MoveStats | str:
     figures, or — identically on every rank, before anything changed — why it cannot apply.
     `old` keeps its (now empty) model and optimizer; the caller closes it."""
     t0 = time.perf_counter()
-    for module in old.model.modules():      # sharded parameters registered (a pipeline stage
+    for module in old.model.modules():  # sharded parameters registered (a pipeline stage
         if isinstance(module, FSDPModule):  # without resharding may hold them gathered)
             module.reshard()
     shared = share(describe(old.model, old.optimizer), describe(new.model, None))
     if isinstance(shared, str):
         return shared
     plan = make_plan(*shared, dist.get_rank(), dist.get_world_size(), cap_bytes)
-    problems: list[Any] = [None] * dist.get_world_size()   # a rank-local refusal: all agree
+    problems: list[Any] = [None] * dist.get_world_size()  # a rank-local refusal: all agree
     dist.all_gather_object(problems, plan if isinstance(plan, str) else "")
     problem = next((p for p in problems if p), "")
     if problem:
@@ -441,9 +445,17 @@ def redistribute(old, new, *, cap_bytes: int | None = None) -> MoveStats | str:
     t2 = time.perf_counter()
     mover.finish()
     t3 = time.perf_counter()
-    return MoveStats(describe_s=t1 - t0, move_s=t2 - t1, finish_s=t3 - t2,
-                     bytes_sent=mover.sent, bytes_received=mover.received,
-                     bytes_local=mover.local, buckets=len(plan.groups),
-                     collectives=mover.collectives, cap_bytes=plan.cap,
-                     old_bytes=mover.old_bytes, new_bytes=mover.new_bytes,
-                     tracked_peak_bytes=mover.peak)
+    return MoveStats(
+        describe_s=t1 - t0,
+        move_s=t2 - t1,
+        finish_s=t3 - t2,
+        bytes_sent=mover.sent,
+        bytes_received=mover.received,
+        bytes_local=mover.local,
+        buckets=len(plan.groups),
+        collectives=mover.collectives,
+        cap_bytes=plan.cap,
+        old_bytes=mover.old_bytes,
+        new_bytes=mover.new_bytes,
+        tracked_peak_bytes=mover.peak,
+    )

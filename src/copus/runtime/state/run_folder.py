@@ -50,8 +50,7 @@ def describe(run_dir: Path) -> str:
     if not state:
         return "a copus run"
     step = f" (step {state['step']})" if isinstance(state.get("step"), int) else ""
-    name = {"running": "a running or crashed run"}.get(state.get("state"),
-                                                         f"a {state.get('state')} run")
+    name = {"running": "a running or crashed run"}.get(state.get("state"), f"a {state.get('state')} run")
     return f"{name}{step}"
 
 
@@ -69,9 +68,10 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, run_id: str | None = Non
     if any((path / name).exists() for name in RUN_FILES):
         saved_id = read_state(path).get("run_id")
         if run_id is not None and saved_id == run_id:
-            return   # the same elastic run, restarted
-        raise ValueError(f"--run-dir {path}: holds {describe(path)}; allowed: --resume to "
-                         "continue it, or a new or empty folder")
+            return  # the same elastic run, restarted
+        raise ValueError(
+            f"--run-dir {path}: holds {describe(path)}; allowed: --resume to continue it, or a new or empty folder"
+        )
     raise ValueError(f"--run-dir {path}: is not empty and holds no copus run; allowed: {ALLOWED}")
 
 

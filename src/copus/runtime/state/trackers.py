@@ -57,8 +57,10 @@ def check_available(log: Any) -> None:
     for name in wanted:
         if importlib.util.find_spec(name) is None:
             value = "true" if name == "wandb" else repr(log.mlflow)
-            raise ValueError(f"log.{name}={value}: the {name} package is not installed; allowed: "
-                             f"pip install '{EXTRAS[name]}', or log.{name}={'false' if name == 'wandb' else repr('')}")
+            raise ValueError(
+                f"log.{name}={value}: the {name} package is not installed; allowed: "
+                f"pip install '{EXTRAS[name]}', or log.{name}={'false' if name == 'wandb' else repr('')}"
+            )
 
 
 def flat_config(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -71,8 +73,13 @@ class WandbTracker:
 
     def __init__(self, log: Any, run_dir: Path, config: dict[str, dict[str, Any]]) -> None:
         self._wandb = importlib.import_module("wandb")
-        kwargs: dict[str, Any] = {"project": log.wandb_project, "name": log.wandb_name or run_dir.name,
-                                  "tags": list(log.wandb_tags), "config": config, "dir": str(run_dir)}
+        kwargs: dict[str, Any] = {
+            "project": log.wandb_project,
+            "name": log.wandb_name or run_dir.name,
+            "tags": list(log.wandb_tags),
+            "config": config,
+            "dir": str(run_dir),
+        }
         if log.wandb_mode:
             kwargs["mode"] = log.wandb_mode
         previous = saved_id(run_dir, "wandb")

@@ -42,6 +42,7 @@ SampleHook = Callable[[np.ndarray], None]
 
 # ------------------------------------------------------------------------------------ plans
 
+
 def branch_plan(base: ParallelPlan, batch: float, world: int, shape) -> ParallelPlan:
     """The plan of global batch `batch` on `base`'s layout: micro_batch_size = the largest
     divisor of batch/dp not above the base's (memory stays bounded). ValueError when no plan
@@ -53,8 +54,7 @@ def branch_plan(base: ParallelPlan, batch: float, world: int, shape) -> Parallel
         raise ValueError(f"global batch {b}: allowed: a multiple of dp={base.dp}")
     per_rank = b // base.dp
     mbs = max(d for d in range(1, min(base.micro_batch_size, per_rank) + 1) if per_rank % d == 0)
-    plan = ParallelPlan(dp=base.dp, tp=base.tp, pp=base.pp, micro_batch_size=mbs,
-                        num_microbatches=per_rank // mbs)
+    plan = ParallelPlan(dp=base.dp, tp=base.tp, pp=base.pp, micro_batch_size=mbs, num_microbatches=per_rank // mbs)
     problems = plan_problems(plan, world, shape)
     if problems:
         raise ValueError(f"global batch {b} on {base.describe()}: {problems[0]}")
@@ -82,6 +82,7 @@ def mark_samples(num_samples: int, batches: Sequence[int], num_marks: int) -> li
 
 # ------------------------------------------------------------------------------------ state
 
+
 @dataclass(slots=True, kw_only=True)
 class StagedState:
     """What a branch can change, copied from the trainer (this rank's shards): the tensors off
@@ -104,10 +105,14 @@ def stage(trainer) -> StagedState:
     anything changes) when the copy does not fit where it is staged."""
     from dataclasses import asdict
 
-    return StagedState(tensors=TensorStage(trainer.engine, trainer.run_dir, trainer.plan.describe()),
-                       progress=asdict(trainer.progress), gns=copy.deepcopy(trainer.gns.state_dict()),
-                       lr=copy.deepcopy(trainer.lr.state_dict()), plan=trainer.plan,
-                       rng=ckpt.rng_state())
+    return StagedState(
+        tensors=TensorStage(trainer.engine, trainer.run_dir, trainer.plan.describe()),
+        progress=asdict(trainer.progress),
+        gns=copy.deepcopy(trainer.gns.state_dict()),
+        lr=copy.deepcopy(trainer.lr.state_dict()),
+        plan=trainer.plan,
+        rng=ckpt.rng_state(),
+    )
 
 
 def restore(trainer, staged: StagedState) -> None:
@@ -125,6 +130,7 @@ def restore(trainer, staged: StagedState) -> None:
 
 
 # ------------------------------------------------------------------------------------ branches
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BranchSpec:
@@ -144,20 +150,29 @@ class BranchResult:
     steps: int
     tokens: int
     mark_tokens: list[int]
-    val_losses: list[float]          # at the marks, same windows for every branch
-    smoothed_loss: float             # EMA(α = 0.5) of val_losses, last value (L_k)
-    train_loss_ema: float            # EMA(α = 0.5) of the per-step training loss, last value
-    seconds: float                   # training + evaluation wall time (slowest rank)
+    val_losses: list[float]  # at the marks, same windows for every branch
+    smoothed_loss: float  # EMA(α = 0.5) of val_losses, last value (L_k)
+    train_loss_ema: float  # EMA(α = 0.5) of the per-step training loss, last value
+    seconds: float  # training + evaluation wall time (slowest rank)
     records: list[StepRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         s = self.spec
-        return {"multiplier": s.multiplier, "global_batch_size": s.global_batch_size,
-                "repeat": s.repeat, "offset": s.offset, "num_samples": s.num_samples,
-                "lr_factor": self.lr_factor, "steps": self.steps, "tokens": self.tokens,
-                "mark_tokens": self.mark_tokens, "val_losses": self.val_losses,
-                "smoothed_loss": self.smoothed_loss, "train_loss_ema": self.train_loss_ema,
-                "seconds": self.seconds}
+        return {
+            "multiplier": s.multiplier,
+            "global_batch_size": s.global_batch_size,
+            "repeat": s.repeat,
+            "offset": s.offset,
+            "num_samples": s.num_samples,
+            "lr_factor": self.lr_factor,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "mark_tokens": self.mark_tokens,
+            "val_losses": self.val_losses,
+            "smoothed_loss": self.smoothed_loss,
+            "train_loss_ema": self.train_loss_ema,
+            "seconds": self.seconds,
+        }
 
 
 def fixed_eval_rows(trainer) -> int:
@@ -200,8 +215,15 @@ def train_one_step(trainer, plan: ParallelPlan, on_samples: SampleHook | None = 
     return record
 
 
-def run_branch(trainer, staged: StagedState, spec: BranchSpec, *, marks: Sequence[int],
-               eval_rows: int, on_samples: SampleHook | None = None) -> BranchResult:
+def run_branch(
+    trainer,
+    staged: StagedState,
+    spec: BranchSpec,
+    *,
+    marks: Sequence[int],
+    eval_rows: int,
+    on_samples: SampleHook | None = None,
+) -> BranchResult:
     """Restore `staged`, train `spec` (see module docstring); the trainer is left in the
     branch's final state. `marks`: sample counts (from the branch start) to evaluate at."""
     from copus.runtime.engine.dist import max_over_ranks
@@ -212,10 +234,13 @@ def run_branch(trainer, staged: StagedState, spec: BranchSpec, *, marks: Sequenc
     trainer.engine.set_plan(plan)
     trainer.plan = plan
     if plan.global_batch_size != staged.plan.global_batch_size:
-        trainer.lr.on_batch_change(plan.global_batch_size, step=trainer.progress.step,
-                                   grad_sqnorm=trainer.gns.grad_sqnorm,
-                                   grad_trace_cov=trainer.gns.grad_trace_cov)
-    trainer.progress.samples = spec.offset      # repeats > 0 train on later, disjoint samples
+        trainer.lr.on_batch_change(
+            plan.global_batch_size,
+            step=trainer.progress.step,
+            grad_sqnorm=trainer.gns.grad_sqnorm,
+            grad_trace_cov=trainer.gns.grad_trace_cov,
+        )
+    trainer.progress.samples = spec.offset  # repeats > 0 train on later, disjoint samples
     records: list[StepRecord] = []
     vals: list[float] = []
     done = 0
@@ -227,14 +252,21 @@ def run_branch(trainer, staged: StagedState, spec: BranchSpec, *, marks: Sequenc
     seconds = max_over_ranks(time.perf_counter() - t0, trainer.device)
     seq = trainer.shape.seq_len
     return BranchResult(
-        spec=spec, lr_factor=trainer.lr.factor, steps=len(records), tokens=done * seq,
-        mark_tokens=[m * seq for m in marks], val_losses=vals,
+        spec=spec,
+        lr_factor=trainer.lr.factor,
+        steps=len(records),
+        tokens=done * seq,
+        mark_tokens=[m * seq for m in marks],
+        val_losses=vals,
         smoothed_loss=smoothed_final(vals) if vals else math.nan,
         train_loss_ema=smoothed_final([r.loss for r in records]) if records else math.nan,
-        seconds=seconds, records=records)
+        seconds=seconds,
+        records=records,
+    )
 
 
 # ------------------------------------------------------------------------------------ calibration
+
 
 def load_checkpoint_state(trainer, path) -> dict:
     """Load checkpoint `path` into `trainer` under its saved plan (tensors resharded by DCP),
@@ -259,10 +291,17 @@ def load_checkpoint_state(trainer, path) -> dict:
     return state
 
 
-def calibrate_state(trainer, *, multipliers: Sequence[float], tokens: int, repeats: int = 2,
-                    epsilon: float | None = None, num_marks: int = 4,
-                    on_samples: SampleHook | None = None,
-                    keep_results: bool = False) -> dict:
+def calibrate_state(
+    trainer,
+    *,
+    multipliers: Sequence[float],
+    tokens: int,
+    repeats: int = 2,
+    epsilon: float | None = None,
+    num_marks: int = 4,
+    on_samples: SampleHook | None = None,
+    keep_results: bool = False,
+) -> dict:
     """Branch the trainer's current state at k·B for each multiplier, `repeats` times on
     disjoint sample windows (repeat 0 on the run's own next samples), and summarise
     (`core.critical_batch.summarize_branches`). The trainer is restored to the staged state
@@ -272,13 +311,13 @@ def calibrate_state(trainer, *, multipliers: Sequence[float], tokens: int, repea
     if repeats < 1:
         raise ValueError(f"--repeats={repeats}: allowed: an integer >= 1")
     if repeats < 2 and epsilon is None:
-        raise ValueError("--repeats=1 measures no noise floor: allowed: --repeats >= 2 or "
-                         "an explicit --epsilon")
+        raise ValueError("--repeats=1 measures no noise floor: allowed: --repeats >= 2 or an explicit --epsilon")
     t0 = time.perf_counter()
     staged = stage(trainer)
     base = staged.plan.global_batch_size
-    batches = [int(branch_plan(staged.plan, k * base, trainer.world, trainer.shape)
-                   .global_batch_size) for k in multipliers]
+    batches = [
+        int(branch_plan(staged.plan, k * base, trainer.world, trainer.shape).global_batch_size) for k in multipliers
+    ]
     n = branch_samples(batches, tokens, trainer.shape.seq_len)
     marks = mark_samples(n, batches, num_marks)
     rows = fixed_eval_rows(trainer)
@@ -287,24 +326,34 @@ def calibrate_state(trainer, *, multipliers: Sequence[float], tokens: int, repea
     results: list[BranchResult] = []
     for r in range(repeats):
         for k, b in zip(multipliers, batches):
-            spec = BranchSpec(multiplier=float(k), global_batch_size=b, repeat=r,
-                              offset=staged.progress["samples"] + r * n, num_samples=n)
-            results.append(run_branch(trainer, staged, spec, marks=marks, eval_rows=rows,
-                                      on_samples=on_samples))
+            spec = BranchSpec(
+                multiplier=float(k),
+                global_batch_size=b,
+                repeat=r,
+                offset=staged.progress["samples"] + r * n,
+                num_samples=n,
+            )
+            results.append(run_branch(trainer, staged, spec, marks=marks, eval_rows=rows, on_samples=on_samples))
     restore(trainer, staged)
     staged.close()
     losses: dict[float, list[float]] = {}
     for res in results:
         losses.setdefault(float(res.spec.global_batch_size), []).append(res.smoothed_loss)
-    summary = summarize_branches(base_batch=float(base), losses=losses, start_loss=start_loss,
-                                 b_noise_online=b_noise_online, epsilon=epsilon)
+    summary = summarize_branches(
+        base_batch=float(base), losses=losses, start_loss=start_loss, b_noise_online=b_noise_online, epsilon=epsilon
+    )
     seq = trainer.shape.seq_len
-    out = {"step": staged.progress["step"], "tokens": staged.progress["tokens"],
-           "samples": staged.progress["samples"], "plan": staged.plan.describe(),
-           "branch_tokens": n * seq, "eval_windows": rows * staged.plan.dp,
-           "branches": [res.to_dict() for res in results], **summary,
-           "cost": {"tokens": sum(res.tokens for res in results),
-                    "seconds": time.perf_counter() - t0}}
+    out = {
+        "step": staged.progress["step"],
+        "tokens": staged.progress["tokens"],
+        "samples": staged.progress["samples"],
+        "plan": staged.plan.describe(),
+        "branch_tokens": n * seq,
+        "eval_windows": rows * staged.plan.dp,
+        "branches": [res.to_dict() for res in results],
+        **summary,
+        "cost": {"tokens": sum(res.tokens for res in results), "seconds": time.perf_counter() - t0},
+    }
     if keep_results:
         out["results"] = results
     return out

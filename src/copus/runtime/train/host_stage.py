@@ -73,10 +73,12 @@ def host_available_bytes() -> int:
 def check_room(need: int, available: int, plan_text: str, where: str) -> None:
     """StageError naming the plan and the bytes missing when `need` > `available`."""
     if need > available:
-        raise StageError(f"branch staging for plan {plan_text}: needs {need:,} bytes of {where} "
-                         f"per rank, {available:,} available ({need - available:,} missing); "
-                         "allowed: a plan or world with a smaller shard per rank, or more "
-                         f"{where}")
+        raise StageError(
+            f"branch staging for plan {plan_text}: needs {need:,} bytes of {where} "
+            f"per rank, {available:,} available ({need - available:,} missing); "
+            "allowed: a plan or world with a smaller shard per rank, or more "
+            f"{where}"
+        )
 
 
 def _bytes_view(t: torch.Tensor):
@@ -97,12 +99,21 @@ class TensorStage:
         tensors = _engine_tensors(engine)
         self.meta = [_Meta(t.shape, t.dtype) for t in tensors]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                       for g in engine.optimizer.param_groups]
-        self.extras = [{k: copy.deepcopy(v) for k, v in engine.optimizer.state.get(p, {}).items()
-                        if not isinstance(v, torch.Tensor)} for p in engine.model.parameters()]
-        self.keys = [sorted(k for k, v in engine.optimizer.state.get(p, {}).items()
-                            if isinstance(v, torch.Tensor)) for p in engine.model.parameters()]
+        self.groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        ]
+        self.extras = [
+            {
+                k: copy.deepcopy(v)
+                for k, v in engine.optimizer.state.get(p, {}).items()
+                if not isinstance(v, torch.Tensor)
+            }
+            for p in engine.model.parameters()
+        ]
+        self.keys = [
+            sorted(k for k, v in engine.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+            for p in engine.model.parameters()
+        ]
         self.device = engine.device
         self.host: list[torch.Tensor] | None = None
         self.path: Path | None = None
@@ -130,17 +141,20 @@ class TensorStage:
         for p, extras, keys in zip(params, self.extras, self.keys):
             state = opt.state.setdefault(p, {})
             for k in [k for k in state if k not in keys and k not in extras]:
-                del state[k]             # created after staging (a first step inside a branch)
+                del state[k]  # created after staging (a first step inside a branch)
             if any(k not in state for k in keys):
-                raise ValueError("restore: AdamW state staged for a parameter is gone; allowed: "
-                                 "the engine that was staged (same layout, state kept)")
+                raise ValueError(
+                    "restore: AdamW state staged for a parameter is gone; allowed: "
+                    "the engine that was staged (same layout, state kept)"
+                )
             state.update(copy.deepcopy(extras))
         for g, saved in zip(opt.param_groups, self.groups):
             g.update(copy.deepcopy(saved))
         targets = _engine_tensors(engine)
         if [(t.shape, t.dtype) for t in targets] != [(m.shape, m.dtype) for m in self.meta]:
-            raise ValueError("restore: the engine's tensors differ from the staged ones; "
-                             "allowed: the same layout as at staging")
+            raise ValueError(
+                "restore: the engine's tensors differ from the staged ones; allowed: the same layout as at staging"
+            )
         with torch.no_grad():
             if self.host is not None:
                 for t, h in zip(targets, self.host):

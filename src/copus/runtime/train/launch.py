@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
-from copus.runtime.train.setup import (   # noqa: F401 (re-exported: the launcher's planning helpers)
+from copus.runtime.train.setup import (  # noqa: F401 (re-exported: the launcher's planning helpers)
     check_run_length,
     elastic_run_id,
     restart_count,
@@ -42,8 +42,8 @@ from copus.runtime.train.setup import (   # noqa: F401 (re-exported: the launche
 if TYPE_CHECKING:
     from copus.runtime.train.trainer import Hook, PolicyFactory
 
-def omp_threads(nproc: int, env: Mapping[str, str] | None = None,
-                cores: int | None = None) -> str | None:
+
+def omp_threads(nproc: int, env: Mapping[str, str] | None = None, cores: int | None = None) -> str | None:
     """OMP_NUM_THREADS for `nproc` local workers: None when the user set it (kept), else
     max(1, cores // nproc) with cores = the CPUs this process may run on
     (`os.sched_getaffinity`, i.e. taskset / cgroup cpusets; else `os.cpu_count`). torchrun
@@ -55,7 +55,7 @@ def omp_threads(nproc: int, env: Mapping[str, str] | None = None,
     if cores is None:
         try:
             cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):   # not on Linux
+        except (AttributeError, OSError):  # not on Linux
             cores = os.cpu_count() or 1
     return str(max(1, cores // max(1, nproc)))
 
@@ -67,8 +67,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(cfg: Config, run_dir: str, *, resume: bool = False, max_restarts: int = 3,
-           entry: Callable[..., dict] | None = None) -> dict[str, Any]:
+def launch(
+    cfg: Config, run_dir: str, *, resume: bool = False, max_restarts: int = 3, entry: Callable[..., dict] | None = None
+) -> dict[str, Any]:
     """Run `entry(cfg, run_dir, resume)` on every rank; return rank 0's result dict.
 
     `entry` defaults to `copus.runtime.train.launch.worker`; it must be a module-level function
@@ -84,10 +85,15 @@ def launch(cfg: Config, run_dir: str, *, resume: bool = False, max_restarts: int
     return _run_elastic(entry, cfg, run_dir, resume, nproc, max_restarts)
 
 
-def _run_single(entry: Callable[..., dict], cfg: Config, run_dir: str,
-                resume: bool) -> dict[str, Any]:
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+def _run_single(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: bool) -> dict[str, Any]:
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -100,8 +106,9 @@ def _run_single(entry: Callable[..., dict], cfg: Config, run_dir: str,
                 os.environ[k] = v
 
 
-def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: bool,
-                 nproc: int, max_restarts: int) -> dict[str, Any]:
+def _run_elastic(
+    entry: Callable[..., dict], cfg: Config, run_dir: str, resume: bool, nproc: int, max_restarts: int
+) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Restarted workers must not share the agent's TCPStore: its keys carry no per-round prefix,
@@ -114,19 +121,23 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
     from copus.runtime.train import stop
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
         run_id=f"copus-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": 120}, max_restarts=max_restarts,
-        monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1",
-        signals_to_handle="SIGHUP,SIGQUIT",    # SIGINT/SIGTERM: stop.SignalForwarder
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT/SIGTERM: stop.SignalForwarder
     )
-    saved_env = {k: os.environ.get(k) for k in (stop.LAUNCHER_ENV,
-                                                 "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                                                 "OMP_NUM_THREADS")}
+    saved_env = {k: os.environ.get(k) for k in (stop.LAUNCHER_ENV, "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS")}
     os.environ[stop.LAUNCHER_ENV] = "1"
     threads = omp_threads(nproc)
-    if threads is not None:          # the spawned workers inherit it (torch reads it at import)
+    if threads is not None:  # the spawned workers inherit it (torch reads it at import)
         os.environ["OMP_NUM_THREADS"] = threads
     try:
         graceful = entry is worker
@@ -134,11 +145,10 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
             try:
                 results = elastic_launch(config, entry)(cfg, run_dir, resume)
             except SignalException:
-                if not graceful:         # e.g. copus profile: nothing to save
+                if not graceful:  # e.g. copus profile: nothing to save
                     raise KeyboardInterrupt from None
                 first = forwarder.signum or int(signal.SIGINT)
-                return {"aborted": stop.signal_name(forwarder.second or first),
-                        "exit_code": stop.exit_code(first)}
+                return {"aborted": stop.signal_name(forwarder.second or first), "exit_code": stop.exit_code(first)}
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -150,8 +160,10 @@ def _run_elastic(entry: Callable[..., dict], cfg: Config, run_dir: str, resume: 
 
 # ------------------------------------------------------------------------------------ entry
 
-def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None,
-           policy_factory: PolicyFactory | None = None) -> dict:
+
+def worker(
+    cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None, policy_factory: PolicyFactory | None = None
+) -> dict:
     """Entry of one rank (spawned by launch.py or run under torchrun): returns a result dict.
 
     Deliberate stops (ValueError for a bad setting, TrainingError) come back as
@@ -166,15 +178,16 @@ def worker(cfg: Config, run_dir: str, resume: bool, on_batch: Hook | None = None
     from copus.runtime.train.trainer import Trainer, TrainingError
 
     elastic = elastic_run_id() is not None or restart_count() > 0
-    if stop.detach_worker():     # a worker of copus's own launcher: it writes stop-request
+    if stop.detach_worker():  # a worker of copus's own launcher: it writes stop-request
         stop.request.install().watch(run_dir)
     else:
         stop.request.install()
     device = init_distributed(backend=cfg.parallel.backend, timeout_s=cfg.train.nccl_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, device, resume=resume, auto_resume=elastic,
-                          on_batch=on_batch, policy_factory=policy_factory)
+        trainer = Trainer(
+            cfg, run_dir, device, resume=resume, auto_resume=elastic, on_batch=on_batch, policy_factory=policy_factory
+        )
         result = trainer.run()
     except ValueError as exc:
         result = {"error": str(exc), "kind": "value"}
@@ -207,14 +220,20 @@ def calibrate_worker(cfg, run_dir: str, resume: bool) -> dict:
         trainer = Trainer(cfg, run_dir, device)
         for path in request["checkpoints"]:
             load_checkpoint_state(trainer, path)
-            res = calibrate_state(trainer, multipliers=request["multipliers"],
-                                  tokens=request["tokens"], repeats=request["repeats"],
-                                  epsilon=request.get("epsilon"),
-                                  num_marks=request.get("num_marks", 4))
+            res = calibrate_state(
+                trainer,
+                multipliers=request["multipliers"],
+                tokens=request["tokens"],
+                repeats=request["repeats"],
+                epsilon=request.get("epsilon"),
+                num_marks=request.get("num_marks", 4),
+            )
             res["checkpoint"] = str(path)
             out["checkpoints"].append(res)
-            trainer.log(f"calibrated {path}: c = {res['c']:.3g}, critical batch "
-                        f"{res['critical_batch']['value']:.3g} ({res['cost']['seconds']:.1f} s)")
+            trainer.log(
+                f"calibrated {path}: c = {res['c']:.3g}, critical batch "
+                f"{res['critical_batch']['value']:.3g} ({res['cost']['seconds']:.1f} s)"
+            )
     except ValueError as exc:
         out = {"error": str(exc), "kind": "value"}
     finally:

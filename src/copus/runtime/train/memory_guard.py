@@ -33,16 +33,27 @@ __all__ = ["MemoryGuard"]
 class MemoryGuard:
     """One rank's view: the memory model, the usable bytes, the plans this run found infeasible."""
 
-    def __init__(self, cfg, shape: ModelShape, device: torch.device, hardware, run_dir: Path,
-                 *, rank: int, world: int, log: Callable[[str], None],
-                 error: type[Exception] = RuntimeError) -> None:
+    def __init__(
+        self,
+        cfg,
+        shape: ModelShape,
+        device: torch.device,
+        hardware,
+        run_dir: Path,
+        *,
+        rank: int,
+        world: int,
+        log: Callable[[str], None],
+        error: type[Exception] = RuntimeError,
+    ) -> None:
         """`error`: what a stop on one rank raises (the trainer's TrainingError)."""
         self.model = perf.runtime_memory_model(cfg, shape, device.type)
-        self.capacity = perf.memory_capacity_bytes(device, hardware, cfg.parallel.memory_budget_gb,
-                                                   cfg.parallel.memory_margin)
+        self.capacity = perf.memory_capacity_bytes(
+            device, hardware, cfg.parallel.memory_budget_gb, cfg.parallel.memory_margin
+        )
         self.margin = cfg.parallel.memory_margin
         self.run_dir, self.rank, self.world, self.log, self.error = run_dir, rank, world, log, error
-        self.bad = infeasible.load(run_dir)       # plans that ran out of memory in this run
+        self.bad = infeasible.load(run_dir)  # plans that ran out of memory in this run
         self.watch: infeasible.OomWatch | None = None
 
     # -- before and between steps ---------------------------------------------------------------
@@ -54,13 +65,14 @@ class MemoryGuard:
             return plan
         new = infeasible.fallback_plan(plan, self.bad)
         if new is None:
-            raise self.error(f"plan {plan.describe()} ran out of device memory earlier in this run "
-                             f"({self.run_dir / infeasible.RECORD_FILE}) and no smaller "
-                             "micro-batch remains; allowed: a plan with less memory per rank "
-                             "(more tp/pp, activation checkpointing)")
+            raise self.error(
+                f"plan {plan.describe()} ran out of device memory earlier in this run "
+                f"({self.run_dir / infeasible.RECORD_FILE}) and no smaller "
+                "micro-batch remains; allowed: a plan with less memory per rank "
+                "(more tp/pp, activation checkpointing)"
+            )
         if new != plan:
-            self.log(f"plan {plan.describe()} ran out of memory earlier in this run: "
-                     f"{new.describe()} instead")
+            self.log(f"plan {plan.describe()} ran out of memory earlier in this run: {new.describe()} instead")
         return new
 
     def is_infeasible(self, plan: ParallelPlan) -> bool:
@@ -76,9 +88,11 @@ class MemoryGuard:
         """One line when the memory model predicts `plan` over the usable memory."""
         need = perf.predicted_memory_bytes(self.model, plan)
         if need > self.capacity:
-            self.log(f"plan {plan.describe()} is predicted to need {need / 2**30:.1f} GiB per "
-                     f"rank, over the {self.capacity / 2**30:.1f} GiB usable "
-                     f"(parallel.memory_margin={self.margin}); it may run out of memory")
+            self.log(
+                f"plan {plan.describe()} is predicted to need {need / 2**30:.1f} GiB per "
+                f"rank, over the {self.capacity / 2**30:.1f} GiB usable "
+                f"(parallel.memory_margin={self.margin}); it may run out of memory"
+            )
 
     def start_watch(self) -> None:
         """Every rank of a multi-rank run: end this process when another rank ran out of memory.
@@ -104,19 +118,21 @@ class MemoryGuard:
         except torch.OutOfMemoryError as err:
             plan, step = where()
             self.out_of_memory(plan, step, err)
-            raise   # not reached
+            raise  # not reached
 
     def out_of_memory(self, plan: ParallelPlan, step: int, err: BaseException) -> None:
         """Record `plan`, print one line, end this rank (one rank: raise `error`)."""
         infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
-        line = (f"copus: rank {self.rank} ran out of device memory at step {step} under plan "
-                f"{plan.describe()} (micro-batch {plan.micro_batch_size}, "
-                f"{plan.num_microbatches} micro-batches; predicted "
-                f"{perf.predicted_memory_bytes(self.model, plan) / 2**30:.1f} GiB of "
-                f"{self.capacity / 2**30:.1f} GiB usable); recorded as infeasible in "
-                f"{self.run_dir / infeasible.RECORD_FILE}, a resume will not pick it again")
+        line = (
+            f"copus: rank {self.rank} ran out of device memory at step {step} under plan "
+            f"{plan.describe()} (micro-batch {plan.micro_batch_size}, "
+            f"{plan.num_microbatches} micro-batches; predicted "
+            f"{perf.predicted_memory_bytes(self.model, plan) / 2**30:.1f} GiB of "
+            f"{self.capacity / 2**30:.1f} GiB usable); recorded as infeasible in "
+            f"{self.run_dir / infeasible.RECORD_FILE}, a resume will not pick it again"
+        )
         if self.world == 1:
             raise self.error(line.removeprefix("copus: ")) from None
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
-        os._exit(infeasible.EXIT_CODE)   # peers are blocked in a collective: OomWatch ends them
+        os._exit(infeasible.EXIT_CODE)  # peers are blocked in a collective: OomWatch ends them

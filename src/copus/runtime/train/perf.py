@@ -25,9 +25,17 @@ import torch
 from copus.core.specs.hardware import HardwareProfile, get_hardware
 from copus.core.specs.models import ModelShape
 
-__all__ = ["device_memory_bytes", "device_memory_readings", "device_peak_flops",
-           "memory_capacity_bytes", "mfu", "peak_flops", "peak_memory_bytes", "reset_peak_memory",
-           "wait_for_device"]
+__all__ = [
+    "device_memory_bytes",
+    "device_memory_readings",
+    "device_peak_flops",
+    "memory_capacity_bytes",
+    "mfu",
+    "peak_flops",
+    "peak_memory_bytes",
+    "reset_peak_memory",
+    "wait_for_device",
+]
 
 
 def peak_flops(hardware: HardwareProfile | None) -> float:
@@ -39,7 +47,7 @@ def device_peak_flops(device: torch.device, hardware: HardwareProfile | None) ->
     """The peak MFU is reported against: on CUDA the datasheet dense bf16 FLOP/s of the device
     torch names (`core/specs/gpu_peaks.py`), None for a device not in that table ("peak
     unknown": no MFU rather than another part's figure); elsewhere `peak_flops(hardware)`."""
-    if device.type == "cuda":   # CUDA only: the device's name
+    if device.type == "cuda":  # CUDA only: the device's name
         from copus.core.specs.gpu_peaks import device_peak
 
         entry = device_peak(torch.cuda.get_device_name(device))
@@ -47,8 +55,7 @@ def device_peak_flops(device: torch.device, hardware: HardwareProfile | None) ->
     return peak_flops(hardware)
 
 
-def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int,
-        device_peak: float | None) -> float:
+def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int, device_peak: float | None) -> float:
     """Model FLOPs utilisation: tokens/s · model_flops_per_token / (devices · peak FLOP/s); NaN
     when the peak is unknown (None)."""
     if device_peak is None or not (tokens_per_s > 0 and num_devices > 0 and device_peak > 0):
@@ -59,13 +66,13 @@ def mfu(tokens_per_s: float, shape: ModelShape, num_devices: int,
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory since the last `reset_peak_memory`: CUDA max allocated, else
     the RSS high-water mark (Linux VmHWM, which `reset_peak_memory` resets; else ru_maxrss)."""
-    if device.type == "cuda":   # CUDA only: the caching allocator's high-water mark
+    if device.type == "cuda":  # CUDA only: the caching allocator's high-water mark
         return int(torch.cuda.max_memory_allocated(device))
     hwm = _status_bytes("VmHWM")
     if hwm is not None:
         return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)   # Linux: KiB, macOS: bytes
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux: KiB, macOS: bytes
 
 
 def _status_bytes(key: str) -> int | None:
@@ -84,7 +91,7 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window (at every plan change, so a plan's peak is its own):
     CUDA's allocator peaks (allocated and reserved); on Linux the process's VmHWM
     (/proc/self/clear_refs "5")."""
-    if device.type == "cuda":   # CUDA only: the caching allocator's peaks
+    if device.type == "cuda":  # CUDA only: the caching allocator's peaks
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:
@@ -100,20 +107,21 @@ def device_memory_readings(device: torch.device) -> tuple[float, float]:
     included) on CUDA; (-1, -1) = not applicable elsewhere."""
     if device.type != "cuda":
         return -1.0, -1.0
-    free, total = torch.cuda.mem_get_info(device)   # CUDA only: the driver's view
+    free, total = torch.cuda.mem_get_info(device)  # CUDA only: the driver's view
     return float(torch.cuda.max_memory_reserved(device)), float(total - free)
 
 
 def device_memory_bytes(device: torch.device, hardware: HardwareProfile | None = None) -> float:
     """The device's memory: read from the device on CUDA (an H200 has 141 GB, not a profile's
     80), else the hardware profile's (None: the "cpu" profile)."""
-    if device.type == "cuda":   # CUDA only: the real capacity
+    if device.type == "cuda":  # CUDA only: the real capacity
         return float(torch.cuda.get_device_properties(device).total_memory)
     return (hardware if hardware is not None else get_hardware("cpu")).memory_bytes
 
 
-def memory_capacity_bytes(device: torch.device, hardware: HardwareProfile | None,
-                          budget_gb: float, margin: float) -> float:
+def memory_capacity_bytes(
+    device: torch.device, hardware: HardwareProfile | None, budget_gb: float, margin: float
+) -> float:
     """Bytes a plan may use per rank: (budget_gb·1e9 if > 0, else the device's memory) · (1 −
     margin). The margin covers what the memory model does not count: the CUDA context, NCCL
     buffers, allocator fragmentation."""
@@ -124,7 +132,7 @@ def memory_capacity_bytes(device: torch.device, hardware: HardwareProfile | None
 def wait_for_device(device: torch.device) -> None:
     """Block until the device's queued work (the optimizer's kernels) is done, so a wall-clock
     step time includes it; on CPU the work is already done when the call returns."""
-    if device.type == "cuda":   # CUDA only: kernels run asynchronously
+    if device.type == "cuda":  # CUDA only: kernels run asynchronously
         torch.cuda.synchronize(device)
 
 
@@ -146,17 +154,21 @@ def runtime_memory_model(cfg, shape: ModelShape, device_type: str):
     dtype = cfg.train.dtype
     mixed = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
     cuda = device_type == "cuda"
-    return MemoryModel(shape, mixed_precision=mixed, autocast=False,
-                       activation_checkpointing=cfg.parallel.activation_checkpointing,
-                       reshard_after_forward=cfg.parallel.reshard_after_forward,
-                       pp_schedule=cfg.parallel.pp_schedule,
-                       loss_parallel=cfg.parallel.loss_parallel, logit_bytes=RUNTIME_LOGIT_BYTES,
-                       unsharded_accumulation=cfg.gns.small == "rank",
-                       allocator_overhead=ALLOCATOR_OVERHEAD if cuda else 0.0,
-                       comm_bytes_per_group=NCCL_COMM_BYTES if cuda else 0.0)
+    return MemoryModel(
+        shape,
+        mixed_precision=mixed,
+        autocast=False,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+        pp_schedule=cfg.parallel.pp_schedule,
+        loss_parallel=cfg.parallel.loss_parallel,
+        logit_bytes=RUNTIME_LOGIT_BYTES,
+        unsharded_accumulation=cfg.gns.small == "rank",
+        allocator_overhead=ALLOCATOR_OVERHEAD if cuda else 0.0,
+        comm_bytes_per_group=NCCL_COMM_BYTES if cuda else 0.0,
+    )
 
 
 def predicted_memory_bytes(model, plan) -> float:
     """The memory model's peak bytes per rank of `plan`."""
-    return float(model.bytes_per_rank(plan.dp, plan.tp, plan.pp, plan.micro_batch_size,
-                                      plan.num_microbatches))
+    return float(model.bytes_per_rank(plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches))

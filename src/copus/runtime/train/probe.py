@@ -51,7 +51,7 @@ class Prober:
     tokens: int
     interval_tokens: int
     c: float | None = None
-    next_tokens: int | None = None      # None: waiting for the first growth
+    next_tokens: int | None = None  # None: waiting for the first growth
     history: list[dict] = field(default_factory=list)
 
     @classmethod
@@ -59,16 +59,18 @@ class Prober:
         g = cfg.gns
         if g.calibration != "probe":
             return None
-        return cls(multipliers=parse_probe_multipliers(g.probe_multipliers), tokens=g.probe_tokens,
-                   interval_tokens=g.probe_interval_tokens)
+        return cls(
+            multipliers=parse_probe_multipliers(g.probe_multipliers),
+            tokens=g.probe_tokens,
+            interval_tokens=g.probe_interval_tokens,
+        )
 
     def due(self, trainer, decision: Decision | None) -> bool:
         """First growth wanted, or the interval since the last probe has passed; and the
         probe fits in what is left of the run (train.max_tokens)."""
         p = trainer.progress
         if self.next_tokens is None:
-            wanted = decision is not None and (decision.plan.global_batch_size
-                                               > trainer.plan.global_batch_size)
+            wanted = decision is not None and (decision.plan.global_batch_size > trainer.plan.global_batch_size)
         else:
             wanted = self.interval_tokens > 0 and p.tokens >= self.next_tokens
         left = trainer.cfg.train.max_tokens - p.tokens
@@ -82,7 +84,7 @@ class Prober:
         staged = br.stage(trainer)
         base = staged.plan.global_batch_size
         ks, batches = [], []
-        for k in self.multipliers:          # skip k·B no plan of this layout can run
+        for k in self.multipliers:  # skip k·B no plan of this layout can run
             try:
                 plan = br.branch_plan(staged.plan, k * base, trainer.world, trainer.shape)
             except ValueError:
@@ -97,8 +99,9 @@ class Prober:
         b_noise = float(trainer.gns.b_noise)
         results, best, best_state = [], None, None
         for k, b in zip(ks, batches):
-            spec = br.BranchSpec(multiplier=k, global_batch_size=b, repeat=0,
-                                 offset=staged.progress["samples"], num_samples=n)
+            spec = br.BranchSpec(
+                multiplier=k, global_batch_size=b, repeat=0, offset=staged.progress["samples"], num_samples=n
+            )
             res = br.run_branch(trainer, staged, spec, marks=marks, eval_rows=rows)
             results.append(res)
             if best is None or res.smoothed_loss < best.smoothed_loss:
@@ -108,8 +111,7 @@ class Prober:
         br.restore(trainer, best_state)
         best_state.close()
         staged.close()
-        fit = fit_b_noise({float(r.spec.global_batch_size): start_loss - r.smoothed_loss
-                           for r in results})
+        fit = fit_b_noise({float(r.spec.global_batch_size): start_loss - r.smoothed_loss for r in results})
         c = measured_calibration(fit.b_noise, b_noise)
         if math.isfinite(c):
             self.c = c
@@ -118,23 +120,34 @@ class Prober:
             trainer.writer.log_step(record)
         seq = trainer.shape.seq_len
         cost_s = time.perf_counter() - t0
-        entry = {"step": staged.progress["step"], "tokens": staged.progress["tokens"],
-                 "trigger": trigger.reason if trigger is not None else "interval",
-                 "base_batch": base, "start_loss": start_loss, "b_noise_online": b_noise,
-                 "branches": [r.to_dict() for r in results], "b_noise_fit": fit.b_noise,
-                 "measured_c": c, "c_used": self.c,
-                 "chosen_batch": best.spec.global_batch_size,
-                 "chosen_multiplier": best.spec.multiplier,
-                 "cost_s": cost_s, "cost_tokens": sum(r.tokens for r in results) - best.tokens,
-                 "branch_tokens": n * seq}
+        entry = {
+            "step": staged.progress["step"],
+            "tokens": staged.progress["tokens"],
+            "trigger": trigger.reason if trigger is not None else "interval",
+            "base_batch": base,
+            "start_loss": start_loss,
+            "b_noise_online": b_noise,
+            "branches": [r.to_dict() for r in results],
+            "b_noise_fit": fit.b_noise,
+            "measured_c": c,
+            "c_used": self.c,
+            "chosen_batch": best.spec.global_batch_size,
+            "chosen_multiplier": best.spec.multiplier,
+            "cost_s": cost_s,
+            "cost_tokens": sum(r.tokens for r in results) - best.tokens,
+            "branch_tokens": n * seq,
+        }
         self.history.append({k: v for k, v in entry.items() if k != "branches"})
         self.next_tokens = trainer.progress.tokens + self.interval_tokens
-        decision = Decision(kind="batch", plan=trainer.plan, step=staged.progress["step"],
-                            reason=f"probe k={','.join(f'{k:g}' for k in ks)}: chose "
-                                   f"B={best.spec.global_batch_size}, measured c={c:.3g}")
+        decision = Decision(
+            kind="batch",
+            plan=trainer.plan,
+            step=staged.progress["step"],
+            reason=f"probe k={','.join(f'{k:g}' for k in ks)}: chose "
+            f"B={best.spec.global_batch_size}, measured c={c:.3g}",
+        )
         trainer.writer.log_decision(decision, applied=True, switch_s=cost_s, probe=entry)
-        trainer.log(f"step {entry['step']}: {decision.reason} ({cost_s:.1f} s, "
-                    f"{entry['cost_tokens']} extra tokens)")
+        trainer.log(f"step {entry['step']}: {decision.reason} ({cost_s:.1f} s, {entry['cost_tokens']} extra tokens)")
         return entry
 
     def state_dict(self) -> dict:

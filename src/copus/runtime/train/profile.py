@@ -28,8 +28,16 @@ REQUEST = "profile_request.json"
 
 
 def write_request(run_dir: Path, plans: list[ParallelPlan], steps: int, warmup: int) -> None:
-    rows = [{"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
-             "num_microbatches": p.num_microbatches} for p in plans]
+    rows = [
+        {
+            "dp": p.dp,
+            "tp": p.tp,
+            "pp": p.pp,
+            "micro_batch_size": p.micro_batch_size,
+            "num_microbatches": p.num_microbatches,
+        }
+        for p in plans
+    ]
     (run_dir / REQUEST).write_text(json.dumps({"plans": rows, "steps": steps, "warmup": warmup}))
 
 
@@ -72,12 +80,19 @@ def time_plan(engine, plan: ParallelPlan, steps: int, warmup: int, device: torch
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "micro_batch_size": plan.micro_batch_size,
-            "num_microbatches": plan.num_microbatches, "global_batch_size": plan.global_batch_size,
-            "step_s": step_s, "step_s_all": times,
-            "samples_per_s": plan.global_batch_size / step_s,
-            "tokens_per_s": plan.global_batch_size * seq / step_s,
-            "peak_memory_bytes": max_over_ranks(_peak_bytes(device), device)}
+    return {
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "micro_batch_size": plan.micro_batch_size,
+        "num_microbatches": plan.num_microbatches,
+        "global_batch_size": plan.global_batch_size,
+        "step_s": step_s,
+        "step_s_all": times,
+        "samples_per_s": plan.global_batch_size / step_s,
+        "tokens_per_s": plan.global_batch_size * seq / step_s,
+        "peak_memory_bytes": max_over_ranks(_peak_bytes(device), device),
+    }
 
 
 def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
@@ -100,8 +115,10 @@ def profile_worker(cfg: Config, run_dir: str, resume: bool = False) -> dict:
                 rows.append(time_plan(engine, plan, request["steps"], request["warmup"], device))
                 if dist.get_rank() == 0:
                     r = rows[-1]
-                    print(f"  {plan.describe():32s} {r['step_s'] * 1e3:9.1f} ms/step "
-                          f"{r['tokens_per_s']:10.0f} tokens/s", flush=True)
+                    print(
+                        f"  {plan.describe():32s} {r['step_s'] * 1e3:9.1f} ms/step {r['tokens_per_s']:10.0f} tokens/s",
+                        flush=True,
+                    )
             engine.close()
             del engine
     finally:

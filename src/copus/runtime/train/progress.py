@@ -22,10 +22,14 @@ class Progress:
 
 
 def plan_to_dict(plan: ParallelPlan) -> dict:
-    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-            "micro_batch_size": plan.micro_batch_size, "num_microbatches": plan.num_microbatches}
+    return {
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "micro_batch_size": plan.micro_batch_size,
+        "num_microbatches": plan.num_microbatches,
+    }
 
 
 def plan_from_dict(d: dict) -> ParallelPlan:
-    return ParallelPlan(**{k: int(d[k]) for k in ("dp", "tp", "pp", "micro_batch_size",
-                                                  "num_microbatches")})
+    return ParallelPlan(**{k: int(d[k]) for k in ("dp", "tp", "pp", "micro_batch_size", "num_microbatches")})

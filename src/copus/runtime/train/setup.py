@@ -20,10 +20,21 @@ from copus.core.specs.resolve import get_model_shape
 if TYPE_CHECKING:
     from copus.core.specs.hardware import HardwareProfile
 
-__all__ = ["TORCHRUN_VARS", "check_run_length", "default_micro_batch_size", "elastic_run_id",
-           "initial_plan", "job_cores", "make_run_policy", "restart_count",
-           "run_hardware", "switch_cost_prior_s", "under_torchrun", "validate_before_launch",
-           "world_size"]
+__all__ = [
+    "TORCHRUN_VARS",
+    "check_run_length",
+    "default_micro_batch_size",
+    "elastic_run_id",
+    "initial_plan",
+    "job_cores",
+    "make_run_policy",
+    "restart_count",
+    "run_hardware",
+    "switch_cost_prior_s",
+    "under_torchrun",
+    "validate_before_launch",
+    "world_size",
+]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -32,8 +43,7 @@ def check_run_length(cfg: Config) -> None:
     """A run needs an end: train.max_steps > 0 or train.max_tokens > 0. (A decaying LR schedule
     without max_tokens decays over max_steps × the initial tokens per step, see optim.py.)"""
     if cfg.train.max_steps == 0 and cfg.train.max_tokens == 0:
-        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 "
-                         "(set one of them)")
+        raise ValueError("train.max_tokens=0: allowed: an integer > 0 when train.max_steps=0 (set one of them)")
 
 
 def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPlan:
@@ -52,8 +62,7 @@ def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPla
     elif p.dp:
         dp = p.dp
     elif world_size % (tp * pp):
-        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the world size "
-                         f"{world_size}")
+        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the world size {world_size}")
     else:
         dp = world_size // (tp * pp)
     batch = cfg.batch.initial
@@ -61,19 +70,24 @@ def initial_plan(cfg: Config, world_size: int, shape: ModelShape) -> ParallelPla
         raise ValueError(f"batch.initial={batch}: allowed: a multiple of dp={dp}")
     mbs = p.micro_batch_size or default_micro_batch_size(batch // dp, pp)
     if (batch // dp) % mbs:
-        raise ValueError(f"parallel.micro_batch_size={mbs}: allowed: a divisor of "
-                         f"batch.initial/dp={batch // dp}")
-    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
-                        num_microbatches=batch // (dp * mbs))
+        raise ValueError(f"parallel.micro_batch_size={mbs}: allowed: a divisor of batch.initial/dp={batch // dp}")
+    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=batch // (dp * mbs))
     problems = plan_problems(plan, world_size, shape)
     if problems:
         raise ValueError(f"invalid plan {plan.describe()}: {problems[0]}")
     return plan
 
 
-def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: ModelShape,
-                    hardware: HardwareProfile | None = None, *,
-                    memory_capacity_bytes: float | None = None, memory_model: Any = None):
+def make_run_policy(
+    cfg: Config,
+    plan: ParallelPlan,
+    world_size: int,
+    shape: ModelShape,
+    hardware: HardwareProfile | None = None,
+    *,
+    memory_capacity_bytes: float | None = None,
+    memory_model: Any = None,
+):
     """The configured batch policy (core.policies), starting from `plan`. `hardware` is the
     goodput controller's step-time prior (`run_hardware`; None: the "cpu" coefficients).
     `memory_capacity_bytes` (the trainer: the device's real memory less parallel.memory_margin,
@@ -88,13 +102,17 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         c = cfg.controller
         # a degree fixed in [parallel] fixes the layout: resume keeps it too (runtime/state/elastic.py)
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
-        kw = dict(margin=c.margin, lr_aware=c.lr_aware, lr_warmup_tokens=cfg.train.warmup_tokens,
-                  horizon_tokens=float(cfg.train.max_tokens or 0),
-                  reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size,
-                                                      hardware),
-                  allow_reconfigure=c.allow_reconfigure and not fixed,
-                  refit_interval_steps=c.refit_interval_steps, hardware=hardware,
-                  cores=job_cores(world_size) if hardware is None else None)
+        kw = dict(
+            margin=c.margin,
+            lr_aware=c.lr_aware,
+            lr_warmup_tokens=cfg.train.warmup_tokens,
+            horizon_tokens=float(cfg.train.max_tokens or 0),
+            reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size, hardware),
+            allow_reconfigure=c.allow_reconfigure and not fixed,
+            refit_interval_steps=c.refit_interval_steps,
+            hardware=hardware,
+            cores=job_cores(world_size) if hardware is None else None,
+        )
         if memory_capacity_bytes is not None:
             kw["memory_capacity_bytes"] = memory_capacity_bytes
             if memory_model is not None:
@@ -112,9 +130,8 @@ def make_run_policy(cfg: Config, plan: ParallelPlan, world_size: int, shape: Mod
         # the analytic planner keeps pp (Megatron ties across stages), the run's controller may not
         forbid(lambda p: p.pp > 1)
     layouts = parse_layout_map(cfg.parallel.layouts)
-    if cfg.batch.policy == "schedule":   # every entry splits over its layout (before any worker)
-        policy.check_layouts(None if layouts is None else layouts.layout_for,
-                             cfg.parallel.micro_batch_size)
+    if cfg.batch.policy == "schedule":  # every entry splits over its layout (before any worker)
+        policy.check_layouts(None if layouts is None else layouts.layout_for, cfg.parallel.micro_batch_size)
     return policy if layouts is None else LayoutMappedPolicy(policy, layouts)
 
 
@@ -126,8 +143,9 @@ def job_cores(world_size: int, env: Mapping[str, str] | None = None) -> int:
     return (os.cpu_count() or 1) * max(world_size // max(local, 1), 1)
 
 
-def switch_cost_prior_s(configured: float, shape: ModelShape, world_size: int,
-                        hardware: HardwareProfile | None) -> float:
+def switch_cost_prior_s(
+    configured: float, shape: ModelShape, world_size: int, hardware: HardwareProfile | None
+) -> float:
     """controller.reconfig_cost_s, or for -1 (auto) the direct switch's cost model: measured
     constant + weights and AdamW moments (12 B/parameter) / the world's bandwidth (CPU: the
     rate measured by bench/reconfigure.py; GPUs: per-device link bandwidth × world)."""
@@ -137,19 +155,25 @@ def switch_cost_prior_s(configured: float, shape: ModelShape, world_size: int,
         return configured
     bw = None
     if hardware is not None:
-        link = hardware.intra_node_bw if world_size <= hardware.gpus_per_node else \
-            hardware.inter_node_bw
+        link = hardware.intra_node_bw if world_size <= hardware.gpus_per_node else hardware.inter_node_bw
         bw = link * world_size
     return direct_switch_cost_s(12.0 * shape.num_params(), bw)
 
 
 # Accelerator names (substrings of torch.cuda.get_device_name) → the closest named profile.
-DEVICE_PROFILES = (("H100", "h100-sxm"), ("H200", "h200"), ("H800", "h100-sxm"),
-                   ("A100", "a100-80gb"), ("A800", "a100-80gb"), ("MI2", "mi210"))
+DEVICE_PROFILES = (
+    ("H100", "h100-sxm"),
+    ("H200", "h200"),
+    ("H800", "h100-sxm"),
+    ("A100", "a100-80gb"),
+    ("A800", "a100-80gb"),
+    ("MI2", "mi210"),
+)
 
 
-def run_hardware(device_type: str, device_name: str = "",
-                 env: Mapping[str, str] | None = None) -> HardwareProfile | None:
+def run_hardware(
+    device_type: str, device_name: str = "", env: Mapping[str, str] | None = None
+) -> HardwareProfile | None:
     """The goodput controller's hardware prior for this run's devices, or None on CPU.
 
     CPU: None, i.e. the calibrated "cpu" coefficients on one tier (gloo between hosts is priced
@@ -198,7 +222,6 @@ def validate_before_launch(cfg: Config, world_size: int) -> ParallelPlan:
     plan = initial_plan(cfg, world_size, shape)
     make_run_policy(cfg, plan, world_size, shape)
     return plan
-
 
 
 def under_torchrun() -> bool:

@@ -42,7 +42,7 @@ from copus.atomic import atomic_write_text
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_FILE = "stop-request"
 DUPLICATE_WINDOW_S = 0.25
-LAUNCHER_ENV = "COPUS_LOCAL_LAUNCHER"   # set by copus's own launcher for its workers
+LAUNCHER_ENV = "COPUS_LOCAL_LAUNCHER"  # set by copus's own launcher for its workers
 _PR_SET_PDEATHSIG = 1
 
 
@@ -105,13 +105,16 @@ class StopRequest:
         if not self.signum:
             self.signum, self._first_at = signum, now
             if os.environ.get("RANK", "0") == "0":
-                _write_stderr(f"copus: {signal_name(signum)}: stopping after the current step "
-                              "and saving a checkpoint (send it again to abort at once)\n")
+                _write_stderr(
+                    f"copus: {signal_name(signum)}: stopping after the current step "
+                    "and saving a checkpoint (send it again to abort at once)\n"
+                )
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
-            return   # the same Ctrl-C delivered twice (terminal + launcher)
-        _write_stderr(f"copus: second signal ({signal_name(signum)}): aborting now; the last "
-                      "complete checkpoint is kept\n")
+            return  # the same Ctrl-C delivered twice (terminal + launcher)
+        _write_stderr(
+            f"copus: second signal ({signal_name(signum)}): aborting now; the last complete checkpoint is kept\n"
+        )
         os._exit(exit_code(self.signum))
 
     def agreed(self, device: Any = None) -> int:
@@ -121,8 +124,7 @@ class StopRequest:
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.pending()
-        flag = torch.tensor([self.pending()], dtype=torch.int64,
-                            device=device if device is not None else "cpu")
+        flag = torch.tensor([self.pending()], dtype=torch.int64, device=device if device is not None else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
@@ -186,24 +188,27 @@ class SignalForwarder:
         now = time.monotonic()
         if not self.signum and self.graceful:
             self.signum, self._first_at = signum, now
-            _write_stderr(f"copus: {signal_name(signum)}: stopping after the current step and "
-                          "saving a checkpoint (send it again to abort at once)\n")
+            _write_stderr(
+                f"copus: {signal_name(signum)}: stopping after the current step and "
+                "saving a checkpoint (send it again to abort at once)\n"
+            )
             self._request(signum)
             return
         if signum == self.signum and now - self._first_at < DUPLICATE_WINDOW_S:
-            return   # one signal delivered twice (e.g. `timeout` signals child and group)
+            return  # one signal delivered twice (e.g. `timeout` signals child and group)
         if self.signum:
             self.second = signum
-            _write_stderr(f"copus: second signal ({signal_name(signum)}): aborting the workers; "
-                          "the last complete checkpoint is kept\n")
+            _write_stderr(
+                f"copus: second signal ({signal_name(signum)}): aborting the workers; "
+                "the last complete checkpoint is kept\n"
+            )
         else:
             self.signum = signum
             _write_stderr(f"copus: {signal_name(signum)}: stopping the workers\n")
         self._send(signal.SIGKILL)
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        raise SignalException(f"second signal {signal_name(signum)}",
-                              sigval=signal.Signals(self.signum))
+        raise SignalException(f"second signal {signal_name(signum)}", sigval=signal.Signals(self.signum))
 
     @staticmethod
     def _send(signum: int) -> None:
@@ -248,8 +253,7 @@ class Boundary:
         signum, due = self.local()
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return signum, due
-        flags = torch.tensor([signum, int(due)], dtype=torch.int64,
-                             device=device if device is not None else "cpu")
+        flags = torch.tensor([signum, int(due)], dtype=torch.int64, device=device if device is not None else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signum, due = flags.tolist()
         return int(signum), bool(due)
@@ -269,11 +273,15 @@ def graceful_stop(trainer: Any, signum: int) -> dict:
         except CheckpointError as err:
             error, path = str(err), None
     result = trainer.finish()
-    info = {"signal": signal_name(signum), "exit_code": exit_code(signum), "step": p.step,
-            "tokens": p.tokens, "checkpoint": None if path is None else str(path),
-            "error": error}
-    trainer.writer.set_state("stopped", step=p.step,
-                             checkpoint=None if path is None else path.name)
+    info = {
+        "signal": signal_name(signum),
+        "exit_code": exit_code(signum),
+        "step": p.step,
+        "tokens": p.tokens,
+        "checkpoint": None if path is None else str(path),
+        "error": error,
+    }
+    trainer.writer.set_state("stopped", step=p.step, checkpoint=None if path is None else path.name)
     return {**result, "stopped": info}
 
 
@@ -281,10 +289,10 @@ def stop_line(stopped: dict, run_dir: str, *, torchrun: bool = False) -> str:
     """The one line `copus train` prints for a stopped run."""
     from copus.runtime.state.run_folder import resume_command
 
-    where = (f"stopped by {stopped['signal']} at step {stopped['step']} "
-             f"({stopped['tokens']:,} tokens)")
+    where = f"stopped by {stopped['signal']} at step {stopped['step']} ({stopped['tokens']:,} tokens)"
     if stopped.get("checkpoint") is None:
-        return (f"{where}; checkpoint NOT saved ({stopped.get('error')}); resume from the "
-                f"previous one: {resume_command(run_dir, torchrun=torchrun)}")
-    return (f"{where}; checkpoint {stopped['checkpoint']}; resume: "
-            f"{resume_command(run_dir, torchrun=torchrun)}")
+        return (
+            f"{where}; checkpoint NOT saved ({stopped.get('error')}); resume from the "
+            f"previous one: {resume_command(run_dir, torchrun=torchrun)}"
+        )
+    return f"{where}; checkpoint {stopped['checkpoint']}; resume: {resume_command(run_dir, torchrun=torchrun)}"

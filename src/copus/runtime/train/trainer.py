@@ -48,8 +48,14 @@ from copus.runtime.train.probe import Prober
 from copus.runtime.train.progress import Progress, plan_from_dict, plan_to_dict  # noqa: F401 (re-exported)
 
 
-__all__ = ["Trainer", "TrainingError", "default_micro_batch_size", "initial_plan",
-           "make_run_policy", "validate_before_launch"]
+__all__ = [
+    "Trainer",
+    "TrainingError",
+    "default_micro_batch_size",
+    "initial_plan",
+    "make_run_policy",
+    "validate_before_launch",
+]
 
 
 class TrainingError(RuntimeError):
@@ -68,8 +74,8 @@ class StepEnd:
     signum: int
     checkpoint_due: bool
     decided: bool
-    peak_reserved_bytes: float = -1.0   # CUDA: max reserved since the plan began; -1 = n/a
-    device_used_bytes: float = -1.0     # CUDA: total − free (mem_get_info); -1 = n/a
+    peak_reserved_bytes: float = -1.0  # CUDA: max reserved since the plan began; -1 = n/a
+    device_used_bytes: float = -1.0  # CUDA: total − free (mem_get_info); -1 = n/a
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -81,9 +87,17 @@ PolicyFactory = Callable[[Config, ParallelPlan, int, ModelShape], Any]
 class Trainer:
     """One rank's training run. Build, then `run()`; every rank executes the same calls."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, device: torch.device, *,
-                 resume: bool = False, auto_resume: bool = False, on_batch: Hook | None = None,
-                 policy_factory: PolicyFactory | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path,
+        device: torch.device,
+        *,
+        resume: bool = False,
+        auto_resume: bool = False,
+        on_batch: Hook | None = None,
+        policy_factory: PolicyFactory | None = None,
+    ) -> None:
         """`resume`: continue from the latest good checkpoint (TrainingError if none);
         `auto_resume`: continue from it only if it belongs to this run (`resume`), else start
         fresh. `on_batch(step, global_ids, local_ids)` sees every step's samples (tests);
@@ -99,37 +113,47 @@ class Trainer:
         self.shape, self.sampler, self.val_note = run_data.shape, run_data.sampler, None
         self.run_id, self.restarted = elastic_run_id(), restart_count() > 0
         self.plan = initial_plan(cfg, self.world, self.shape)
-        self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device)
-                                     if device.type == "cuda" else "")
+        self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
         self.writer = self._make_writer()
-        self.memory = MemoryGuard(cfg, self.shape, device, self.hardware, self.run_dir,
-                                  rank=self.rank, world=self.world, log=self.log,
-                                  error=TrainingError)   # runtime/train/memory_guard.py
+        self.memory = MemoryGuard(
+            cfg,
+            self.shape,
+            device,
+            self.hardware,
+            self.run_dir,
+            rank=self.rank,
+            world=self.world,
+            log=self.log,
+            error=TrainingError,
+        )  # runtime/train/memory_guard.py
         self.plan = self.memory.feasible(self.plan)
         if policy_factory is not None:
             self.policy = policy_factory(cfg, self.plan, self.world, self.shape)
             self.memory.forbid_in(self.policy)
         else:
             self.policy = self._make_policy(self.plan)
-        self.peak_flops = perf.device_peak_flops(device, self.hardware)   # None: peak unknown
-        self._flags: StepEnd | None = None      # the last step's agreement, for the boundary
-        self._decision: tuple[int, Decision | None] | None = None   # (step, rank 0's decision)
+        self.peak_flops = perf.device_peak_flops(device, self.hardware)  # None: peak unknown
+        self._flags: StepEnd | None = None  # the last step's agreement, for the boundary
+        self._decision: tuple[int, Decision | None] | None = None  # (step, rank 0's decision)
         self.last_step_end: StepEnd | None = None
-        self.gns = make_estimator(cfg.gns.estimator, ref_batch=cfg.batch.initial,
-                                  decay=cfg.gns.decay, decay_late=cfg.gns.decay_late,
-                                  decay_switch_tokens=cfg.gns.decay_switch_tokens)
-        self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial,
-                                                    self.shape.seq_len)
+        self.gns = make_estimator(
+            cfg.gns.estimator,
+            ref_batch=cfg.batch.initial,
+            decay=cfg.gns.decay,
+            decay_late=cfg.gns.decay_late,
+            decay_switch_tokens=cfg.gns.decay_switch_tokens,
+        )
+        self.lr: LearningRate = build_learning_rate(cfg.train, cfg.batch.initial, self.shape.seq_len)
         self.progress = Progress()
-        self.prober = Prober.from_config(cfg)    # gns.calibration = "probe" (runtime/train/probe.py)
+        self.prober = Prober.from_config(cfg)  # gns.calibration = "probe" (runtime/train/probe.py)
         self.mesh_cache = MeshCache(self.device.type)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.boundary = stop.Boundary(stop.request, cfg.checkpoint.interval_s)
-        self.engine: Any = None          # built by resume() under the plan it chooses
-        self.failed_saves = self.total_failed_saves = 0   # interval saves that failed
+        self.engine: Any = None  # built by resume() under the plan it chooses
+        self.failed_saves = self.total_failed_saves = 0  # interval saves that failed
         self.saver = ckpt.AsyncCheckpointer() if cfg.checkpoint.background else None
         self._remove_stale_stages()
-        self.memory.clear_marker()     # before any collective
+        self.memory.clear_marker()  # before any collective
         if not ((resume or auto_resume) and self.resume(required=resume)):
             if policy_factory is None:
                 self._start_on_planned()
@@ -142,9 +166,15 @@ class Trainer:
 
     def _make_policy(self, plan: ParallelPlan):
         """The configured policy from `plan`, bounded by the device's memory."""
-        policy = make_run_policy(self.cfg, plan, self.world, self.shape, self.hardware,
-                                 memory_capacity_bytes=self.memory.capacity,
-                                 memory_model=self.memory.model)
+        policy = make_run_policy(
+            self.cfg,
+            plan,
+            self.world,
+            self.shape,
+            self.hardware,
+            memory_capacity_bytes=self.memory.capacity,
+            memory_model=self.memory.model,
+        )
         self.memory.forbid_in(policy)
         return policy
 
@@ -162,8 +192,10 @@ class Trainer:
         plan = self.memory.feasible(box[0])
         if plan == self.plan:
             return
-        self.log(f"start plan {plan.describe()} (the controller's fastest at batch.initial; "
-                 f"controller.start='initial' keeps {self.plan.describe()})")
+        self.log(
+            f"start plan {plan.describe()} (the controller's fastest at batch.initial; "
+            f"controller.start='initial' keeps {self.plan.describe()})"
+        )
         self.plan, self.policy = plan, self._make_policy(plan)
 
     def _remove_stale_stages(self) -> None:
@@ -182,8 +214,16 @@ class Trainer:
         from copus.runtime.engine.engine import Engine, settings_from_config
 
         settings = settings_from_config(self.cfg, ip_extras=self.cfg.batch.policy == "inner-product-test")
-        return Engine(self.shape, plan, settings, self.device, self.mesh_cache,
-                      seed=self.cfg.train.seed, allocate=allocate, init=init)
+        return Engine(
+            self.shape,
+            plan,
+            settings,
+            self.device,
+            self.mesh_cache,
+            seed=self.cfg.train.seed,
+            allocate=allocate,
+            init=init,
+        )
 
     def _init_from_hf(self) -> None:
         """model.init_from: this rank's shards of a Hugging Face folder's weights (a fresh start
@@ -208,17 +248,22 @@ class Trainer:
         from copus.runtime.state.metrics import RunWriter
 
         cfg = self.cfg
-        writer = RunWriter(self.run_dir, rank0=self.rank == 0, tensorboard=cfg.log.tensorboard,
-                           progress=cfg.log.progress, total_steps=cfg.train.max_steps,
-                           total_tokens=cfg.train.max_tokens,
-                           progress_interval_s=cfg.log.progress_interval_s,
-                           trackers=self._open_trackers())
+        writer = RunWriter(
+            self.run_dir,
+            rank0=self.rank == 0,
+            tensorboard=cfg.log.tensorboard,
+            progress=cfg.log.progress,
+            total_steps=cfg.train.max_steps,
+            total_tokens=cfg.train.max_tokens,
+            progress_interval_s=cfg.log.progress_interval_s,
+            trackers=self._open_trackers(),
+        )
         writer.write_config(cfg)
-        if self.rank == 0:   # present even when the policy never decides
+        if self.rank == 0:  # present even when the policy never decides
             (self.run_dir / "decisions.jsonl").touch()
             from copus.runtime.data.run_data import save_tokenizer
 
-            save_tokenizer(self.run_dir, self.tokenizer)   # for copus export
+            save_tokenizer(self.run_dir, self.tokenizer)  # for copus export
         return writer
 
     def log(self, message: str) -> None:
@@ -229,15 +274,16 @@ class Trainer:
 
     def done(self) -> bool:
         t, p = self.cfg.train, self.progress
-        return ((t.max_steps > 0 and p.step >= t.max_steps)
-                or (t.max_tokens > 0 and p.tokens >= t.max_tokens))
+        return (t.max_steps > 0 and p.step >= t.max_steps) or (t.max_tokens > 0 and p.tokens >= t.max_tokens)
 
     def run(self) -> dict:
         """Train until max_steps / max_tokens; checkpoint at the end; return the summary."""
         cfg = self.cfg
         if self.done():
-            self.log(f"nothing to do: step {self.progress.step}, {self.progress.tokens} tokens "
-                     "already reach train.max_steps / train.max_tokens")
+            self.log(
+                f"nothing to do: step {self.progress.step}, {self.progress.tokens} tokens "
+                "already reach train.max_steps / train.max_tokens"
+            )
             return self.finish()
         while not self.done():
             signum, checkpoint_due = self.boundary_flags()
@@ -251,16 +297,15 @@ class Trainer:
                 self.memory.guarded(self.evaluate, self._where)
             decision = self.decide(record)
             if self.prober is not None and self.prober.due(self, decision):
-                self.prober.run(self, decision)    # continues from the best branch
+                self.prober.run(self, decision)  # continues from the best branch
                 decision = None
-            if decision is not None:       # before the checkpoint: it holds the new plan
+            if decision is not None:  # before the checkpoint: it holds the new plan
                 self.apply_decision(decision)
             if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
                 self.periodic_checkpoint()
         if cfg.eval.interval_steps and self.progress.step % cfg.eval.interval_steps:
             self.evaluate()
-        if not (cfg.checkpoint.interval_steps
-                and self.progress.step % cfg.checkpoint.interval_steps == 0):
+        if not (cfg.checkpoint.interval_steps and self.progress.step % cfg.checkpoint.interval_steps == 0):
             self.save_checkpoint()
         return self.finish()
 
@@ -273,13 +318,15 @@ class Trainer:
         """This rank's token rows on the device. CUDA: through pinned memory and a
         non-blocking copy (a copy from pageable memory waits for the stream: a host sync)."""
         tokens = torch.from_numpy(rows.astype(np.int64))
-        if self.device.type == "cuda":   # CUDA only: asynchronous host-to-device copy
+        if self.device.type == "cuda":  # CUDA only: asynchronous host-to-device copy
             return tokens.pin_memory().to(self.device, non_blocking=True)
         return tokens
 
-    def step_once(self, on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                  observe: Callable[[StepRecord], Decision | None] | None = None
-                  ) -> tuple[StepRecord, float]:
+    def step_once(
+        self,
+        on_ids: Callable[[np.ndarray, np.ndarray], None] | None = None,
+        observe: Callable[[StepRecord], Decision | None] | None = None,
+    ) -> tuple[StepRecord, float]:
         """One optimizer step on the next global batch, written nowhere: the B sample ids at the
         progress's offset, this rank's slice, the LR at the token count, the timed engine step,
         the progress counters and, on a finite step, the GNS update. The run (`train_step`)
@@ -315,12 +362,24 @@ class Trainer:
             p.num_skipped += 1
         g = self.gns
         record = StepRecord(
-            step=p.step, samples=p.samples, tokens=p.tokens, plan=plan, step_s=local_s,
-            loss=float(out.loss), lr=lr, small_sqnorm=float(out.small_sqnorm),
-            small_batch=float(out.small_batch), num_small=int(out.num_small),
-            big_sqnorm=float(out.big_sqnorm), ip_sq_mean=out.ip_sq_mean,
-            grad_sqnorm=g.grad_sqnorm, grad_trace_cov=g.grad_trace_cov, b_noise=g.b_noise,
-            b_noise_rel_err=g.rel_err, skipped=not finite)
+            step=p.step,
+            samples=p.samples,
+            tokens=p.tokens,
+            plan=plan,
+            step_s=local_s,
+            loss=float(out.loss),
+            lr=lr,
+            small_sqnorm=float(out.small_sqnorm),
+            small_batch=float(out.small_batch),
+            num_small=int(out.num_small),
+            big_sqnorm=float(out.big_sqnorm),
+            ip_sq_mean=out.ip_sq_mean,
+            grad_sqnorm=g.grad_sqnorm,
+            grad_trace_cov=g.grad_trace_cov,
+            b_noise=g.b_noise,
+            b_noise_rel_err=g.rel_err,
+            skipped=not finite,
+        )
         decision = observe(record) if observe is not None and self.rank == 0 else None
         end = self.step_end(local_s, decided=decision is not None)
         self.last_step_end = end
@@ -333,15 +392,27 @@ class Trainer:
         """The end-of-step agreement (`StepEnd`): one all-reduce MAX of [step_s, peak memory,
         stop signal, checkpoint due, decided] and one read; no collective on one rank."""
         signum, due = self.boundary.local()
-        values = [step_s, float(perf.peak_memory_bytes(self.device)), float(signum),
-                  float(due), float(decided), *perf.device_memory_readings(self.device)]
+        values = [
+            step_s,
+            float(perf.peak_memory_bytes(self.device)),
+            float(signum),
+            float(due),
+            float(decided),
+            *perf.device_memory_readings(self.device),
+        ]
         if self.world > 1:
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             values = t.tolist()
-        return StepEnd(step_s=values[0], peak_memory_bytes=values[1], signum=int(values[2]),
-                       checkpoint_due=bool(values[3]), decided=bool(values[4]),
-                       peak_reserved_bytes=values[5], device_used_bytes=values[6])
+        return StepEnd(
+            step_s=values[0],
+            peak_memory_bytes=values[1],
+            signum=int(values[2]),
+            checkpoint_due=bool(values[3]),
+            decided=bool(values[4]),
+            peak_reserved_bytes=values[5],
+            device_used_bytes=values[6],
+        )
 
     def boundary_flags(self) -> tuple[int, bool]:
         """(stop signal, time-based checkpoint due) at this step boundary, identical on every
@@ -350,7 +421,7 @@ class Trainer:
         acted on at the next boundary."""
         flags, self._flags = self._flags, None
         if flags is None:
-            return self.boundary.poll(self.device)   # runtime/train/stop.py
+            return self.boundary.poll(self.device)  # runtime/train/stop.py
         return flags.signum, flags.checkpoint_due
 
     def train_step(self) -> StepRecord:
@@ -364,26 +435,34 @@ class Trainer:
         record, grad_norm = self.step_once(hook, observe=self._observe)
         self._flags = self.last_step_end
         p.nonfinite_streak = p.nonfinite_streak + 1 if record.skipped else 0
-        tokens_per_s = (record.plan.global_batch_size * self.shape.seq_len / record.step_s
-                        if record.step_s > 0 else float("nan"))
-        self.writer.log_step(record, tokens_per_s=tokens_per_s, grad_norm=grad_norm,
-                             small_sqnorm=record.small_sqnorm, big_sqnorm=record.big_sqnorm,
-                             num_small=record.num_small, small_batch=record.small_batch,
-                             mfu=perf.mfu(tokens_per_s, self.shape, self.world, self.peak_flops),
-                             peak_memory_bytes=int(self.last_step_end.peak_memory_bytes),
-                             **_device_memory(self.last_step_end))
+        tokens_per_s = (
+            record.plan.global_batch_size * self.shape.seq_len / record.step_s if record.step_s > 0 else float("nan")
+        )
+        self.writer.log_step(
+            record,
+            tokens_per_s=tokens_per_s,
+            grad_norm=grad_norm,
+            small_sqnorm=record.small_sqnorm,
+            big_sqnorm=record.big_sqnorm,
+            num_small=record.num_small,
+            small_batch=record.small_batch,
+            mfu=perf.mfu(tokens_per_s, self.shape, self.world, self.peak_flops),
+            peak_memory_bytes=int(self.last_step_end.peak_memory_bytes),
+            **_device_memory(self.last_step_end),
+        )
         if p.nonfinite_streak >= self.cfg.train.max_nonfinite_steps:
             raise TrainingError(
                 f"{p.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
                 f"{self.cfg.train.max_nonfinite_steps}) at step {p.step}; lower train.lr or "
-                "resume from an earlier checkpoint")
+                "resume from an earlier checkpoint"
+            )
         return record
 
     def _observe(self, record: StepRecord) -> Decision | None:
         """Rank 0: the policy observes the step; its events go to decisions.jsonl."""
         decision = self.policy.observe(record)
         for row in getattr(self.policy, "drain_events", list)():
-            self.writer.log_event(row)      # probe results and audits (core.explore, core.audit)
+            self.writer.log_event(row)  # probe results and audits (core.explore, core.audit)
         return decision
 
     def eval_rows(self) -> int:
@@ -392,8 +471,9 @@ class Trainer:
         from copus.runtime.data.run_data import eval_rows
 
         plan = self.plan
-        return eval_rows(max(self.cfg.eval.num_samples // plan.dp, 1), len(self.val_set),
-                         plan.dp, plan.micro_batch_size, plan.pp)
+        return eval_rows(
+            max(self.cfg.eval.num_samples // plan.dp, 1), len(self.val_set), plan.dp, plan.micro_batch_size, plan.pp
+        )
 
     def evaluate(self) -> float:
         """Mean loss on the fixed validation subset: the first dp·eval_rows() windows."""
@@ -402,15 +482,16 @@ class Trainer:
         rows, dp = self.eval_rows(), self.plan.dp
         note = eval_note(rows, dp, len(self.val_set), self.cfg.eval.num_samples)
         if note != self.val_note and note is not None:
-            self.log(note)          # once (again only if it changes with the plan)
+            self.log(note)  # once (again only if it changes with the plan)
         self.val_note = note
         if rows <= 0:
             return math.nan
         local = np.arange(rows * dp).reshape(dp, rows)[self.engine.dp_rank]
         tokens = torch.from_numpy(self.val_set.batch(local).astype(np.int64)).to(self.device)
         loss = float(self.engine.eval_loss(tokens))
-        self.writer.log_eval(self.progress.step, loss, samples=self.progress.samples,
-                             tokens=self.progress.tokens, num_samples=rows * dp)
+        self.writer.log_eval(
+            self.progress.step, loss, samples=self.progress.samples, tokens=self.progress.tokens, num_samples=rows * dp
+        )
         return loss
 
     # -- decisions ----------------------------------------------------------------------------
@@ -458,27 +539,29 @@ class Trainer:
         if new.layout == old.layout:
             self.engine.set_plan(new)
         elif not self.cfg.controller.allow_reconfigure:
-            self.writer.log_decision(decision, applied=False,
-                                     note="refused: controller.allow_reconfigure=false")
+            self.writer.log_decision(decision, applied=False, note="refused: controller.allow_reconfigure=false")
             return False
         else:
             switch = self.reconfigure(new)
         self.plan = new
         if new.global_batch_size != old.global_batch_size:
-            self.lr.on_batch_change(new.global_batch_size, step=self.progress.step,
-                                    grad_sqnorm=self.gns.grad_sqnorm,
-                                    grad_trace_cov=self.gns.grad_trace_cov)
+            self.lr.on_batch_change(
+                new.global_batch_size,
+                step=self.progress.step,
+                grad_sqnorm=self.gns.grad_sqnorm,
+                grad_trace_cov=self.gns.grad_trace_cov,
+            )
         cost_s = time.perf_counter() - t0
         if switch is not None:
             cost_s = max(cost_s, switch["wall_s"])
             if self.rank == 0 and hasattr(self.policy, "record_switch_cost"):
                 self.policy.record_switch_cost(cost_s)
-        self.writer.log_decision(decision, switch_s=cost_s, applied=True,
-                                 lr_factor=self.lr.factor, **({"switch": switch} if switch else {}))
-        perf.reset_peak_memory(self.device)    # the new plan's peak is its own (not the switch's)
+        self.writer.log_decision(
+            decision, switch_s=cost_s, applied=True, lr_factor=self.lr.factor, **({"switch": switch} if switch else {})
+        )
+        perf.reset_peak_memory(self.device)  # the new plan's peak is its own (not the switch's)
         how = "" if switch is None else f"; {switch['method']} switch {switch['wall_s']:.2f} s"
-        self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} "
-                 f"({decision.reason}){how}")
+        self.log(f"step {self.progress.step}: {old.describe()} -> {new.describe()} ({decision.reason}){how}")
         return True
 
     def reconfigure(self, plan: ParallelPlan) -> dict:
@@ -490,11 +573,11 @@ class Trainer:
         self.log(f"reconfigure {self.plan.describe()} -> {plan.describe()}: start")
 
         if self.cfg.controller.switch == "checkpoint":
-            report = rc.timed_switch("checkpoint", self.plan, plan, self.device,
-                                     lambda: self.reconfigure_through_checkpoint(plan))
+            report = rc.timed_switch(
+                "checkpoint", self.plan, plan, self.device, lambda: self.reconfigure_through_checkpoint(plan)
+            )
         else:
-            self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine,
-                                                   fallback_root=self.run_dir)
+            self.engine, report = rc.switch_engine(self.engine, plan, self._make_engine, fallback_root=self.run_dir)
         # after either path: the old layout's sub-groups (NCCL communicators and their buffers) go with it
         released = self.mesh_cache.release_except(dp=plan.dp, tp=plan.tp, pp=plan.pp)
         return {**report.to_dict(), "groups_released": released}
@@ -503,7 +586,7 @@ class Trainer:
         """New (dp, tp, pp): save, rebuild the engine for `plan`, load resharded (DCP)."""
         path = self.save_checkpoint()
         self.engine.close()
-        self.engine = self._make_engine(plan, init=False)     # the checkpoint fills it
+        self.engine = self._make_engine(plan, init=False)  # the checkpoint fills it
         state = self.dcp_state()
         ckpt.load(path, state, check=False)
         self.engine.load_state(state["model"], state["optim"])
@@ -523,8 +606,11 @@ class Trainer:
             "progress": asdict(self.progress),
             "plan": plan_to_dict(self.plan),
             "world_size": self.world,
-            "sampler": {"offset": self.progress.samples, "seed": self.sampler.seed,
-                        "num_samples": self.sampler.num_samples},
+            "sampler": {
+                "offset": self.progress.samples,
+                "seed": self.sampler.seed,
+                "num_samples": self.sampler.num_samples,
+            },
             "gns": self.gns.state_dict(),
             "policy": self.policy.state_dict(),
             "lr": self.lr.state_dict(),
@@ -549,10 +635,14 @@ class Trainer:
             self.total_failed_saves += 1
             limit = self.cfg.checkpoint.max_failed_saves
             if self.failed_saves >= limit:
-                raise TrainingError(f"{self.failed_saves} checkpoint saves failed in a row "
-                                    f"(checkpoint.max_failed_saves={limit}); last: {err}") from None
-            self.log(f"step {self.progress.step}: {err}; training continues "
-                     f"({self.failed_saves}/{limit} failed saves in a row)")
+                raise TrainingError(
+                    f"{self.failed_saves} checkpoint saves failed in a row "
+                    f"(checkpoint.max_failed_saves={limit}); last: {err}"
+                ) from None
+            self.log(
+                f"step {self.progress.step}: {err}; training continues "
+                f"({self.failed_saves}/{limit} failed saves in a row)"
+            )
             return
         self.failed_saves = 0
 
@@ -562,10 +652,10 @@ class Trainer:
         failure of it is this call's CheckpointError)."""
         t0 = time.perf_counter()
         self.wait_for_checkpoint()
-        path = self.saver.save(self.ckpt_dir, self.progress.step, self.dcp_state(),
-                               self.trainer_state(), keep=self.cfg.checkpoint.keep)
-        self.log(f"checkpoint {path.name} staged in {time.perf_counter() - t0:.2f} s, "
-                 "writing in the background")
+        path = self.saver.save(
+            self.ckpt_dir, self.progress.step, self.dcp_state(), self.trainer_state(), keep=self.cfg.checkpoint.keep
+        )
+        self.log(f"checkpoint {path.name} staged in {time.perf_counter() - t0:.2f} s, writing in the background")
         self.boundary.saved(self.progress.step)
         return path
 
@@ -579,8 +669,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
         self.wait_for_checkpoint()
-        path = ckpt.save(self.ckpt_dir, self.progress.step, self.dcp_state(),
-                         self.trainer_state(), keep=self.cfg.checkpoint.keep)
+        path = ckpt.save(
+            self.ckpt_dir, self.progress.step, self.dcp_state(), self.trainer_state(), keep=self.cfg.checkpoint.keep
+        )
         self.log(f"checkpoint {path.name} saved in {time.perf_counter() - t0:.2f} s")
         self.boundary.saved(self.progress.step)
         return path
@@ -600,15 +691,17 @@ class Trainer:
             return False
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         if not required and not self.same_run(state):
-            self.log(f"not resuming {path.name}: written by run {state.get('run_id')!r}, this "
-                     f"is {self.run_id!r} (pass --resume to continue it); starting at step 0")
+            self.log(
+                f"not resuming {path.name}: written by run {state.get('run_id')!r}, this "
+                f"is {self.run_id!r} (pass --resume to continue it); starting at step 0"
+            )
             return False
         from copus.runtime.data.run_data import check_resumed_tokenizer
 
         check_resumed_tokenizer(state.get("tokenizer"), self.tokenizer, str(path))
         saved = plan_from_dict(state["plan"])
         self.progress = Progress(**state["progress"])
-        self.writer.supersede_after(self.progress.step)   # one row per step (metrics.py)
+        self.writer.supersede_after(self.progress.step)  # one row per step (metrics.py)
         self.boundary.saved(self.progress.step)
         self.gns.load_state_dict(state["gns"])
         self.policy.load_state_dict(state["policy"])
@@ -618,20 +711,26 @@ class Trainer:
         decision = self.resume_plan(saved, int(state.get("world_size") or 0))
         self.engine_for(decision.plan if decision is not None else saved)
         tensors = self.dcp_state()
-        ckpt.load(path, tensors, check=False)      # agree_on_latest verified it
+        ckpt.load(path, tensors, check=False)  # agree_on_latest verified it
         self.engine.load_state(tensors["model"], tensors["optim"])
         if state.get("world_size") == self.world:
             ckpt.set_rng_state(state["rng"])
         if self.plan.global_batch_size != saved.global_batch_size:
-            self.lr.on_batch_change(self.plan.global_batch_size, step=self.progress.step,
-                                    grad_sqnorm=self.gns.grad_sqnorm,
-                                    grad_trace_cov=self.gns.grad_trace_cov)
+            self.lr.on_batch_change(
+                self.plan.global_batch_size,
+                step=self.progress.step,
+                grad_sqnorm=self.gns.grad_sqnorm,
+                grad_trace_cov=self.gns.grad_trace_cov,
+            )
         if decision is not None:
-            self.writer.log_decision(decision, applied=True, resumed_from=path.name,
-                                     world_size=self.world, lr_factor=self.lr.factor)
+            self.writer.log_decision(
+                decision, applied=True, resumed_from=path.name, world_size=self.world, lr_factor=self.lr.factor
+            )
             self.log(f"resume: {saved.describe()} -> {self.plan.describe()} ({decision.reason})")
-        self.log(f"resumed from {path.name}: step {self.progress.step}, "
-                 f"{self.progress.tokens} tokens, plan {self.plan.describe()}")
+        self.log(
+            f"resumed from {path.name}: step {self.progress.step}, "
+            f"{self.progress.tokens} tokens, plan {self.plan.describe()}"
+        )
         return True
 
     def same_run(self, state: dict) -> bool:
@@ -660,24 +759,40 @@ class Trainer:
         """`runtime.elastic.resume_plan` for this run: None keeps the checkpoint's plan."""
         from copus.runtime.state.elastic import resume_plan
 
-        return resume_plan(self.cfg, saved=saved, saved_world=saved_world, world=self.world,
-                           shape=self.shape, policy=self.policy, b_noise=self.gns.b_noise,
-                           initial=self.plan, hardware=self.hardware, step=self.progress.step)
+        return resume_plan(
+            self.cfg,
+            saved=saved,
+            saved_world=saved_world,
+            world=self.world,
+            shape=self.shape,
+            policy=self.policy,
+            b_noise=self.gns.b_noise,
+            initial=self.plan,
+            hardware=self.hardware,
+            step=self.progress.step,
+        )
 
     # -- end ----------------------------------------------------------------------------------
 
     def finish(self) -> dict:
-        self.wait_for_checkpoint()      # the last interval save is on disk before "finished"
+        self.wait_for_checkpoint()  # the last interval save is on disk before "finished"
         p = self.progress
-        summary = {"steps": p.step, "samples": p.samples, "tokens": p.tokens,
-                   "num_skipped": p.num_skipped, "train_s": p.train_s,
-                   "failed_saves": self.total_failed_saves,
-                   "final_plan": plan_to_dict(self.plan),
-                   "b_noise": _json_float(self.gns.b_noise)}
-        self.writer.summary(num_skipped=p.num_skipped, train_s=p.train_s,
-                            final_plan=plan_to_dict(self.plan), val_note=self.val_note)
-        self.writer.set_state("finished" if self.done() else "stopped", step=p.step,
-                              checkpoint=self.boundary.checkpoint_name())
+        summary = {
+            "steps": p.step,
+            "samples": p.samples,
+            "tokens": p.tokens,
+            "num_skipped": p.num_skipped,
+            "train_s": p.train_s,
+            "failed_saves": self.total_failed_saves,
+            "final_plan": plan_to_dict(self.plan),
+            "b_noise": _json_float(self.gns.b_noise),
+        }
+        self.writer.summary(
+            num_skipped=p.num_skipped, train_s=p.train_s, final_plan=plan_to_dict(self.plan), val_note=self.val_note
+        )
+        self.writer.set_state(
+            "finished" if self.done() else "stopped", step=p.step, checkpoint=self.boundary.checkpoint_name()
+        )
         return summary
 
     def close(self) -> None:
@@ -692,8 +807,7 @@ def _device_memory(end: StepEnd) -> dict:
     """The metrics row's CUDA-only memory fields (absent off CUDA)."""
     if end.peak_reserved_bytes < 0:
         return {}
-    return {"peak_reserved_bytes": int(end.peak_reserved_bytes),
-            "device_used_bytes": int(end.device_used_bytes)}
+    return {"peak_reserved_bytes": int(end.peak_reserved_bytes), "device_used_bytes": int(end.device_used_bytes)}
 
 
 def _json_float(x: float) -> float | None:

@@ -55,6 +55,10 @@ from copus.core.stats.step_uncertainty import median_error, relative_spread
 PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
 QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ: a 3-point Gauss rule
+# while the posterior's 90 % interval of c spans more than WIDE_RATIO-fold, the batch moves on
+# the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
+WIDE_RATIO, WIDE_STEPS = 8.0, 2
+SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
 
 
 class PlanningController(ControllerBase):
@@ -310,6 +314,9 @@ class PlanningController(ControllerBase):
         r = self.rates(bc_now, step_s)  # (K, N)
         score = w @ (r / np.maximum(r.max(axis=1, keepdims=True), 1e-300))
         on = self.ladder(np.flatnonzero(self._ids == lay))
+        b = self.candidates.global_batch_size
+        keep = on[b[on] >= self.floor_batch(bc_now / np.maximum(self.c_hypotheses()[0], 1e-300), step_s)]
+        on = keep if len(keep) else on
         i = int(on[np.argmax(score[on])])
         return {
             "layout": lay,
@@ -322,14 +329,40 @@ class PlanningController(ControllerBase):
             **extra,
         }
 
+    def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
+        """The smallest batch the plan may take: the current one, unless the evidence about c
+        says the current batch is past the best batch even at the posterior's
+        `SHRINK_QUANTILE` of c and the highest noise-scale reading of the last `interval_steps`
+        stretches (with c fixed: never). The forecast of φ never falls (slope ≥ 0), so a
+        smaller batch is never planned for a reading of φ alone: a gradient spike, which
+        moves the online φ for many steps, does not shrink the batch."""
+        cur = float(self.plan.global_batch_size)
+        if self.posterior is None or not len(self.chunks):
+            return cur
+        recent = [c[2] / c[3] for c in self.chunks[-self.interval_steps :] if c[3] > 0]
+        phi = max([float(np.max(phi_now))] + recent)
+        r = self.rates(np.array([self.posterior.quantile_c(SHRINK_QUANTILE) * phi]), step_s)[0]
+        return min(cur, float(self.candidates.global_batch_size[int(np.argmax(r))]))
+
+    def ladder_steps(self) -> int:
+        """Rungs per doubling of the batch ladder: `batch_steps` when set, else `WIDE_STEPS`
+        while the posterior over c is wide (90 % interval > `WIDE_RATIO`-fold), else 0 (any
+        batch): small batch moves bend the loss curve too little for the posterior to read."""
+        if self.batch_steps > 0:
+            return self.batch_steps
+        if self.posterior is not None and self.posterior.interval_ratio() > WIDE_RATIO:
+            return WIDE_STEPS
+        return 0
+
     def ladder(self, idx: np.ndarray) -> np.ndarray:
-        """The candidates of `idx` on the batch ladder B0·2^(k/`batch_steps`) (per rung the
+        """The candidates of `idx` on the batch ladder B0·2^(k/`ladder_steps()`) (per rung the
         batch nearest to it), plus the current plan: the plan moves the batch by rungs, so
         each change is an experiment the posterior over c can read (docs/robust-goodput.md)."""
-        if self.batch_steps <= 0 or not len(idx):
+        steps = self.ladder_steps()
+        if steps <= 0 or not len(idx):
             return idx
         b = self.candidates.global_batch_size[idx].astype(float)
-        x = np.log2(b / self.search_options["lr_ref_batch"]) * self.batch_steps
+        x = np.log2(b / self.search_options["lr_ref_batch"]) * steps
         rung = np.round(x)
         order = np.lexsort((b, np.abs(x - rung), rung))
         first = order[np.r_[True, np.diff(rung[order]) != 0]]

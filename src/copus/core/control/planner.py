@@ -356,7 +356,7 @@ class PlanningController(ControllerBase):
 
     def ladder(self, idx: np.ndarray) -> np.ndarray:
         """The candidates of `idx` on the batch ladder B0·2^(k/`ladder_steps()`) (per rung the
-        batch nearest to it), plus the current plan: the plan moves the batch by rungs, so
+        batch nearest to it, with every plan at that batch), plus the current plan: the plan moves the batch by rungs, so
         each change is an experiment the posterior over c can read (docs/robust-goodput.md)."""
         steps = self.ladder_steps()
         if steps <= 0 or not len(idx):
@@ -367,7 +367,7 @@ class PlanningController(ControllerBase):
         order = np.lexsort((b, np.abs(x - rung), rung))
         first = order[np.r_[True, np.diff(rung[order]) != 0]]
         cur = self.candidates.index_of(self.plan)
-        keep = idx[first]
+        keep = idx[np.isin(b, b[first])]  # every plan (micro-batch, layout) at a rung's batch
         return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
 
     def _key_index(self, plan: ParallelPlan) -> int | None:

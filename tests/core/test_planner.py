@@ -233,3 +233,45 @@ def test_measured_step_times_are_shrunk_toward_the_model_by_their_precision():
 def _predicted(ctrl) -> float:
     """The planner's step time of INIT (its decision model, over the candidates)."""
     return float(ctrl.predicted_step_s()[ctrl.candidates.index_of(INIT)])
+
+
+def _narrow(ctrl, c: float) -> None:
+    """Evidence that pins c: the posterior's mass on the grid point nearest `c`."""
+    post = ctrl.posterior
+    z = (post.log2_grid - math.log2(c)) / 0.1
+    post.log_post = np.broadcast_to(-0.5 * z * z, post.log_post.shape).copy()
+    ctrl.calibration = post.value()
+
+
+def test_the_batch_moves_by_sqrt2_rungs_while_the_posterior_over_c_is_wide():
+    ctrl = _planner(settings=PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto"))
+    assert ctrl.posterior.interval_ratio() > 8.0 and ctrl.ladder_steps() == 2  # the prior: wide
+    moves, _, _ = _drive(ctrl, 150, c=4.0)  # (before the first experiment's window closes)
+    batches = [d.plan.global_batch_size for d in moves]
+    assert len(batches) >= 2 and batches == sorted(batches), batches
+    for b in batches:  # each on a rung 16·2^(k/2) (the nearest batch a layout can host)
+        k = 2 * math.log2(b / 16)
+        assert abs(k - round(k)) < 0.35, batches
+    _narrow(ctrl, 4.0)
+    assert ctrl.posterior.interval_ratio() < 8.0 and ctrl.ladder_steps() == 0  # known: any batch
+
+
+def test_a_noise_scale_reading_alone_never_shrinks_the_batch():
+    """With c fixed, no reading of φ (a gradient spike moves the online φ for many steps) makes
+    the plan shrink; with c learnt, only evidence that c is small does (the shrink is right
+    even at the posterior's 95 % quantile)."""
+    ctrl = _planner()  # c fixed
+    _, plan, state = _drive(ctrl, 200, c=2.0)
+    big = plan.global_batch_size
+    assert big > 16
+    drop = lambda e: 0.05  # noqa: E731  the signal spike: φ collapses 100x
+    moves, plan, _ = _drive(ctrl, 100, bcrit=drop, start=state, plan=plan)
+    assert all(d.plan.global_batch_size >= big for d in moves) and plan.global_batch_size >= big
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    ctrl = _planner(settings=auto)
+    _, plan, state = _drive(ctrl, 200, c=4.0)
+    big = plan.global_batch_size
+    assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) == big  # wide: keep B
+    _narrow(ctrl, 1.0 / 16)  # the evidence: c is 64x below its prior
+    assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) < big

@@ -356,8 +356,9 @@ class PlanningController(ControllerBase):
 
     def ladder(self, idx: np.ndarray) -> np.ndarray:
         """The candidates of `idx` on the batch ladder B0·2^(k/`ladder_steps()`) (per rung the
-        batch nearest to it, with every plan at that batch), plus the current plan: the plan moves the batch by rungs, so
-        each change is an experiment the posterior over c can read (docs/robust-goodput.md)."""
+        batch nearest to it, with every plan at that batch), plus the current plan: the plan
+        moves the batch by rungs, so each change is an experiment the posterior over c can
+        read (docs/robust-goodput.md)."""
         steps = self.ladder_steps()
         if steps <= 0 or not len(idx):
             return idx

@@ -4,7 +4,17 @@
 posterior over c, plan batch and layout over the rest of the run by dynamic programming with
 the measured switch cost, take the first step of the plan, and plan again at the next
 decision; probe an unmeasured layout only when the value of what it would tell exceeds what it
-costs. The run's first layout is chosen by the same plan under the prior.
+costs. The run starts on the fastest plan at the initial batch (`start="plan"`: the same
+programme under the prior, measured worse; docs/robust-goodput.md §6).
+
+- **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
+  interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
+  rungs B0·2^(k/2) (√2 apart; every plan at a rung's batch stays a candidate): a move of a few
+  per cent bends the loss curve too little for the posterior to read c from it.
+- **The batch falls only on evidence about c**: the forecast φ never falls (slope ≥ 0), so a
+  smaller batch than the current one is taken only when it would be best even at the
+  posterior's 95 % quantile of c and the highest φ read over the last stretches; with c fixed,
+  never. A gradient spike moves the online φ for many steps (its EMA), not the evidence.
 
 - **Effective-sample clock** (McCandlish et al. 2018, Eq. 2.11): a step at batch B adds
   ΔE = B·cφ/(cφ + B), φ = the online noise scale; the run's own clock E_c(t) = Σ ΔE for each

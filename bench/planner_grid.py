@@ -32,7 +32,18 @@ def main() -> int:
         help='JSON PolicySettings fields over the default goodput; "R*k" = the cell\'s '
         'ratio times k, e.g. \'{"calibration_mode": "fixed", "calibration": "R*1.3"}\'',
     )
+    ap.add_argument(
+        "--wide-ratio",
+        type=float,
+        default=None,
+        help="the planner's posterior width (90 %% interval, fold) above which the batch moves by "
+        "sqrt(2) rungs (default: the planner's; inf: never, the ablation of docs/robust-goodput.md §6.3)",
+    )
     args = ap.parse_args()
+    if args.wide_ratio is not None:
+        import copus.core.control.planner as planner_module
+
+        planner_module.WIDE_RATIO = args.wide_ratio
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS, [float(r) for r in args.ratios.split(",")])
     sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)

@@ -175,6 +175,9 @@ def start_plan_for_layout(plan: dict, batch: int) -> dict:
 def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]:
     """Policy name → config overrides (common settings first)."""
     b0, bmax = args.initial_batch, max(args.static)
+    # the adaptive policies' batch.max: --max-batch, else the largest static (which capped a
+    # run side by side with static B=8 alone at B = 8)
+    bmax_adaptive = getattr(args, "max_batch", 0) or bmax
     common = [
         f"model.name={args.model!r}",
         f"parallel.nproc={args.nproc}",
@@ -192,7 +195,7 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     ]
     start = start_plan_for_layout(best[b0], b0)
     large = start_plan_for_layout(best[bmax], b0)
-    adaptive = [f"batch.initial={b0}", f"batch.min={b0}", f"batch.max={bmax}"]
+    adaptive = [f"batch.initial={b0}", f"batch.min={b0}", f"batch.max={bmax_adaptive}"]
     specs: dict[str, list[str]] = {}
     for b in args.static:
         lr = args.lr * math.sqrt(b / b0)
@@ -526,7 +529,9 @@ def noise_floor(roots: list[Path]) -> dict:
 def run_costs(run_dir: Path) -> dict:
     """Decisions, layout switches and their measured cost, batch trajectory, tokens/s."""
     steps = read_jsonl(run_dir / "metrics.jsonl")
-    dec = [d for d in read_jsonl(run_dir / "decisions.jsonl") if d.get("applied", True)]
+    dec = [
+        d for d in read_jsonl(run_dir / "decisions.jsonl") if d.get("applied", True) and "event" not in d
+    ]  # not calibration/considered rows
     switches = [d for d in dec if d.get("kind") != "batch"]
     batches, layouts = [], []
     for r in steps:
@@ -751,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--static", default="8,32,128", help="static global batch sizes")
     ap.add_argument("--initial-batch", type=int, default=8, help="B0: start of adaptive policies")
+    ap.add_argument(
+        "--max-batch", type=int, default=0, help="batch.max of the adaptive policies (0: the largest --static)"
+    )
     ap.add_argument("--max-tokens", type=int, default=250_000)
     ap.add_argument("--warmup-tokens", type=int, default=25_000)
     ap.add_argument("--lr", type=float, default=3e-3, help="LR at B0 (sqrt rule above it)")

@@ -290,10 +290,7 @@ class GnsConfig:
 
 @dataclass(**_FROZEN)
 class ControllerConfig:
-    margin: float = _opt(0.10, _real(0.0))
-    # a batch change on the current layout needs only this gain in goodput expected under the
-    # posterior over c (core/control/batch_move.py, issue 26); >= margin: COPUS's one margin
-    batch_margin: float = _opt(0.02, _real(0.0))
+    margin: float = _opt(0.10, _real(0.0))  # batch.policy = "goodput-copus" only
     lr_aware: bool = _opt(False, _bool())
     # -1 = auto: the direct switch's measured cost model (core.reshard.direct_switch_cost_s)
     reconfig_cost_s: float = _opt(
@@ -305,14 +302,6 @@ class ControllerConfig:
     start: str = _opt("planned", _choice("planned", "initial"))
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))
-    explore_max_probes: int = _opt(4, _int(0))
-    explore_steps: int = _opt(3, _int(1))
-    explore_interval_steps: int = _opt(10, _int(0))
-    explore_top_k: int = _opt(2, _int(1))
-    audit_steps: int = _opt(3, _int(0))
-    # z of the throughput side's confidence bound: switch only when the predicted gain exceeds
-    # margin + z·u, u = the step times' measured uncertainty (core.step_uncertainty); 0 = COPUS
-    step_confidence: float = _opt(1.645, _real(0.0))
 
 
 @dataclass(**_FROZEN)

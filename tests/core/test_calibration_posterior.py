@@ -92,3 +92,17 @@ def test_tells_whether_the_lr_factor_holds():
         without = _run_lr(0.0, seed)
         assert without.p_lr_aware() < 0.1 and without.lr_exponent() == 0.0
         assert abs(math.log2(without.value() / 2.0)) < 0.5
+
+
+def test_only_moves_of_min_ratio_are_experiments():
+    """min_ratio 1.3: a 16 -> 18 move stays inside the window (no experiment closes); a move
+    to 24 (1.5x the last experiment's batch) opens one that closes after skip + window steps."""
+    post = CalibrationPosterior(prior_c=2.0, min_ratio=1.3)
+    rows = []
+    for step in range(400):
+        batch = 16 if step < 100 else 18 if step < 250 else 24
+        loss = 3.0 - 0.001 * step
+        rows.append(post.observe(loss, batch, 20.0))
+    closed = [i for i, r in enumerate(rows) if r is not None]
+    assert closed == [250 + post.skip_steps + post.window_steps]
+    assert rows[closed[0]]["batches"] == [18.0, 24.0]  # the pre-window: 60 steps

@@ -1,4 +1,5 @@
-"""The goodput controller: gating, online refit, switch costs, no flapping, state round-trip."""
+"""COPUS's goodput controller (`goodput-copus`): gating, online refit, switch costs, no flapping,
+state round-trip. The planning controller (`goodput`) is tested in test_planner.py."""
 
 import json
 import math
@@ -26,6 +27,8 @@ TRUE = StepTimeModel.analytic(SHAPE, HW, 8)  # the "machine" the synthetic train
 
 
 def _controller(**kw):
+    kw.setdefault("policy", "goodput-copus")
+    kw.setdefault("lr_aware", True)
     kw.setdefault("hardware", HW)
     kw.setdefault("memory_capacity_bytes", 80e9)
     return make_controller(kw.pop("settings", SETTINGS), INIT, 8, SHAPE, **kw)

@@ -129,8 +129,9 @@ def test_make_policy_names_and_goodput_is_lazy(monkeypatch):
     fake.make_controller = lambda *a, **kw: calls.append((a, kw)) or "controller"
     monkeypatch.setitem(sys.modules, "copus.core.control.controller", fake)
     assert make_policy("goodput", s, p, 4, None, margin=0.2) == "controller"
-    assert calls == [((s, p, 4, None), {"margin": 0.2})]
-    assert make_policy("goodput-copus", s, p, 4, None) == "controller"  # same controller
+    assert calls == [((s, p, 4, None), {"policy": "goodput", "margin": 0.2})]
+    assert make_policy("goodput-copus", s, p, 4, None) == "controller"  # the same factory
+    assert calls[-1][1] == {"policy": "goodput-copus"}
 
 
 def _check_invariants(decisions, start, s):

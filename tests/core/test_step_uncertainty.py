@@ -47,39 +47,3 @@ def test_a_gain_within_the_noise_is_refused_and_a_clear_one_taken():
     u[:] = 0.03  # a model that predicted well
     d = search(CANDS, model, 50.0, a, step_confidence=1.645, **kw)
     assert d is not None and d.plan == b and "margin 10% + 1.645·u 6%" in d.reason
-
-
-def test_the_controller_learns_its_models_miss_from_audits_and_keeps_it():
-    """A growth that took 4× its predicted time is audited: the miss is recorded, every
-    unmeasured candidate then carries it as its uncertainty, and it survives a state round trip."""
-    from test_audit import B8, SETTINGS, SHAPE, _drive
-
-    from copus.core.control.controller import make_controller
-    from copus.core.cost.fit import prior_model
-
-    def make(z):
-        return make_controller(
-            SETTINGS,
-            B8,
-            4,
-            SHAPE,
-            micro_batch_sizes=[2],
-            audit_steps=3,
-            allow_reconfigure=False,
-            step_confidence=z,
-            step_time_model=prior_model(SHAPE, None, 4),
-        )
-
-    ctrl = make(1.645)
-    assert ctrl.step_uncertainty(B8)[0][0] == PRIOR_MODEL_ERROR  # nothing checked yet
-    _, decisions, events = _drive(ctrl, lambda p: 0.1 * (p.global_batch_size / 8) ** 2, 20)
-    audit = next(e for e in events if e["event"] == "audit")
-    assert ctrl.step_misses == [pytest.approx(audit["step_error"])]
-    u, u_cur = ctrl.step_uncertainty(B8)
-    unmeasured = [i for i in range(len(ctrl.candidates)) if ctrl.candidates.plan(i) not in ctrl.fitter.times]
-    assert np.all(u[unmeasured] == pytest.approx(abs(audit["step_error"])))
-    assert u_cur < 0.05  # B=8 measured, steady: small
-    twin = make(1.645)
-    twin.load_state_dict(ctrl.state_dict())
-    assert twin.step_misses == ctrl.step_misses
-    assert make(0.0).step_uncertainty(B8) == (None, 0.0)  # z = 0: COPUS's rule, nothing computed

@@ -38,7 +38,8 @@ FAKE = Preset(
     published_avg_speedup_pct=9.1,
     sim_budget_factor=1.0,
 )
-STUBBORN = GoodputVariant(name="goodput", controller=(("margin", 1e6),))  # never switches
+# COPUS's rule with a margin no gain clears: never switches (the planner has no margin to set)
+STUBBORN = GoodputVariant(name="goodput", policy="goodput-copus", controller=(("margin", 1e6),))
 
 
 @pytest.fixture(scope="module")

@@ -156,11 +156,7 @@ def default_variant(no_lr_aware: bool = False):
             (k, getattr(s, k))
             for k in ("max_growth", "interval_steps", "warmup_steps", "calibration", "calibration_mode", "max_rel_err")
         ),
-        controller=(
-            ("margin", c.margin),
-            ("batch_margin", c.batch_margin),
-            ("lr_aware", c.lr_aware and not no_lr_aware),
-        ),
+        controller=(("lr_aware", c.lr_aware and not no_lr_aware),),
     )
 
 

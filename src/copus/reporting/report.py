@@ -210,6 +210,41 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
     return paths
 
 
+def considered_table(run: Run, max_rows: int = 40) -> list[str]:
+    """The planning controller's decision points (decisions.jsonl rows with "event":
+    "considered", core/control/planner.py): the plan taken and the best layout and batch it
+    refused, with their predicted gain and what they had to clear. At most `max_rows` rows,
+    evenly spaced, the last one always."""
+    rows = [d for d in run.decisions if d.get("event") == "considered"]
+    if not rows:
+        return []
+    if len(rows) > max_rows:
+        keep = {round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)}
+        rows = [r for i, r in enumerate(rows) if i in keep]
+    lines = [
+        f"## Moves weighed by {run.name}",
+        "",
+        "At each decision point the plan over the rest of the run (expected seconds to its "
+        "end) and the best moves it refused: a layout, with the seconds it would save over "
+        "the rest of the run against the switch cost it had to clear; a larger batch, with "
+        "its expected rate against the chosen one's.",
+        "",
+        "| step | plan | expected s | layout refused | saves s | needs s | larger batch | rate vs chosen |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        lay = next((x for x in r.get("refused", []) if x.get("move") == "layout"), {})
+        big = next((x for x in r.get("refused", []) if x.get("move") == "batch (larger)"), {})
+        rate = big.get("gain_pct")
+        lines.append(
+            f"| {r.get('step')} | {r.get('chosen', '')} | {_fmt(r.get('expected_s'), '.0f')} "
+            f"| {lay.get('plan', '–')} | {_fmt(lay.get('gain_s'), '.1f')} "
+            f"| {_fmt(lay.get('needs_s'), '.1f')} | {big.get('global_batch_size', '–')} "
+            f"| {'–' if rate is None else format(rate, '+.1f') + '%'} |"
+        )
+    return lines + [""]
+
+
 def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
     """Plots + `summary.md` in `out`; returns the Markdown path."""
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +271,7 @@ def write_report(runs: list[Run], out: Path, targets: list[float]) -> Path:
                     f"B={d.get('global_batch_size')} — {d.get('reason', '')}"
                 )
             md.append("")
-        md += probe_table(run) + audit_table(run)
+        md += considered_table(run) + probe_table(run) + audit_table(run)
         md += calibration_section(run)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "summary.md"

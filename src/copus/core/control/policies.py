@@ -558,7 +558,7 @@ def make_policy(
         raise ValueError(f"batch.policy={name!r} is invalid; allowed: {', '.join(POLICY_NAMES)}")
     if name in GOODPUT_POLICIES:
         controller = importlib.import_module("copus.core.control.controller")
-        return controller.make_controller(settings, initial_plan, world_size, shape, **kw)
+        return controller.make_controller(settings, initial_plan, world_size, shape, policy=name, **kw)
     if name == "schedule":
         return SchedulePolicy(settings, initial_plan, None if shape is None else shape.seq_len)
     return _CLASSES[name](settings, initial_plan)

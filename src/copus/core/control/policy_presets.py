@@ -1,18 +1,13 @@
 """Named policy variants: `batch.policy = "goodput-copus"` is the goodput controller with the
 COPUS paper's settings (arXiv 2604.26687 §3, §6.1; copus-notes.md), kept to compare against.
 
-A preset only supplies defaults: a key the user sets explicitly (file or `--set`) wins, and
-the run folder's config.toml records every resolved value. `goodput-copus` is the paper's
-algorithm alone (issue 26): none of copus's additions — no accuracy gate on the noise scale, no
-layout probes, no audits, no confidence bounds, no hold. `goodput` itself uses the plain
-defaults of `copus.config`, which differ from the paper where measurement or the sources say
-so (docs/statistics.md, docs/robust-goodput.md): c learnt in the run (`gns.calibration =
-"auto"`, a posterior over c) instead of c = 2, no
-LR-aware sqrt(B) factor (§4: it counts the LR benefit twice, and mispredicts the ratios), the
-tracking GNS estimator with a sample-tied decay instead of one per-step EMA 0.95 → 0.99,
-decisions on the lower confidence bound of the noise scale, a recovery hold after each
-batch change, and switches only when the gain clears the margin plus the step times' measured
-uncertainty (`core.step_uncertainty`).
+A preset only supplies defaults: a key the user sets explicitly (file or `--set`) wins, and the
+run folder's config.toml records every resolved value. `goodput-copus` is the paper's algorithm
+alone: no accuracy gate on the noise scale, c = 2, the 10 % margin on an amortised gain, ≤ 2×
+growth per decision, the batch never shrinks (`core.control.controller.Controller`). `goodput`
+itself is the planning controller (`core.control.planner`, docs/robust-goodput.md): c learnt in
+the run (`gns.calibration = "auto"`), no LR-aware sqrt(B) factor (docs/statistics.md §4), the
+tracking GNS estimator, and one rule in place of COPUS's thresholds.
 
 `batch.policy = "norm-test-lau"` is the norm test with Lau et al.'s schedule (arXiv 2412.21124,
 Algorithm 1 and App. C; lau-notes §1.5): tested at every step on that step's statistics alone
@@ -46,12 +41,8 @@ POLICY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         },  # no hold after a batch change
         "controller": {
             "lr_aware": True,  # goodput × sqrt(B) (COPUS Eqs. 7-8)
-            "margin": 0.10,  # 10 % switching margin (§6.1) ...
-            "batch_margin": 0.10,  # ... for batch changes too
-            "step_confidence": 0.0,  # ... and nothing for the step times' noise
-            "explore_max_probes": 0,  # no layout probes (copus's, issue 15)
-            "audit_steps": 0,
-        },  # no audits of decisions (copus's, issue 15)
+            "margin": 0.10,
+        },  # 10 % switching margin (§6.1), batch and layout
         "train": {"lr_rule": "sqrt"},  # LR ∝ sqrt(B) (COPUS Eq. 9)
         "batch": {"max_growth": 2.0},  # ≤ 2× per decision (§6.1)
     },

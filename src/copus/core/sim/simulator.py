@@ -342,6 +342,7 @@ class GoodputVariant:
     # choice, the published layout); "planner" = the controller's own fastest plan at the
     # initial batch, as `copus train` starts (controller.start = "planned")
     start: str = "scenario"
+    policy: str = "goodput"  # "goodput" (the planning controller) or "goodput-copus"
 
     def __post_init__(self) -> None:
         if self.start not in VARIANT_STARTS:
@@ -355,6 +356,7 @@ class GoodputVariant:
 NO_GATE_REL_ERR = 1e9
 COPUS_FAITHFUL = GoodputVariant(
     name="goodput-copus",
+    policy="goodput-copus",
     settings=(
         ("max_growth", 2.0),
         ("calibration", 2.0),
@@ -364,13 +366,7 @@ COPUS_FAITHFUL = GoodputVariant(
         ("max_rel_err", NO_GATE_REL_ERR),
         ("recovery_steps", 0),
     ),
-    controller=(
-        ("margin", 0.10),
-        ("lr_aware", True),
-        ("allow_shrink", False),
-        ("step_confidence", 0.0),
-        ("audit_steps", 0),
-    ),
+    controller=(("margin", 0.10), ("lr_aware", True), ("allow_shrink", False)),
 )
 
 
@@ -400,6 +396,9 @@ class Scenario:
     cbs_layouts: tuple[tuple[int, int, int], ...] = ()
     # (dp, tp, pp) the goodput runs start from (None: the planner's fastest at initial_batch)
     start_layout: tuple[int, int, int] | None = None
+    # the run's planned length in tokens (copus train's train.max_tokens; 0: unknown), which
+    # the planning controller plans to
+    horizon_tokens: int = 0
 
     def variants(self) -> tuple[GoodputVariant, ...]:
         return self.goodput_variants or (GoodputVariant(name="goodput"),)
@@ -542,6 +541,9 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                 "lr_warmup_tokens": scenario.sim.trajectory.lr_warmup_tokens,
                 "reconfig_cost_s": planner.switch_cost_s,
             } | dict(variant.controller)
+            if variant.policy == "goodput":
+                kw = {"horizon_tokens": scenario.horizon_tokens} | kw
+            name = variant.policy
         return make_policy(name, own, plan, scenario.world_size, scenario.shape, **kw)
 
     return factory
@@ -698,6 +700,8 @@ def compare_policies(
                 first = start
                 if variant.start == "planner":  # copus train's controller.start = "planned"
                     first = planner.fastest_plan(scenario.initial_batch) or start
+                    ask = getattr(factory("goodput", first, planner, variant), "start_plan", None)
+                    first = ask() if ask is not None else first
                 run("goodput", variant.name, "goodput", first, variant if scenario.goodput_variants else None)
         elif family == "cbs":
             first = run("cbs", f"cbs {_layout(start)} (tuned for B={start.global_batch_size})", "gns", start)
@@ -756,4 +760,5 @@ def preset_scenario(
         # every published layout ran on the paper's cluster (13B DP4·PP4: 74 of 80 GB
         # by core/cost/memory.py), so the whole device memory is allowed
         memory_headroom=1.0,
+        horizon_tokens=int(preset.token_budget),
     )

@@ -59,6 +59,9 @@ class CalibrationPosterior:
     prior_octaves: float = 2.0  # sd of the prior in log2 c
     window_steps: int = 60  # steps kept before a change, and waited for after it
     skip_steps: int = 10  # transient after a change: clock only, not fitted
+    # a change is an experiment when the batch moved by at least this factor since the last one
+    # (smaller moves stay in the window, on the clock; they bend the curve too little to read)
+    min_ratio: float = 1.0
     min_fit_steps: int = 12
     quantile: float = 0.5
     tempering: float = 1.0  # < 1 discounts each window's evidence (misspecification)
@@ -172,8 +175,13 @@ class CalibrationPosterior:
         if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
             self._reset()
             return None
-        changed = self._last_batch is not None and batch != self._last_batch
-        self._last_batch = float(batch)
+        changed = (
+            self._last_batch is not None
+            and batch != self._last_batch
+            and abs(math.log(batch / self._last_batch)) >= math.log(self.min_ratio)
+        )
+        if self._last_batch is None or changed:
+            self._last_batch = float(batch)
         if changed:
             self._since_change = 0
         elif self._since_change is not None:

@@ -25,7 +25,6 @@ __all__ = [
     "check_run_length",
     "default_micro_batch_size",
     "elastic_run_id",
-    "explore_settings",
     "initial_plan",
     "job_cores",
     "make_run_policy",
@@ -105,16 +104,13 @@ def make_run_policy(
         fixed = any(getattr(cfg.parallel, k) > 0 for k in ("dp", "tp", "pp"))
         kw = dict(
             margin=c.margin,
-            batch_margin=c.batch_margin,
             lr_aware=c.lr_aware,
             lr_warmup_tokens=cfg.train.warmup_tokens,
+            horizon_tokens=float(cfg.train.max_tokens or 0),
             reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size, hardware),
             allow_reconfigure=c.allow_reconfigure and not fixed,
             refit_interval_steps=c.refit_interval_steps,
             hardware=hardware,
-            explore=explore_settings(cfg),
-            audit_steps=c.audit_steps,
-            step_confidence=c.step_confidence,
             cores=job_cores(world_size) if hardware is None else None,
         )
         if memory_capacity_bytes is not None:
@@ -145,19 +141,6 @@ def job_cores(world_size: int, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     local = int(env.get("LOCAL_WORLD_SIZE") or world_size)
     return (os.cpu_count() or 1) * max(world_size // max(local, 1), 1)
-
-
-def explore_settings(cfg: Config):
-    """The in-run exploration bounds of `[controller] explore_*` (core.explore)."""
-    from copus.core.control.explore import ExploreSettings
-
-    c = cfg.controller
-    return ExploreSettings(
-        max_probes=c.explore_max_probes,
-        probe_steps=c.explore_steps,
-        interval_steps=c.explore_interval_steps,
-        top_k=c.explore_top_k,
-    )
 
 
 def switch_cost_prior_s(

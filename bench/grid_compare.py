@@ -1,0 +1,86 @@
+"""Honest-yardstick grid files side by side: one markdown row per cell, then the goals per column.
+
+Each argument is `PATH[:VARIANT][=LABEL]`: a `bench/planner_grid.py` JSON-lines file or a
+`copus simulate --truth-grid --json` file, the variant to read (default "goodput"), a label.
+Cells present in every file are compared. Summary per column: median capture over the cells
+with an honest ceiling ≥ 2 %, the minimum, cells more than 1 % behind the best baseline, the
+seed spread (max − min of the seeds' speed-ups, percentage points), and the speed-up over the
+untuned median static batch.
+
+    python bench/grid_compare.py runs/grid.jsonl=planner bench/results/truth_grid.json=thresholds \
+        runs/grid.jsonl:goodput-copus=goodput-copus > bench/results/robust_goodput/grid_compare.md
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+UNTUNED = "median static B=128"
+
+
+def load(path: str) -> dict[tuple, dict]:
+    """Cells by (preset, truth, R)."""
+    if path.endswith(".jsonl"):
+        cells = [json.loads(line) for line in open(path) if line.strip()]
+    else:
+        cells = json.load(open(path))["cells"]
+    return {(c["preset"], c["truth"], float(c["crit_ratio"])): c for c in cells}
+
+
+def summary(cells: list[dict], variant: str) -> dict:
+    """The goals of one column over `cells`."""
+    v = [c["variants"][variant] for c in cells]
+    counted = [x["capture"] for c, x in zip(cells, v) if c["honest_ceiling_pct"] >= 2.0]
+    spreads = [x.get("seed_spread_pct", 0.0) for x in v]
+    untuned = [x["vs_untuned_pct"][UNTUNED] for x in v if UNTUNED in x.get("vs_untuned_pct", {})]
+    return {
+        "cells": len(cells),
+        "cells_counted": len(counted),
+        "median_capture": statistics.median(counted) if counted else None,
+        "min_capture": min(counted) if counted else None,
+        "cells_below_0.5": sum(x < 0.5 for x in counted),
+        "cells_behind_1pct": sum(x["speedup_pct"] < -1.0 for x in v),
+        "median_seed_spread_pct": statistics.median(spreads),
+        "max_seed_spread_pct": max(spreads),
+        "median_vs_untuned_pct": statistics.median(untuned) if untuned else None,
+    }
+
+
+def main(argv: list[str]) -> int:
+    cols = []
+    for spec in argv:
+        spec, _, label = spec.partition("=")
+        path, _, variant = spec.partition(":")
+        cols.append((label or spec, variant or "goodput", load(path)))
+    keys = sorted(set.intersection(*(set(c[2]) for c in cols)))
+    print("| preset | truth | R | ceiling % | " + " | ".join(f"{lab} % (capture; spread)" for lab, _, _ in cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    for k in keys:
+        row = f"| {k[0]} | {k[1]} | {k[2]:g} | {cols[0][2][k]['honest_ceiling_pct']:.1f} |"
+        for _, var, cells in cols:
+            x = cells[k]["variants"][var]
+            row += f" {x['speedup_pct']:+.1f} ({x['capture']:+.2f}; {x.get('seed_spread_pct', 0.0):.1f}) |"
+        print(row)
+    print()
+    out = {}
+    for lab, var, cells in cols:
+        out[lab] = summary([cells[k] for k in keys], var)
+        s = out[lab]
+        print(
+            f"- **{lab}**: median capture {s['median_capture']:+.2f} over {s['cells_counted']} cells with ceiling ≥ 2 %"
+            f" (min {s['min_capture']:+.2f}, {s['cells_below_0.5']} below 0.5); {s['cells_behind_1pct']} of"
+            f" {s['cells']} cells > 1 % behind the best baseline; seed spread median {s['median_seed_spread_pct']:.1f},"
+            f" max {s['max_seed_spread_pct']:.1f} points; vs the untuned {UNTUNED}: median"
+            f" {s['median_vs_untuned_pct']:+.1f} %"
+        )
+    print()
+    print("```json")
+    print(json.dumps(out, indent=1))
+    print("```")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""The honest-yardstick grid, one JSON line per cell as it finishes (`copus simulate --truth-grid
+--json` computes the same cells but writes only at the end): every preset × truth × ratio, the
+seeds given, static + CBS + doubling baselines and the goodput variants (the default planning
+controller and goodput-copus). Then the goals (`core.sim.truth_grid.yardstick_goals`).
+
+    PYTHONPATH=src python bench/planner_grid.py --seeds 0,1,2 \
+        --out bench/results/robust_goodput/planner_grid.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> int:
+    from copus.commands.simulate import _preset, yardstick_score
+    from copus.core.sim import truth_grid as tg
+    from copus.core.sim import yardstick as ys
+    from copus.core.sim.presets import COPUS_PRESETS, get_preset
+    from copus.core.sim.simulator import Planner, compare_policies
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--ratios", default="0.5,1,2,4,8")
+    ap.add_argument("--presets", default=",".join(COPUS_PRESETS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--settings",
+        default="",
+        help='JSON PolicySettings fields over the default goodput; "R*k" = the cell\'s '
+        'ratio times k, e.g. \'{"calibration_mode": "fixed", "calibration": "R*1.3"}\'',
+    )
+    ap.add_argument(
+        "--wide-ratio",
+        type=float,
+        default=None,
+        help="the planner's posterior width (90 %% interval, fold) above which the batch moves by "
+        "sqrt(2) rungs (default: the planner's; inf: never, the ablation of docs/robust-goodput.md §6.3)",
+    )
+    args = ap.parse_args()
+    if args.wide_ratio is not None:
+        import copus.core.control.planner as planner_module
+
+        planner_module.WIDE_RATIO = args.wide_ratio
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS, [float(r) for r in args.ratios.split(",")])
+    sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)
+    policies = ("static", "cbs", "doubling", "goodput")
+    out = []
+    with open(args.out, "w") as f:
+        for cell in cells:
+            t0, yard, runs = time.perf_counter(), None, []
+            preset = get_preset(cell.preset)
+            if args.settings:
+                _override_default(json.loads(args.settings), cell.crit_ratio)
+            for seed in seeds:
+                sc = _preset(preset, sim_args, cell.truth, cell.crit_ratio, seed)
+                planner = Planner(sc)
+                cmp_ = compare_policies(sc, policies, planner=planner)
+                yard = yard or ys.build(sc, planner, horizon_tokens=preset.token_budget)
+                runs.append(yardstick_score(preset, cmp_, planner, yard=yard))
+            summary = tg.summarise_yardstick(cell, runs)
+            out.append(summary)
+            f.write(json.dumps(summary) + "\n")
+            f.flush()
+            v = summary["variants"]
+            print(
+                f"{cell.preset:12s} {cell.truth:9s} R={cell.crit_ratio:<4g} ceiling "
+                f"{summary['honest_ceiling_pct']:+.1f} "
+                + "  ".join(f"{n} {v[n]['speedup_pct']:+.1f} ({v[n]['capture']:.2f})" for n in v)
+                + f"  {time.perf_counter() - t0:.0f}s",
+                flush=True,
+            )
+    for name in out[0]["variants"] if out else []:
+        print(name, json.dumps(tg.yardstick_goals(out, name)))
+    return 0
+
+
+def _override_default(settings: dict, ratio: float) -> None:
+    """`copus simulate`'s default goodput variant with `settings` on top (for this cell)."""
+    from dataclasses import replace
+
+    import copus.commands.simulate as sim
+
+    base = getattr(sim, "_plain_default", sim.default_variant)
+    sim._plain_default = base
+    value = {k: ratio * float(v[2:]) if isinstance(v, str) and v.startswith("R*") else v for k, v in settings.items()}
+
+    def patched(no_lr_aware: bool = False):
+        v = base(no_lr_aware)
+        return replace(v, settings=tuple(dict(v.settings, **value).items()))
+
+    sim.default_variant = patched
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

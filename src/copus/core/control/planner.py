@@ -1,0 +1,609 @@
+"""The planning controller (`batch.policy = "goodput"`): one rule instead of a stack of thresholds.
+
+**The rule.** At every decision, forecast the noise scale over the rest of the run under the
+posterior over c, plan batch and layout over the rest of the run by dynamic programming with
+the measured switch cost, take the first step of the plan, and plan again at the next
+decision; probe an unmeasured layout only when the value of what it would tell exceeds what it
+costs. The run starts on the fastest plan at the initial batch (`start="plan"`: the same
+programme under the prior, measured worse; docs/robust-goodput.md §6).
+
+- **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
+  interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
+  rungs B0·2^(k/2) (√2 apart; every plan at a rung's batch stays a candidate): a move of a few
+  per cent bends the loss curve too little for the posterior to read c from it.
+- **The batch falls only on evidence about c**: the forecast φ never falls (slope ≥ 0), so a
+  smaller batch than the current one is taken only when it would be best even at the
+  posterior's 95 % quantile of c and the highest φ read over the last stretches; with c fixed,
+  never. A gradient spike moves the online φ for many steps (its EMA), not the evidence.
+
+- **Effective-sample clock** (McCandlish et al. 2018, Eq. 2.11): a step at batch B adds
+  ΔE = B·cφ/(cφ + B), φ = the online noise scale; the run's own clock E_c(t) = Σ ΔE for each
+  hypothesis c.
+- **Forecast**: log φ is linear in log E_c over the recent history (the last `fit_octaves`
+  octaves of E): φ(E) = φ_now·(E/E_now)^β; β is the least-squares slope shrunk to the prior
+  (normal, mean `prior_slope`, sd `slope_sd` = 0.3; precision-weighted with the fit's standard
+  error), clipped to [0, 1.5]; stretches of the first `fit_after_steps` = 60 steps (three
+  time constants of the noise-scale EMA, decay 0.95) are not fitted. The prior slope 0.8:
+  Kaplan et al. 2020's B_crit ∝ L^(−1/0.21) with L − L_∞ ∝ E^(−0.24) gives
+  d log B_crit / d log E ≈ 0.8–1.1 in the loss range of the presets).
+- **Horizon**: the run ends at `horizon_tokens` (train.max_tokens); unknown or passed, it is
+  assumed to last as long again as it has. E_end: where the forecast run, at the best batch
+  B* of each point, has spent the samples left (ΔS = ΔE·(cφ + B*)/cφ).
+- **Plan** (the same programme as `core.sim.oracle.switch_aware_minutes`, over the forecast
+  instead of the truth): on a geometric grid of E from E_now to E_end, r_L(E) = the best
+  ΔE/step_s over the batches of layout L at cφ(E); backward,
+  g_L(E_m) = min(h_L, C + min_L' h_L'), h_L = (E_m+1 − E_m)/r_L(E_m+½) + g_L(E_m+1),
+  C = the measured switch cost. Under the posterior the expected time J_L = Σ_k p_k h_L(c_k)
+  (+ C when L is not the current layout) over `c_points` quantiles of c; the layout with the
+  least J_L is taken, on it the batch with the highest expected relative rate
+  Σ_k p_k r(B; c_k)/r*(c_k) at φ_now.
+- **Step times**: the model's, and for a measured plan the precision-weighted mean (in log) of
+  the model and its measured median (`decision_model`).
+- **Exploration** (with measured step times only): for each layout never measured, the value
+  of measuring it = the expected time it would save if its step time were the model's ±
+  the model's measured error (three-point quadrature of a log-normal), against its cost =
+  two switches and the probe's slower steps. A probe is an ordinary switch (purpose "probe");
+  the next plan keeps or leaves the layout on its measured step time.
+- **Record**: each decision point leaves one decisions.jsonl row (`"event": "considered"`):
+  the plan taken, and the best layout and batch refused with what they were predicted to gain
+  and what they had to clear (the switch cost; for a batch, the chosen batch's rate).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from copus.core.control.base import ControllerBase
+from copus.core.cost.fit import ProfiledStepTime
+from copus.core.plan.plan import ParallelPlan
+from copus.core.plan.records import Decision, StepRecord, decision_kind
+from copus.core.stats.step_uncertainty import median_error, relative_spread
+
+PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
+MAX_SLOPE = 1.5
+QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ: a 3-point Gauss rule
+# while the posterior's 90 % interval of c spans more than WIDE_RATIO-fold, the batch moves on
+# the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
+WIDE_RATIO, WIDE_STEPS = 8.0, 2
+SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
+
+
+class PlanningController(ControllerBase):
+    """observe(record) -> Decision | None by the module docstring's rule."""
+
+    def __init__(
+        self,
+        *,
+        horizon_tokens: float = 0.0,
+        seq_len: int = 1,
+        c_points: int = 5,
+        grid_points: int = 32,
+        prior_slope: float = PRIOR_SLOPE,
+        fit_octaves: float = 3.0,
+        explore: bool = True,
+        probe_steps: int = 5,
+        prior_bcrit: float = 1.0,
+        slope_sd: float = 0.3,
+        fit_after_steps: int = 60,
+        start: str = "fastest",
+        batch_steps: int = 0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        if c_points < 1 or grid_points < 2 or probe_steps < 1 or not 0 <= prior_slope <= MAX_SLOPE:
+            raise ValueError(
+                f"c_points={c_points}, grid_points={grid_points}, probe_steps="
+                f"{probe_steps}, prior_slope={prior_slope} are invalid; allowed: "
+                f">= 1, >= 2, >= 1, 0..{MAX_SLOPE}"
+            )
+        self.horizon_tokens, self.seq_len = float(horizon_tokens), max(int(seq_len), 1)
+        self.c_points, self.grid_points = int(c_points), int(grid_points)
+        self.prior_slope, self.fit_octaves = float(prior_slope), float(fit_octaves)
+        self.explore, self.probe_steps = bool(explore), int(probe_steps)
+        self.prior_bcrit = float(prior_bcrit)
+        self.slope_sd = float(slope_sd)
+        self.fit_after_steps, self.start = int(fit_after_steps), start
+        self.batch_steps = int(batch_steps)  # B_crit at the first step (samples; prior)
+        self.chunks: list[list[float]] = []  # [batch, steps, Σφ, steps with φ, first step]
+        self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
+        self._shrunk: tuple | None = None
+        self._layouts()
+
+    # ---- the plan's inputs ---------------------------------------------------------------------
+
+    def _layouts(self) -> None:
+        """Each candidate's layout number (`_ids`) and the layouts (`_keys`)."""
+        c = self.candidates
+        keys = np.stack([c.dp, c.tp, c.pp], axis=1)
+        uniq, ids = np.unique(keys, axis=0, return_inverse=True)
+        self._ids = ids.reshape(-1)
+        self._frontier: tuple | None = None
+        self._keys = [tuple(int(v) for v in k) for k in uniq]
+
+    def _candidates_changed(self) -> None:
+        self._layouts()
+
+    def decision_model(self):
+        """The step time of each measured plan estimated from its measurements and the model
+        together (in log: precision-weighted, the model's weight 1/σ_model², the measurements'
+        1/se², se = the median's standard error but no less than the current plan's own
+        relative spread, so that plans measured under another load of the machine are not
+        taken at face value); the (fitted) model elsewhere."""
+        f = self.fitter
+        if f is None or not f.times:
+            return self.model
+        key = (id(f.model), sum(len(t) for t in f.times.values()), len(self.step_misses))
+        if self._shrunk is not None and self._shrunk[0] == key:
+            return self._shrunk[1]
+        plans = list(f.times)
+        pred = np.asarray(self.model.predict_plans(plans), dtype=float).reshape(-1)
+        floor = relative_spread(f.times.get(self.plan, ()))
+        floor = floor if math.isfinite(floor) else 0.0
+        w_model = 1.0 / max(self.model_spread(), 1e-3) ** 2
+        obs = []
+        for plan, model_s in zip(plans, pred):
+            times = f.times[plan]
+            se = median_error(times, noise_floor=0.0)
+            if not (math.isfinite(se) and model_s > 0):
+                continue
+            w = 1.0 / max(se, floor, 1e-3) ** 2
+            log_s = (w_model * math.log(model_s) + w * math.log(float(np.median(times)))) / (w_model + w)
+            obs.append((plan, math.exp(log_s)))
+        self._shrunk = (key, ProfiledStepTime(self.model, obs))
+        return self._shrunk[1]
+
+    def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
+        """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c."""
+        if self.posterior is None or self.c_points == 1:
+            return np.array([self.calibration]), np.array([1.0])
+        q = (np.arange(self.c_points) + 0.5) / self.c_points
+        return (np.array([self.posterior.quantile_c(float(x)) for x in q]), np.full(self.c_points, 1.0 / self.c_points))
+
+    def clock(self, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(E_c at the end of each stretch (K, n), mean φ of each stretch (n,), steps (n,))."""
+        ch = np.array(self.chunks, dtype=float).reshape(-1, 5)
+        b, n = ch[:, 0], ch[:, 1]
+        phi = np.where(ch[:, 3] > 0, ch[:, 2] / np.maximum(ch[:, 3], 1), np.inf)
+        bc = cs[:, None] * phi[None, :]
+        de = n * np.where(np.isfinite(bc), b * bc / (bc + b), b)
+        return np.cumsum(de, axis=1), phi, n, ch[:, 4]
+
+    def forecast(self, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(E_now, φ_now, β) per hypothesis c: log φ = a + β log E_c fitted by least squares
+        (weights: steps) over the stretches of the last `fit_octaves` octaves of E."""
+        e, phi, n, step = self.clock(cs)
+        ok = np.isfinite(phi) & (phi > 0)
+        late = ok & (step > self.fit_after_steps)
+        e_now = e[:, -1]
+        beta = np.full(len(cs), self.prior_slope)
+        phi_now = np.full(len(cs), phi[ok][-1] if ok.any() else np.nan)
+        for k in range(len(cs)):
+            use = late & (e[k] >= e_now[k] * 2.0**-self.fit_octaves)
+            if use.sum() < 4:
+                continue
+            x, y, w = np.log(e[k, use]), np.log(phi[use]), n[use] / n[use].sum()
+            xm, ym = float(w @ x), float(w @ y)
+            sxx = float(w @ (x - xm) ** 2)
+            if sxx <= 0:
+                continue
+            fit = float(w @ ((x - xm) * (y - ym))) / sxx
+            resid = float(w @ (y - ym - fit * (x - xm)) ** 2)
+            # the EMA'd φ of neighbouring stretches is correlated: a third of them count
+            se2 = max(resid, 0.02) / (sxx * max(int(use.sum()) / 3.0 - 1.0, 1.0))
+            prec = 1.0 / self.slope_sd**2
+            post = (self.prior_slope * prec + fit / se2) / (prec + 1.0 / se2)
+            beta[k] = float(np.clip(post, 0.0, MAX_SLOPE))
+            phi_now[k] = math.exp(ym + beta[k] * (math.log(e_now[k]) - xm))
+        return e_now, phi_now, beta
+
+    def end_samples(self, samples: float) -> float:
+        """Samples at the run's end: the horizon, or twice the samples so far."""
+        planned = self.horizon_tokens / self.seq_len
+        return planned if planned > 1.05 * samples else 2.0 * samples
+
+    # ---- the plan ------------------------------------------------------------------------------
+
+    def frontier(self, step_s: np.ndarray) -> np.ndarray:
+        """Candidate indices that can be some layout's best at some noise scale, sorted by
+        layout: per layout, by batch, those with more samples/s than every smaller batch (any
+        other is beaten at every cφ by a smaller, faster one: E(B) falls with B)."""
+        key = id(step_s)
+        if self._frontier is not None and self._frontier[0] == key:
+            return self._frontier[1]
+        b = self.candidates.global_batch_size.astype(float)
+        thr = np.where(np.isfinite(step_s) & (step_s > 0), b / np.where(step_s > 0, step_s, 1.0), 0.0)
+        keep = []
+        for lay in range(len(self._keys)):
+            on = np.flatnonzero(self._ids == lay)
+            on = on[np.lexsort((-thr[on], b[on]))]
+            best = np.maximum.accumulate(thr[on])
+            new = np.r_[True, best[1:] > best[:-1]] & (thr[on] > 0)
+            keep.append(on[new])
+        out = np.concatenate(keep) if keep else np.zeros(0, int)
+        self._frontier = (key, out, np.flatnonzero(np.r_[True, np.diff(self._ids[out]) != 0]))
+        return out
+
+    def rates(self, bc: np.ndarray, step_s: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        """ΔE per second of the candidates `idx` (default all) at each noise scale `bc`
+        (shape (..., len(idx)))."""
+        idx = np.arange(len(self.candidates)) if idx is None else idx
+        b = self.candidates.global_batch_size[idx].astype(float)
+        s = step_s[idx]
+        bc = np.asarray(bc, dtype=float)[..., None]
+        r = b * bc / (bc + b) / s
+        if self.search_options["lr_aware"]:  # COPUS Eq. 8's sqrt(B) factor, when configured
+            r = r * np.sqrt(b / self.search_options["lr_ref_batch"])
+        return np.where(np.isfinite(r) & (s > 0), r, 0.0)
+
+    def end_clock(
+        self,
+        e_now: np.ndarray,
+        phi_now: np.ndarray,
+        beta: np.ndarray,
+        cs: np.ndarray,
+        step_s: np.ndarray,
+        samples_left: float,
+    ) -> np.ndarray:
+        """E_end per hypothesis: where the forecast run has spent `samples_left` samples, each
+        stretch at the best plan's batch B* (ΔS = ΔE·(cφ + B*)/cφ): E grows more slowly per
+        sample as the batch grows, faster as φ grows."""
+        top = e_now + max(samples_left, 1.0)  # E ≤ samples: E(B) ≤ 1 per sample
+        frac = np.linspace(0.0, 1.0, self.grid_points + 1)
+        edges = e_now[:, None] * (top / e_now)[:, None] ** frac[None, :]
+        mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
+        bc = (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
+        idx = self.frontier(step_s)
+        b = self.candidates.global_batch_size[idx[np.argmax(self.rates(bc, step_s, idx), axis=-1)]]
+        spent = np.cumsum(np.diff(edges, axis=1) * (bc + b) / bc, axis=1)
+        return np.array([np.interp(samples_left, spent[k], edges[k, 1:], right=edges[k, -1]) for k in range(len(cs))])
+
+    def layout_times(
+        self,
+        e_now: np.ndarray,
+        e_end: np.ndarray,
+        phi_now: np.ndarray,
+        beta: np.ndarray,
+        cs: np.ndarray,
+        step_s: np.ndarray,
+    ) -> np.ndarray:
+        """h[k, L]: seconds from E_now to E_end starting on layout L (already there), under
+        hypothesis k, switching later where the programme says so (module docstring)."""
+        g_pts = self.grid_points
+        frac = np.linspace(0.0, 1.0, g_pts + 1)
+        edges = e_now[:, None] * (e_end / e_now)[:, None] ** frac[None, :]  # (K, G+1)
+        mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
+        bc = (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
+        idx = self.frontier(step_s)
+        r = self.rates(bc, step_s, idx)  # (K, G, N')
+        best = np.full(r.shape[:2] + (len(self._keys),), 0.0)
+        best[..., self._ids[idx[self._frontier[2]]]] = np.maximum.reduceat(r, self._frontier[2], axis=2)
+        de = np.diff(edges, axis=1)[..., None]
+        seg = np.where(best > 0, de / np.where(best > 0, best, 1.0), np.inf)
+        c = self.reconfig_cost_s
+        g = np.zeros(best.shape[::2])
+        h = g
+        for m in range(g_pts - 1, -1, -1):
+            h = seg[:, m, :] + g
+            g = np.minimum(h, c + h.min(axis=1, keepdims=True))
+        return h
+
+    def plan_now(self, samples: float, step_s: np.ndarray) -> dict | None:
+        """The plan's first step: {"layout", "index", "J", "h", ...}; None before any φ."""
+        cs, w = self.c_hypotheses()
+        e_now, phi_now, beta = self.forecast(cs)
+        if not (np.all(np.isfinite(phi_now)) and np.all(e_now > 0)):
+            return None
+        left = self.end_samples(samples) - samples
+        e_end = np.maximum(self.end_clock(e_now, phi_now, beta, cs, step_s, left), e_now * 1.001)
+        h = self.layout_times(e_now, e_end, phi_now, beta, cs, step_s)
+        return self._choose(
+            w @ np.where(np.isfinite(h), h, 1e30),
+            cs * phi_now,
+            w,
+            step_s,
+            extra={"c": cs.tolist(), "phi_now": phi_now.tolist(), "slope": beta.tolist(), "e_end": e_end},
+        )
+
+    def _choose(self, h: np.ndarray, bc_now: np.ndarray, w: np.ndarray, step_s: np.ndarray, extra: dict) -> dict:
+        """The layout with the least expected time (switch cost added off the current one)
+        and, on it, the batch with the highest expected relative rate at φ_now."""
+        cur = self._key_index(self.plan)
+        switch = np.full(len(h), self.reconfig_cost_s)
+        if cur is not None:
+            switch[cur] = 0.0
+        allowed = (
+            np.ones(len(h), bool)
+            if self.search_options["allow_reconfigure"] or cur is None
+            else np.arange(len(h)) == cur
+        )
+        total = np.where(allowed, h + switch, np.inf)
+        lay = int(np.argmin(total))
+        r = self.rates(bc_now, step_s)  # (K, N)
+        score = w @ (r / np.maximum(r.max(axis=1, keepdims=True), 1e-300))
+        on = self.ladder(np.flatnonzero(self._ids == lay))
+        b = self.candidates.global_batch_size
+        keep = on[b[on] >= self.floor_batch(bc_now / np.maximum(self.c_hypotheses()[0], 1e-300), step_s)]
+        on = keep if len(keep) else on
+        i = int(on[np.argmax(score[on])])
+        return {
+            "layout": lay,
+            "index": i,
+            "J": total,
+            "h": h,
+            "score": score,
+            "switch": switch,
+            "allowed": allowed,
+            **extra,
+        }
+
+    def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
+        """The smallest batch the plan may take: the current one, unless the evidence about c
+        says the current batch is past the best batch even at the posterior's
+        `SHRINK_QUANTILE` of c and the highest noise-scale reading of the last `interval_steps`
+        stretches (with c fixed: never). The forecast of φ never falls (slope ≥ 0), so a
+        smaller batch is never planned for a reading of φ alone: a gradient spike, which
+        moves the online φ for many steps, does not shrink the batch."""
+        cur = float(self.plan.global_batch_size)
+        if self.posterior is None or not len(self.chunks):
+            return cur
+        recent = [c[2] / c[3] for c in self.chunks[-self.interval_steps :] if c[3] > 0]
+        phi = max([float(np.max(phi_now))] + recent)
+        r = self.rates(np.array([self.posterior.quantile_c(SHRINK_QUANTILE) * phi]), step_s)[0]
+        return min(cur, float(self.candidates.global_batch_size[int(np.argmax(r))]))
+
+    def ladder_steps(self) -> int:
+        """Rungs per doubling of the batch ladder: `batch_steps` when set, else `WIDE_STEPS`
+        while the posterior over c is wide (90 % interval > `WIDE_RATIO`-fold), else 0 (any
+        batch): small batch moves bend the loss curve too little for the posterior to read."""
+        if self.batch_steps > 0:
+            return self.batch_steps
+        if self.posterior is not None and self.posterior.interval_ratio() > WIDE_RATIO:
+            return WIDE_STEPS
+        return 0
+
+    def ladder(self, idx: np.ndarray) -> np.ndarray:
+        """The candidates of `idx` on the batch ladder B0·2^(k/`ladder_steps()`) (per rung the
+        batch nearest to it, with every plan at that batch), plus the current plan: the plan
+        moves the batch by rungs, so each change is an experiment the posterior over c can
+        read (docs/robust-goodput.md)."""
+        steps = self.ladder_steps()
+        if steps <= 0 or not len(idx):
+            return idx
+        b = self.candidates.global_batch_size[idx].astype(float)
+        x = np.log2(b / self.search_options["lr_ref_batch"]) * steps
+        rung = np.round(x)
+        order = np.lexsort((b, np.abs(x - rung), rung))
+        first = order[np.r_[True, np.diff(rung[order]) != 0]]
+        cur = self.candidates.index_of(self.plan)
+        keep = idx[np.isin(b, b[first])]  # every plan (micro-batch, layout) at a rung's batch
+        return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
+
+    def _key_index(self, plan: ParallelPlan) -> int | None:
+        try:
+            return self._keys.index(plan.layout)
+        except ValueError:
+            return None
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def observe(self, record: StepRecord) -> Decision | None:
+        """Account one optimizer step; at a decision point, re-plan and act on its first step."""
+        self._account(record)
+        self._note_new_layout(record)
+        self._add_chunk(record)
+        why = self._gate(record)
+        if why is not None:
+            self.last_explanation = {"step": record.step, "action": "wait", "why": why}
+            return None
+        self._maybe_refit()
+        self.last_decision_step = record.step
+        step_s = self.predicted_step_s()
+        plan = self.plan_now(float(record.samples), step_s)
+        if plan is None:
+            self.last_explanation = {"step": record.step, "action": "wait", "why": "no forecast"}
+            return None
+        target = self.candidates.plan(plan["index"])
+        probe = self._probe(record, plan) if target.layout == record.plan.layout else None
+        self.events.append(self._considered(record, plan, probe))
+        if probe is not None:
+            return self._decide(record, probe[0], probe[1], "probe")
+        if target == record.plan:
+            self.last_explanation = {"step": record.step, "action": "stay", "why": self.events[-1]["why"]}
+            return None
+        return self._decide(record, target, self.events[-1]["why"], "decide")
+
+    def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
+        kind = decision_kind(record.plan, plan)
+        decision = Decision(
+            kind=kind,
+            plan=plan,
+            reason=why,
+            step=record.step,
+            b_noise=self.calibration * record.b_noise,
+            purpose=purpose,
+            calibration=self.posterior.summary() if self.posterior else None,
+        )
+        self.last_explanation = {"step": record.step, "action": kind, "why": why}
+        self.history.append(decision.to_dict())
+        return decision
+
+    def _add_chunk(self, record: StepRecord) -> None:
+        """The step into the φ history (stretches of one batch, at most `interval_steps` long)."""
+        if record.skipped:
+            return
+        b = float(record.plan.global_batch_size)
+        ok = math.isfinite(record.b_noise) and record.b_noise > 0
+        last = self.chunks[-1] if self.chunks else None
+        if last is None or last[0] != b or last[1] >= self.interval_steps:
+            last = [b, 0.0, 0.0, 0.0, float(record.step)]
+            self.chunks.append(last)
+        last[1] += 1
+        if ok:
+            last[2] += record.b_noise
+            last[3] += 1
+
+    def _note_new_layout(self, record: StepRecord) -> None:
+        """The model's miss on a layout's first measured median (what exploration prices)."""
+        f = self.fitter
+        if f is None or record.skipped:
+            return
+        times = f.times.get(record.plan, [])
+        if len(times) == 3 and not any(p.layout == record.plan.layout and p != record.plan for p in f.times):
+            pred = float(np.asarray(self.model.predict_plans([record.plan])).reshape(-1)[0])
+            if pred > 0:
+                self.step_misses.append(float(np.median(times)) / pred - 1.0)
+
+    # ---- exploration ---------------------------------------------------------------------------
+
+    def model_spread(self) -> float:
+        """σ of log(measured/predicted) for an unmeasured layout: the misses measured so far
+        (root mean square of log(1 + miss)); 0.3 before the first (a CPU prior's typical
+        error, docs/cost-model.md)."""
+        if not self.step_misses:
+            return 0.3
+        return float(np.sqrt(np.mean(np.log1p(np.asarray(self.step_misses)) ** 2)))
+
+    def _probe(self, record: StepRecord, plan: dict) -> tuple[ParallelPlan, str] | None:
+        """The unmeasured layout whose measurement is worth most, when worth its cost."""
+        f = self.fitter
+        if not self.explore or f is None or not self.search_options["allow_reconfigure"]:
+            return None
+        measured = {p.layout for p in f.times}
+        sigma, c = self.model_spread(), self.reconfig_cost_s
+        cs, w = self.c_hypotheses()
+        e_now, phi_now, beta = self.forecast(cs)
+        e_end = plan["e_end"]
+        base = float(np.min(plan["J"]))
+        step_s = self.predicted_step_s()
+        best = None
+        for lay, key in enumerate(self._keys):
+            if key in measured or not plan["allowed"][lay]:
+                continue
+            value = 0.0
+            for z, q in QUADRATURE:
+                s = np.where(self._ids == lay, step_s * math.exp(sigma * z), step_s)
+                h = w @ self.layout_times(e_now, e_end, phi_now, beta, cs, s)
+                value += q * max(base - (h[lay] + c), 0.0)
+            on = np.flatnonzero(self._ids == lay)
+            i = int(on[np.argmax(plan["score"][on])])
+            cur = self.candidates.index_of(record.plan)
+            slower = max(step_s[i] - (step_s[cur] if cur is not None else step_s[i]), 0.0)
+            cost = 2.0 * c + self.probe_steps * slower
+            if value > cost and (best is None or value - cost > best[1]):
+                best = (self.candidates.plan(i), value - cost, value, cost)
+        if best is None:
+            return None
+        return best[0], (
+            f"probe {best[0].describe()}: the value of measuring it "
+            f"{best[2]:.1f}s > its cost {best[3]:.1f}s (two switches and slower "
+            f"steps; model error σ={sigma:.2f})"
+        )
+
+    # ---- the record ----------------------------------------------------------------------------
+
+    def _considered(self, record: StepRecord, plan: dict, probe) -> dict:
+        """decisions.jsonl row: the plan taken and the best layout and batch refused."""
+        cands, J, h = self.candidates, plan["J"], plan["h"]
+        lay, i = plan["layout"], plan["index"]
+        chosen = cands.plan(i)
+        out = {
+            "event": "considered",
+            "step": record.step,
+            "tokens": record.tokens,
+            "current": record.plan.describe(),
+            "chosen": chosen.describe(),
+            "global_batch_size": chosen.global_batch_size,
+            "expected_s": _f(J[lay]),
+            "switch_cost_s": self.reconfig_cost_s,
+            "b_noise": record.b_noise,
+            "c": plan["c"],
+            "phi_now": plan["phi_now"],
+            "slope": plan["slope"],
+            "e_end": plan["e_end"].tolist(),
+            "refused": [],
+        }
+        others = [k for k in np.argsort(J) if k != lay and np.isfinite(J[k])]
+        if others:
+            k = int(others[0])
+            on_k = self.ladder(np.flatnonzero(self._ids == k))
+            j = int(on_k[np.argmax(plan["score"][on_k])])
+            gain, need = h[lay] - h[k], plan["switch"][k] - plan["switch"][lay]
+            out["refused"].append(
+                {
+                    "move": "layout",
+                    "plan": cands.plan(j).describe(),
+                    "global_batch_size": int(cands.global_batch_size[j]),
+                    "gain_s": _f(gain),
+                    "needs_s": _f(need),
+                    "why": f"saves {gain:.1f}s over the rest of the run, needs {need:.1f}s",
+                }
+            )
+        on = self.ladder(np.flatnonzero(self._ids == lay))
+        b = cands.global_batch_size
+        for side, pick in (("larger", on[b[on] > b[i]]), ("smaller", on[b[on] < b[i]])):
+            if len(pick):
+                j = int(pick[np.argmax(plan["score"][pick])])
+                gain = 100.0 * (plan["score"][j] / max(plan["score"][i], 1e-300) - 1.0)
+                out["refused"].append(
+                    {
+                        "move": f"batch ({side})",
+                        "plan": cands.plan(j).describe(),
+                        "global_batch_size": int(b[j]),
+                        "gain_pct": _f(gain),
+                        "needs_pct": 0.0,
+                        "why": f"B={b[j]} expected rate {gain:+.1f}% vs B={b[i]} under the posterior",
+                    }
+                )
+        what = "stay on" if chosen == record.plan else "take"
+        out["why"] = (
+            f"plan: {what} {chosen.describe()} (expected {_f(J[lay]):.0f}s to the run's "
+            f"end; c {_span(plan['c'])}, φ {_span(plan['phi_now'])}, slope "
+            f"{_span(plan['slope'])})"
+        )
+        if probe is not None:
+            out["probe"] = probe[1]
+        return out
+
+    # ---- start and checkpointing ---------------------------------------------------------------
+
+    def start_plan(self, micro_batch_size: int | None = None) -> ParallelPlan:
+        """The first plan: the same programme under the prior (cφ = `prior_bcrit` at the first
+        step, growing with `prior_slope`), restricted to plans at the initial batch (and
+        `micro_batch_size` when given)."""
+        if self.start == "fastest":
+            return super().start_plan(micro_batch_size)
+        idx = self._start_indices(micro_batch_size)
+        if idx is None:
+            return self.plan
+        cs, w = self.c_hypotheses()
+        b0 = float(self.plan.global_batch_size)
+        step_s = self.predicted_step_s()
+        phi, beta = self.prior_bcrit / cs, np.full(len(cs), self.prior_slope)
+        e_now = b0 * self.prior_bcrit / (self.prior_bcrit + b0) * np.ones(len(cs))
+        e_end = self.end_clock(e_now, phi, beta, cs, step_s, self.end_samples(b0) - b0)
+        h = w @ self.layout_times(e_now, np.maximum(e_end, e_now * 1.001), phi, beta, cs, step_s)
+        ok = np.isin(self._ids, self._ids[idx])
+        lay = min(set(self._ids[idx].tolist()), key=lambda k: h[k])
+        on = idx[self._ids[idx] == lay]
+        best = int(on[np.argmin(step_s[on])])
+        return self.plan if not ok.any() else self.candidates.plan(best)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "chunks": [list(c) for c in self.chunks], "step_misses": list(self.step_misses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.chunks = [[float(x) for x in c] for c in state.get("chunks", [])]
+        self.step_misses = [float(x) for x in state.get("step_misses", [])]
+
+
+def _f(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _span(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.3g}" if math.isclose(lo, hi, rel_tol=1e-3) else f"{lo:.3g}-{hi:.3g}"

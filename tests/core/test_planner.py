@@ -1,0 +1,277 @@
+"""The planning controller (`batch.policy = "goodput"`, core/control/planner.py): the forecast, the
+plan over the rest of the run, the record of refused moves, exploration by value, state."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from copus.core.control.controller import make_controller
+from copus.core.control.planner import PlanningController
+from copus.core.control.policies import PolicySettings
+from copus.core.cost.throughput import StepTimeModel
+from copus.core.plan.plan import ParallelPlan, plan_problems
+from copus.core.plan.records import StepRecord
+from copus.core.specs.resolve import get_model_shape
+
+SHAPE = get_model_shape("llama-3.2-3b")
+HW = "h100-nvlink-pairs"
+INIT = ParallelPlan(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8)  # COPUS 3B start
+SETTINGS = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0)
+TRUE = StepTimeModel.analytic(SHAPE, HW, 8)
+SEQ = SHAPE.seq_len
+
+
+def _planner(**kw) -> PlanningController:
+    kw.setdefault("hardware", HW)
+    kw.setdefault("memory_capacity_bytes", 80e9)
+    kw.setdefault("step_time_model", _Fixed())
+    kw.setdefault("reconfig_cost_s", 30.0)
+    return make_controller(kw.pop("settings", SETTINGS), INIT, 8, SHAPE, **kw)
+
+
+class _Fixed:
+    """The analytic model as a fixed predictor (no online fit)."""
+
+    def predict(self, *args):
+        return TRUE.predict(*args)
+
+
+def _drive(
+    ctrl,
+    steps,
+    *,
+    bcrit=lambda e: 5.0 + e**0.7,
+    seed=0,
+    start=None,
+    plan=INIT,
+    switch_cost_s=30.0,
+    gns_noise=0.2,
+    c=2.0,
+):
+    """A synthetic run whose noise scale φ = B_crit(E)/c grows with its effective samples E
+    (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from."""
+    rng = np.random.default_rng(seed)
+    step, samples, e = start or (0, 0, 0.0)
+    out = []
+    for _ in range(steps):
+        step += 1
+        b = plan.global_batch_size
+        samples += b
+        bc = bcrit(e)
+        e += b * bc / (bc + b)
+        t = TRUE.predict_plan(plan) * (1 + 0.03 * rng.standard_normal())
+        rec = StepRecord(
+            step=step,
+            samples=samples,
+            tokens=samples * SEQ,
+            plan=plan,
+            step_s=t,
+            loss=1.0,
+            b_noise=bcrit(e) / c * math.exp(gns_noise * rng.standard_normal()),
+            b_noise_rel_err=0.1,
+        )
+        d = ctrl.observe(rec)
+        if d is not None:
+            out.append(d)
+            if d.kind == "reconfigure":
+                ctrl.record_switch_cost(switch_cost_s)
+            plan = d.plan
+    return out, plan, (step, samples, e)
+
+
+def test_goodput_is_the_planner_and_goodput_copus_is_not():
+    assert isinstance(_planner(), PlanningController)
+    assert not isinstance(_planner(policy="goodput-copus"), PlanningController)
+
+
+def test_each_decision_point_records_the_plan_and_the_best_moves_refused():
+    ctrl = _planner(horizon_tokens=200_000 * SEQ)
+    decisions, plan, _ = _drive(ctrl, 400)
+    rows = [r for r in ctrl.drain_events() if r["event"] == "considered"]
+    assert len(rows) == 40  # steps 10, 20, ..., 400
+    assert decisions and plan.global_batch_size > 16  # the batch grew with φ
+    for d in decisions:
+        assert not plan_problems(d.plan, 8, SHAPE) and 16 <= d.plan.global_batch_size <= 512
+        assert d.purpose == "decide" and d.reason.startswith("plan: take ")
+    for r in rows:
+        layout = [x for x in r["refused"] if x["move"] == "layout"]
+        batch = [x for x in r["refused"] if x["move"].startswith("batch")]
+        assert layout and batch
+        # a refused layout saved less over the rest of the run than the switch it needed
+        assert layout[0]["gain_s"] <= layout[0]["needs_s"] + 1e-6
+        assert "needs" in layout[0]["why"] and layout[0]["plan"]
+        assert all(x["gain_pct"] <= 1e-9 for x in batch)  # the chosen batch is the best
+        assert r["expected_s"] > 0 and len(r["c"]) == 1 and r["slope"][0] >= 0
+    json.dumps(rows)  # JSON-able
+
+
+def test_a_switch_is_taken_only_where_the_rest_of_the_run_repays_it():
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    long_run, _, _ = _drive(_planner(horizon_tokens=2e6 * SEQ), 300, **grow)
+    assert any(d.kind == "reconfigure" for d in long_run)
+    dear, _, _ = _drive(_planner(horizon_tokens=2e6 * SEQ, reconfig_cost_s=1e7), 300, **grow)
+    assert dear and all(d.kind == "batch" for d in dear)
+    locked, _, _ = _drive(_planner(horizon_tokens=2e6 * SEQ, allow_reconfigure=False), 300, **grow)
+    assert locked and all(d.plan.layout == INIT.layout for d in locked)
+    # the same run about to end: the switch would not be repaid before it does
+    ending, _, _ = _drive(_planner(horizon_tokens=1.0), 300, **grow)
+    first_switch = [d.step for d in long_run if d.kind == "reconfigure"][0]
+    assert all(d.kind == "batch" for d in ending if d.step <= first_switch + 10)
+
+
+@pytest.mark.parametrize("slope", [0.4, 0.8])
+def test_the_forecast_reads_the_growth_of_the_noise_scale(slope):
+    ctrl = _planner(settings=PolicySettings(initial=16, min=16, max=16, calibration=2.0))
+    _drive(ctrl, 600, bcrit=lambda e: 2.0 * (1.0 + e) ** slope, gns_noise=0.05)
+    e_now, phi_now, beta = ctrl.forecast(np.array([2.0]))
+    assert beta[0] == pytest.approx(slope, abs=0.12)
+    assert phi_now[0] == pytest.approx((1.0 + e_now[0]) ** slope, rel=0.25)
+    flat = _planner(settings=PolicySettings(initial=16, min=16, max=16, calibration=2.0))
+    _drive(flat, 600, bcrit=lambda e: 40.0, gns_noise=0.05)
+    assert flat.forecast(np.array([2.0]))[2][0] < 0.15  # no growth read, the prior overruled
+
+
+def test_the_posterior_over_c_enters_as_equal_mass_quantiles():
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    ctrl = _planner(settings=auto)
+    cs, w = ctrl.c_hypotheses()
+    assert len(cs) == 5 and w.sum() == pytest.approx(1.0) and np.all(np.diff(cs) > 0)
+    assert cs[2] == pytest.approx(4.0, rel=0.05)  # the prior median
+
+
+def test_probes_a_layout_only_when_measuring_it_is_worth_its_cost():
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    online = dict(step_time_model=None, horizon_tokens=2e6 * SEQ)
+    cheap, _, _ = _drive(_planner(reconfig_cost_s=0.5, **online), 60, switch_cost_s=0.5, **grow)
+    probes = [d for d in cheap if d.purpose == "probe"]
+    assert probes and "value of measuring it" in probes[0].reason
+    dear, _, _ = _drive(_planner(reconfig_cost_s=1e6, **online), 60, switch_cost_s=1e6, **grow)
+    assert not [d for d in dear if d.purpose == "probe"]
+    off, _, _ = _drive(
+        _planner(reconfig_cost_s=0.5, planner_options={"explore": False}, **online), 60, switch_cost_s=0.5, **grow
+    )
+    assert not [d for d in off if d.purpose == "probe"]
+
+
+def test_state_round_trip_gives_identical_decisions():
+    a = _planner(horizon_tokens=2e6 * SEQ, step_time_model=None)
+    _, plan, at = _drive(a, 55, seed=3)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = _planner(horizon_tokens=2e6 * SEQ, step_time_model=None)
+    b.load_state_dict(state)
+    rest_a, _, _ = _drive(a, 150, seed=4, start=at, plan=plan)
+    rest_b, _, _ = _drive(b, 150, seed=4, start=at, plan=plan)
+    assert rest_a and [d.to_dict() for d in rest_a] == [d.to_dict() for d in rest_b]
+    assert a.state_dict() == b.state_dict()
+
+
+def test_bad_planner_options_are_one_line_errors():
+    with pytest.raises(ValueError, match="c_points=0"):
+        _planner(planner_options={"c_points": 0})
+
+
+def test_copus_report_shows_the_moves_weighed_and_refused(tmp_path):
+    from copus.reporting.report import write_report
+    from copus.reporting.runs import load_run
+
+    ctrl = _planner(horizon_tokens=200_000 * SEQ)
+    _drive(ctrl, 120)
+    rows = [r for r in ctrl.drain_events() if r["event"] == "considered"]
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.toml").write_text('[batch]\npolicy = "goodput"\n')
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                dict(
+                    step=s,
+                    samples=16 * s,
+                    tokens=16 * SEQ * s,
+                    wall_s=float(s),
+                    loss=3.0,
+                    global_batch_size=16,
+                    dp=2,
+                    tp=1,
+                    pp=4,
+                    b_noise=5.0,
+                    tokens_per_s=1000.0,
+                )
+            )
+            + "\n"
+            for s in range(1, 121)
+        )
+    )
+    (run / "decisions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_report([load_run(run)], tmp_path / "out", []).read_text()
+    assert "## Moves weighed by r" in md
+    first = rows[0]
+    lay = next(x for x in first["refused"] if x["move"] == "layout")
+    assert (
+        f"| {first['step']} | {first['chosen']} | {first['expected_s']:.0f} | {lay['plan']} "
+        f"| {lay['gain_s']:.1f} | {lay['needs_s']:.1f} |"
+    ) in md
+    assert md.count("\n| ") >= len(rows)  # one table row per decision point
+
+
+def test_measured_step_times_are_shrunk_toward_the_model_by_their_precision():
+    ctrl = _planner(step_time_model=None, allow_reconfigure=False)
+    model_s = float(ctrl.model.predict_plan(INIT))
+    rng = np.random.default_rng(0)
+    for _ in range(4):  # a few noisy steps at twice the model's time
+        ctrl.fitter.observe(INIT, 2.0 * model_s * math.exp(0.3 * rng.standard_normal()))
+    few = _predicted(ctrl)
+    assert model_s < few < 2.0 * model_s * 1.3
+    for _ in range(28):  # many quiet ones: the measurement dominates
+        ctrl.fitter.observe(INIT, 2.0 * model_s * (1 + 0.01 * rng.standard_normal()))
+    many = _predicted(ctrl)
+    assert abs(many / (2.0 * model_s) - 1) < abs(few / (2.0 * model_s) - 1)
+    assert many == pytest.approx(2.0 * model_s, rel=0.1)
+
+
+def _predicted(ctrl) -> float:
+    """The planner's step time of INIT (its decision model, over the candidates)."""
+    return float(ctrl.predicted_step_s()[ctrl.candidates.index_of(INIT)])
+
+
+def _narrow(ctrl, c: float) -> None:
+    """Evidence that pins c: the posterior's mass on the grid point nearest `c`."""
+    post = ctrl.posterior
+    z = (post.log2_grid - math.log2(c)) / 0.1
+    post.log_post = np.broadcast_to(-0.5 * z * z, post.log_post.shape).copy()
+    ctrl.calibration = post.value()
+
+
+def test_the_batch_moves_by_sqrt2_rungs_while_the_posterior_over_c_is_wide():
+    ctrl = _planner(settings=PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto"))
+    assert ctrl.posterior.interval_ratio() > 8.0 and ctrl.ladder_steps() == 2  # the prior: wide
+    moves, _, _ = _drive(ctrl, 150, c=4.0)  # (before the first experiment's window closes)
+    batches = [d.plan.global_batch_size for d in moves]
+    assert len(batches) >= 2 and batches == sorted(batches), batches
+    for b in batches:  # each on a rung 16·2^(k/2) (the nearest batch a layout can host)
+        k = 2 * math.log2(b / 16)
+        assert abs(k - round(k)) < 0.35, batches
+    _narrow(ctrl, 4.0)
+    assert ctrl.posterior.interval_ratio() < 8.0 and ctrl.ladder_steps() == 0  # known: any batch
+
+
+def test_a_noise_scale_reading_alone_never_shrinks_the_batch():
+    """With c fixed, no reading of φ (a gradient spike moves the online φ for many steps) makes
+    the plan shrink; with c learnt, only evidence that c is small does (the shrink is right
+    even at the posterior's 95 % quantile)."""
+    ctrl = _planner()  # c fixed
+    _, plan, state = _drive(ctrl, 200, c=2.0)
+    big = plan.global_batch_size
+    assert big > 16
+    drop = lambda e: 0.05  # noqa: E731  the signal spike: φ collapses 100x
+    moves, plan, _ = _drive(ctrl, 100, bcrit=drop, start=state, plan=plan)
+    assert all(d.plan.global_batch_size >= big for d in moves) and plan.global_batch_size >= big
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    ctrl = _planner(settings=auto)
+    _, plan, state = _drive(ctrl, 200, c=4.0)
+    big = plan.global_batch_size
+    assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) == big  # wide: keep B
+    _narrow(ctrl, 1.0 / 16)  # the evidence: c is 64x below its prior
+    assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) < big

@@ -8,7 +8,8 @@ seed spread (max − min of the seeds' speed-ups, percentage points), and the sp
 untuned median static batch.
 
     python bench/grid_compare.py runs/grid.jsonl=planner bench/results/truth_grid.json=thresholds \
-        runs/grid.jsonl:goodput-copus=goodput-copus > bench/results/robust_goodput/grid_compare.md
+        runs/grid.jsonl:goodput-copus=goodput-copus --json bench/results/robust_goodput/grid_compare.json \
+        > bench/results/robust_goodput/grid_compare.md
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def summary(cells: list[dict], variant: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    json_path = None
+    if "--json" in argv:  # also write the per-column goals as a JSON file
+        i = argv.index("--json")
+        json_path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     cols = []
     for spec in argv:
         spec, _, label = spec.partition("=")
@@ -79,6 +84,9 @@ def main(argv: list[str]) -> int:
     print("```json")
     print(json.dumps(out, indent=1))
     print("```")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"columns": out, "cells": [list(k) for k in keys]}, f, indent=1)
     return 0
 
 

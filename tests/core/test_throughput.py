@@ -193,3 +193,24 @@ def test_step_time_grows_with_work_for_any_coefficients(coeffs, gamma, layout, m
     assert np.isfinite(t) and t > 0
     assert float(model.predict(dp, tp, pp, mbs, m + 1)) > t
     assert float(model.predict(dp, tp, pp, mbs + 1, m)) >= t
+
+
+def test_every_micro_batch_reduce_scatters_its_gradients_unless_torch_stage_defers_it():
+    """copus's engine reduce-scatters each micro-batch's fp32 gradients (the runtime's default
+    gns.small = "microbatch"): with dp > 1 and m ≥ 2 the first m − 1 micro-batches overlap
+    all-gather + reduce-scatter with compute (t_acc); torch's own PipelineStage at pp > 1
+    reduces once after the last micro-batch, so the step is the older, cheaper sum."""
+    model = StepTimeModel.analytic(SEVEN_B, "h100-sxm", 64)
+    torch_stage = StepTimeModel.analytic(SEVEN_B, "h100-sxm", 64, pipeline_no_sync=True)
+    bd = model.breakdown(64, 1, 1, 1, 4)
+    assert float(bd["accumulating_s"]) > float(bd["microbatch_s"])
+    expected = 3 * bd["accumulating_s"] + gamma_sum(bd["microbatch_s"], bd["sync_s"], model.params.gamma)
+    assert float(bd["step_s"]) == pytest.approx(float(expected + bd["optimizer_s"]), rel=1e-12)
+    # one micro-batch, or one data-parallel rank: nothing changes
+    for args in ((64, 1, 1, 1, 1), (1, 8, 8, 1, 4)):
+        one = model.breakdown(*args)
+        assert float(one["accumulating_s"]) == pytest.approx(float(one["microbatch_s"]))
+    # pp > 1: copus's stages pay per micro-batch, torch's stage only at the end
+    ours, theirs = model.predict(8, 1, 8, 1, 8), torch_stage.predict(8, 1, 8, 1, 8)
+    assert float(ours) > float(theirs)
+    assert float(model.predict(64, 1, 1, 1, 4)) == float(torch_stage.predict(64, 1, 1, 1, 4))  # pp = 1 alike

@@ -328,6 +328,7 @@ def plan_model(
         param_bytes=2 if param_dtype(args, hw) == "bf16" else 4,
         compile_speedup=compute_speedup,
         flash_attention=not args.no_flash_attention,
+        pipeline_no_sync=getattr(args, "pipeline_stage", "copus") == "torch",
     )
 
 

@@ -21,7 +21,10 @@ predicted. Structure (per rank, slowest pipeline stage; mesh order (pp, dp, tp))
                  runtime on GPUs, `copus plan`'s default there), 4 for fp32 parameters
     t_mb       = (t_compute^γ + t_ag^γ)^(1/γ) + t_tp + t_p2p        prefetch overlaps all-gathers
     t_rs       = (dp−1)·units·α_dp + (dp−1)/dp · P_stage/tp · 4 · β_dp · slow(tier_dp)   fp32 grads
-    step_s     = (m − 2 + 1 + (pp − 1)/v)·t_mb + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
+    t_acc      = (t_compute^γ + (t_ag + t_rs)^γ)^(1/γ) + t_tp + t_p2p     a micro-batch that reduce-
+                 scatters its own gradients (copus's engine, every micro-batch but the last;
+                 t_acc = t_mb with torch's own PipelineStage at pp > 1, `pipeline_no_sync`)
+    step_s     = (m − 1 + (pp − 1)/v)·t_acc + (t_mb^γ + t_rs^γ)^(1/γ) + β_opt·P_stage/(tp·dp) + c_step
 
 Plan options (issue 25; per candidate, `breakdown(..., activation_checkpointing=...)`):
 - activation checkpointing `ac` multiplies the FLOPs by the recomputed share of the forward:
@@ -189,6 +192,7 @@ class StepTimeModel:
         sequence_parallel: bool = False,
         compile_speedup: float = 1.0,
         flash_attention: bool = True,
+        pipeline_no_sync: bool = False,
     ) -> None:
         self.params = params
         self.shape = shape
@@ -207,6 +211,7 @@ class StepTimeModel:
             raise ValueError(f"compile_speedup={compile_speedup!r} is invalid; allowed: a number > 0")
         self.compile_speedup = float(compile_speedup)
         self.flash_attention = bool(flash_attention)
+        self.pipeline_no_sync = bool(pipeline_no_sync)
         self.stack = stack or (hardware.stack if hardware else "fsdp2")
         if self.stack not in STACKS:
             raise ValueError(f"stack={self.stack!r} is invalid; allowed: {', '.join(STACKS)}")
@@ -243,6 +248,7 @@ class StepTimeModel:
             sequence_parallel=self.sequence_parallel,
             compile_speedup=self.compile_speedup,
             flash_attention=self.flash_attention,
+            pipeline_no_sync=self.pipeline_no_sync,
         )
 
     # ---- shape arithmetic -------------------------------------------------------------------
@@ -373,9 +379,15 @@ class StepTimeModel:
             d_tier
         ]
         last = gamma_sum(microbatch, sync, p.gamma)
+        # copus's engine reduce-scatters every micro-batch (gns.small = "microbatch", its
+        # pipeline stages included; torchtitan's FSDP accumulation too): with m ≥ 2 each of the
+        # first m − 1 micro-batches overlaps its all-gathers and its fp32 reduce-scatter with its
+        # compute; torch's own PipelineStage (`pipeline_no_sync`) reduces once, after the last
+        each_mb = (m >= 2) & ~(self.pipeline_no_sync & (pp_f > 1))
+        accumulating = np.where(each_mb, gamma_sum(compute, allgather + sync, p.gamma) + tp_s + p2p, microbatch)
         optimizer = p.optimizer_s_per_param * local_params / dp_f + p.step_overhead_s
-        bubble = (pp_f - 1.0) / v * microbatch
-        step = (m - 1.0) * microbatch + bubble + last + optimizer
+        bubble = (pp_f - 1.0) / v * accumulating
+        step = (m - 1.0) * accumulating + bubble + last + optimizer
         return {
             "compute_s": compute,
             "recompute_s": p.s_per_flop * work["recompute"] / self.compile_speedup,
@@ -383,6 +395,7 @@ class StepTimeModel:
             "p2p_s": p2p,
             "allgather_s": allgather,
             "microbatch_s": microbatch,
+            "accumulating_s": accumulating,
             "sync_s": sync,
             "optimizer_s": optimizer,
             "bubble_s": bubble,
@@ -433,8 +446,9 @@ def time_split(model: StepTimeModel, dp, tp, pp, micro_batch_size, num_microbatc
 
     compute_s (m micro-batches less their recompute, + Megatron's unsplit element-wise work),
     recompute_s, exposed communication per collective — fsdp_allgather_s (the part of FSDP's
-    parameter all-gathers the prefetch does not hide), tp_s, pp_p2p_s, grad_sync_s (FSDP's
-    gradient reduce-scatter or DP's all-reduce beyond the last micro-batch), embedding_sync_s —
+    parameter all-gathers the prefetch does not hide), tp_s, pp_p2p_s, grad_sync_s (the exposed
+    part of FSDP's gradient reduce-scatters — every micro-batch's in copus's engine — or DP's
+    all-reduce beyond the last micro-batch), embedding_sync_s —
     then bubble_s (pipeline fill and drain) and optimizer_s (+ fixed per-step cost).
     """
     bd = model.breakdown(dp, tp, pp, micro_batch_size, num_microbatches, **options)

@@ -39,17 +39,7 @@ def main() -> int:
         help="the planner's posterior width (90 %% interval, fold) above which the batch moves by "
         "sqrt(2) rungs (default: the planner's; inf: never, the ablation of docs/robust-goodput.md §6.3)",
     )
-    ap.add_argument(
-        "--no-hold",
-        action="store_true",
-        help="ablation: while c is wide, let the batch move again before the calibration window "
-        "opened by its last move has closed (docs/robust-goodput.md §6)",
-    )
     args = ap.parse_args()
-    if args.no_hold:
-        import copus.core.control.planner as planner_module
-
-        planner_module.HOLD_WHILE_READING = False
     if args.wide_ratio is not None:
         import copus.core.control.planner as planner_module
 

@@ -10,9 +10,7 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
   rungs B0·2^(k/2) (√2 apart; every plan at a rung's batch stays a candidate): a move of a few
-  per cent bends the loss curve too little for the posterior to read c from it. While the
-  posterior is wide, the batch moves at most once per experiment: the next batch move waits
-  until the calibration window opened by the last one has closed (layout moves are free).
+  per cent bends the loss curve too little for the posterior to read c from it.
 - **The batch falls only on evidence about c**: the forecast φ never falls (slope ≥ 0), so a
   smaller batch than the current one is taken only when it would be best even at the
   posterior's 95 % quantile of c and the highest φ read over the last stretches; with c fixed,
@@ -71,9 +69,6 @@ QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ:
 # the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
 WIDE_RATIO, WIDE_STEPS = 8.0, 2
 SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
-# while wide, the batch does not move while the window opened by its last move is open
-# (`batch_held`; False only for the ablation of docs/robust-goodput.md §6)
-HOLD_WHILE_READING = True
 
 
 class PlanningController(ControllerBase):
@@ -324,21 +319,14 @@ class PlanningController(ControllerBase):
             if self.search_options["allow_reconfigure"] or cur is None
             else np.arange(len(h)) == cur
         )
-        b = self.candidates.global_batch_size
-        hold = self.batch_held()
-        if hold:  # an experiment is being read: layouts that host the current batch only
-            here = np.unique(self._ids[b == self.plan.global_batch_size])
-            allowed = allowed & np.isin(np.arange(len(h)), here)
         total = np.where(allowed, h + switch, np.inf)
         lay = int(np.argmin(total))
         r = self.rates(bc_now, step_s)  # (K, N)
         score = w @ (r / np.maximum(r.max(axis=1, keepdims=True), 1e-300))
         on = self.ladder(np.flatnonzero(self._ids == lay))
+        b = self.candidates.global_batch_size
         keep = on[b[on] >= self.floor_batch(bc_now / np.maximum(self.c_hypotheses()[0], 1e-300), step_s)]
         on = keep if len(keep) else on
-        if hold:
-            same = np.flatnonzero((self._ids == lay) & (b == self.plan.global_batch_size))
-            on = same if len(same) else on
         i = int(on[np.argmax(score[on])])
         return {
             "layout": lay,
@@ -365,16 +353,6 @@ class PlanningController(ControllerBase):
         phi = max([float(np.max(phi_now))] + recent)
         r = self.rates(np.array([self.posterior.quantile_c(SHRINK_QUANTILE) * phi]), step_s)[0]
         return min(cur, float(self.candidates.global_batch_size[int(np.argmax(r))]))
-
-    def batch_held(self) -> bool:
-        """Whether the batch must stay where it is: while the posterior over c is wide (90 %
-        interval > `WIDE_RATIO`-fold) and the calibration window opened by the last batch move
-        is still open, the next batch move waits for that experiment's evidence (one rung per
-        experiment; layout moves at the same batch are free). Without this, a plan that decides
-        every `interval_steps` climbs several rungs on the prior before the first window (≈ 70
-        steps) is read (docs/robust-goodput.md §6)."""
-        post = self.posterior
-        return bool(HOLD_WHILE_READING and post is not None and post.window_open and post.interval_ratio() > WIDE_RATIO)
 
     def ladder_steps(self) -> int:
         """Rungs per doubling of the batch ladder: `batch_steps` when set, else `WIDE_STEPS`
@@ -510,10 +488,6 @@ class PlanningController(ControllerBase):
                 h = w @ self.layout_times(e_now, e_end, phi_now, beta, cs, s)
                 value += q * max(base - (h[lay] + c), 0.0)
             on = np.flatnonzero(self._ids == lay)
-            if self.batch_held():
-                on = on[self.candidates.global_batch_size[on] == record.plan.global_batch_size]
-                if not len(on):
-                    continue
             i = int(on[np.argmax(plan["score"][on])])
             cur = self.candidates.index_of(record.plan)
             slower = max(step_s[i] - (step_s[cur] if cur is not None else step_s[i]), 0.0)

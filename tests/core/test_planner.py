@@ -49,9 +49,11 @@ def _drive(
     switch_cost_s=30.0,
     gns_noise=0.2,
     c=2.0,
+    after=None,
 ):
     """A synthetic run whose noise scale φ = B_crit(E)/c grows with its effective samples E
-    (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from."""
+    (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from.
+    `after(record, decision)`: called after every step (decision None when none)."""
     rng = np.random.default_rng(seed)
     step, samples, e = start or (0, 0, 0.0)
     out = []
@@ -73,6 +75,8 @@ def _drive(
             b_noise_rel_err=0.1,
         )
         d = ctrl.observe(rec)
+        if after is not None:
+            after(rec, d)
         if d is not None:
             out.append(d)
             if d.kind == "reconfigure":
@@ -254,6 +258,26 @@ def test_the_batch_moves_by_sqrt2_rungs_while_the_posterior_over_c_is_wide():
         assert abs(k - round(k)) < 0.35, batches
     _narrow(ctrl, 4.0)
     assert ctrl.posterior.interval_ratio() < 8.0 and ctrl.ladder_steps() == 0  # known: any batch
+
+
+def test_while_c_is_wide_the_batch_moves_one_doubling_per_experiment():
+    """While the posterior over c is wide, the batch stays within 2x of the batch before the
+    open calibration window (the plan, deciding every 10 steps, does not climb several rungs on
+    the prior before the first ≈ 70-step window is read); once it has closed, the next doubling."""
+    growth = lambda e: 5.0 + 20.0 * e**0.7  # noqa: E731  B_crit far above the start: wants to grow fast
+    ctrl = _planner(settings=PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto"))
+    seen = []  # (batch before the open window, batch chosen) at each batch move while wide and reading
+
+    def note(rec, d):
+        post = ctrl.posterior
+        if d is not None and d.plan.global_batch_size != rec.plan.global_batch_size:
+            if post.window_open and post.interval_ratio() > 8.0:
+                seen.append((ctrl.window_base, d.plan.global_batch_size))
+
+    moves, plan, _ = _drive(ctrl, 300, bcrit=growth, c=4.0, after=note)
+    assert plan.global_batch_size >= 64, [d.plan.global_batch_size for d in moves]  # it does grow
+    assert seen, [d.plan.global_batch_size for d in moves]  # moves were made inside open windows
+    assert all(b <= 2 * base and b >= base / 2 for base, b in seen), seen
 
 
 def test_a_noise_scale_reading_alone_never_shrinks_the_batch():

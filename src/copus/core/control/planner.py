@@ -10,7 +10,11 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
   rungs B0·2^(k/2) (√2 apart; every plan at a rung's batch stays a candidate): a move of a few
-  per cent bends the loss curve too little for the posterior to read c from it.
+  per cent bends the loss curve too little for the posterior to read c from it. While the
+  posterior is wide, one doubling per experiment: until the calibration window opened by a
+  batch move has closed, the batch stays within 2× of the batch before that move (a plan
+  deciding every `interval_steps` would otherwise climb several rungs on the prior before the
+  first ≈ 70-step window is read).
 - **The batch falls only on evidence about c**: the forecast φ never falls (slope ≥ 0), so a
   smaller batch than the current one is taken only when it would be best even at the
   posterior's 95 % quantile of c and the highest φ read over the last stretches; with c fixed,
@@ -110,6 +114,7 @@ class PlanningController(ControllerBase):
         self.chunks: list[list[float]] = []  # [batch, steps, Σφ, steps with φ, first step]
         self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
         self._shrunk: tuple | None = None
+        self.window_base: float | None = None  # the batch before the open calibration window
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -368,11 +373,15 @@ class PlanningController(ControllerBase):
         """The candidates of `idx` on the batch ladder B0·2^(k/`ladder_steps()`) (per rung the
         batch nearest to it, with every plan at that batch), plus the current plan: the plan
         moves the batch by rungs, so each change is an experiment the posterior over c can
-        read (docs/robust-goodput.md)."""
+        read (docs/robust-goodput.md); while wide and a window is open, only batches within 2×
+        of `window_base` (one doubling per experiment)."""
         steps = self.ladder_steps()
         if steps <= 0 or not len(idx):
             return idx
         b = self.candidates.global_batch_size[idx].astype(float)
+        if self._reading():
+            near = np.abs(np.log2(b / self.window_base)) <= 1.0 + 1e-9  # one doubling per experiment
+            idx, b = (idx[near], b[near]) if near.any() else (idx, b)
         x = np.log2(b / self.search_options["lr_ref_batch"]) * steps
         rung = np.round(x)
         order = np.lexsort((b, np.abs(x - rung), rung))
@@ -380,6 +389,18 @@ class PlanningController(ControllerBase):
         cur = self.candidates.index_of(self.plan)
         keep = idx[np.isin(b, b[first])]  # every plan (micro-batch, layout) at a rung's batch
         return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
+
+    def _reading(self) -> bool:
+        """Whether an experiment is being read while the posterior over c is wide: a
+        calibration window opened by a batch move is still open (the batch then stays within 2×
+        of `window_base`, the batch before that move)."""
+        post = self.posterior
+        return bool(
+            self.window_base is not None
+            and post is not None
+            and post.window_open
+            and post.interval_ratio() > WIDE_RATIO
+        )
 
     def _key_index(self, plan: ParallelPlan) -> int | None:
         try:
@@ -392,6 +413,8 @@ class PlanningController(ControllerBase):
     def observe(self, record: StepRecord) -> Decision | None:
         """Account one optimizer step; at a decision point, re-plan and act on its first step."""
         self._account(record)
+        if self.posterior is not None and not self.posterior.window_open:
+            self.window_base = float(record.plan.global_batch_size)
         self._note_new_layout(record)
         self._add_chunk(record)
         why = self._gate(record)
@@ -592,12 +615,19 @@ class PlanningController(ControllerBase):
         return self.plan if not ok.any() else self.candidates.plan(best)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "chunks": [list(c) for c in self.chunks], "step_misses": list(self.step_misses)}
+        return {
+            **super().state_dict(),
+            "chunks": [list(c) for c in self.chunks],
+            "step_misses": list(self.step_misses),
+            "window_base": self.window_base,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.chunks = [[float(x) for x in c] for c in state.get("chunks", [])]
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
+        base = state.get("window_base")
+        self.window_base = None if base is None else float(base)
 
 
 def _f(x: float) -> float | None:

@@ -21,7 +21,8 @@
 # Writes DIR/gpu_check.json and DIR/gpu_check.md (per-leg files in DIR/legs, runs in DIR/runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+# the interpreter: $PYTHON, else the project's .venv (the README's install), else python on PATH
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi
 DRY=0
 OUT=bench/results/gpu
 NPROC=0

@@ -225,6 +225,11 @@ def parse_sizes(text: str, flag: str = "--micro-batch-sizes") -> list[int]:
     return sizes
 
 
+def _pipeline_stage(args: argparse.Namespace) -> str:
+    """`--pipeline-stage` (library callers may build `args` without it: copus's own stages)."""
+    return getattr(args, "pipeline_stage", "copus")
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.seq_len < 0:
         raise ValueError(f"--seq-len={args.seq_len} is invalid; allowed: an integer >= 1 (0 = the model's own)")
@@ -246,7 +251,7 @@ def _check(args: argparse.Namespace) -> None:
         check_choice(f"--{name.replace('_', '-')}", getattr(args, name), SWITCHES)
     if args.param_dtype is not None:
         check_choice("--param-dtype", args.param_dtype, ("fp32", "bf16"))
-    check_choice("--pipeline-stage", getattr(args, "pipeline_stage", "copus"), ("copus", "torch"))
+    check_choice("--pipeline-stage", _pipeline_stage(args), ("copus", "torch"))
     for flag in HARDWARE_FLAGS:
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -328,7 +333,7 @@ def plan_model(
         param_bytes=2 if param_dtype(args, hw) == "bf16" else 4,
         compile_speedup=compute_speedup,
         flash_attention=not args.no_flash_attention,
-        pipeline_no_sync=getattr(args, "pipeline_stage", "copus") == "torch",
+        pipeline_no_sync=_pipeline_stage(args) == "torch",
     )
 
 
@@ -346,7 +351,7 @@ def plan_rows(
     hw = resolve_hardware(args) if hardware is None else hardware
     capacity = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
     memory = memory_model(shape, hw, param_dtype(args, hw), flash_attention=not args.no_flash_attention)
-    memory = replace(memory, pipeline_no_sync=getattr(args, "pipeline_stage", "copus") == "torch")
+    memory = replace(memory, pipeline_no_sync=_pipeline_stage(args) == "torch")
     max_batch = args.global_batch if args.max_batch is None else args.max_batch
     cands = build_candidates(
         args.gpus,

@@ -172,8 +172,10 @@ def start_plan_for_layout(plan: dict, batch: int) -> dict:
     return {**plan, "micro_batch_size": mbs}
 
 
-def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]:
-    """Policy name → config overrides (common settings first)."""
+def run_specs(args, best: dict[int, dict], seq_len: int, profile_path: str = "") -> dict[str, list[str]]:
+    """Policy name → config overrides (common settings first). `profile_path`: the profile the
+    static baselines were tuned by, given to goodput too (`controller.profile`: the same
+    information; "goodput-bare" runs without it)."""
     b0, bmax = args.initial_batch, max(args.static)
     # the adaptive policies' batch.max: --max-batch, else the largest static (which capped a
     # run side by side with static B=8 alone at B = 8)
@@ -215,7 +217,8 @@ def run_specs(args, best: dict[int, dict], seq_len: int) -> dict[str, list[str]]
     specs["gns-large"] = [*common, "batch.policy='gns'", *adaptive, *plan_overrides(large)]
     # goodput: the library's defaults, nothing bench-specific; goodput-copus: the paper's
     # settings (core/control/policy_presets.py)
-    specs["goodput"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
+    specs["goodput-bare"] = [*common, "batch.policy='goodput'", *adaptive, *plan_overrides(start)]
+    specs["goodput"] = [*specs["goodput-bare"], *([f"controller.profile={profile_path!r}"] if profile_path else [])]
     specs["goodput-copus"] = [*common, "batch.policy='goodput-copus'", *adaptive, *plan_overrides(start)]
     return specs
 
@@ -811,7 +814,9 @@ def main(argv: list[str] | None = None) -> int:
 
         seq_len = get_model_shape(args.model).seq_len
         rows = prof_rows or profile(args, root / "profile")
-        specs = run_specs(args, best_plans(rows), seq_len)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "profile_all.json").write_text(json.dumps(rows, indent=1))
+        specs = run_specs(args, best_plans(rows), seq_len, str((root / "profile_all.json").resolve()))
         unknown = [p for p in policies if p not in specs]
         if unknown:
             raise ValueError(f"--policies: {unknown} unknown; allowed: {', '.join(specs)}")

@@ -302,6 +302,11 @@ class ControllerConfig:
     start: str = _opt("planned", _choice("planned", "initial"))
     switch: str = _opt("in-process", _choice("in-process", "checkpoint"))
     refit_interval_steps: int = _opt(20, _int(1))
+    # a `copus profile` profile.json: the goodput controller ranks the plans it measured by
+    # their measured step times (core/cost/profile_table.py); "" = the step-time model alone
+    profile: str = _opt(
+        "", lambda v: None if isinstance(v, str) else "a path to a profile.json from `copus profile`, or ''"
+    )
 
 
 @dataclass(**_FROZEN)

@@ -299,3 +299,51 @@ def test_a_noise_scale_reading_alone_never_shrinks_the_batch():
     assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) == big  # wide: keep B
     _narrow(ctrl, 1.0 / 16)  # the evidence: c is 64x below its prior
     assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) < big
+
+
+def _profile_of(ctrl, slower: float = 1.0) -> list[tuple[ParallelPlan, float]]:
+    """A `copus profile` table: one plan of every layout at each of the first batches, timed by
+    the truth (× `slower` for every plan but INIT's layout)."""
+    c, rows = ctrl.candidates, {}
+    for i in range(len(c)):
+        p = c.plan(i)
+        if p.global_batch_size <= 64 and (p.layout, p.global_batch_size) not in rows:
+            rows[(p.layout, p.global_batch_size)] = (
+                p,
+                float(TRUE.predict_plan(p)) * (1 if p.layout == INIT.layout else slower),
+            )
+    rows[(INIT.layout, 16)] = (INIT, float(TRUE.predict_plan(INIT)))
+    return list(rows.values())
+
+
+def test_with_a_profile_no_profiled_layout_is_probed():
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    online = dict(step_time_model=None, horizon_tokens=2e6 * SEQ, reconfig_cost_s=0.5)
+    bare, _, _ = _drive(_planner(**online), 60, switch_cost_s=0.5, **grow)
+    assert [d for d in bare if d.purpose == "probe"]  # the same run without a profile probes
+    profile = _profile_of(_planner(**online))
+    ctrl = _planner(profile_observations=profile, **online)
+    assert ctrl.profile and {p.layout for p, _ in profile} >= {
+        ctrl.candidates.plan(i).layout for i in range(len(ctrl.candidates))
+    }
+    got, _, _ = _drive(ctrl, 60, switch_cost_s=0.5, **grow)
+    assert not [d for d in got if d.purpose == "probe"]
+
+
+def test_with_a_profile_the_load_scales_every_plan_alike():
+    """The run's own steps, twice the profile's time (a loaded machine), set the load factor k
+    but not the ranking: the profile's relative times stay; without a profile the loaded
+    measurement of the current plan makes the other layouts look faster."""
+    base = _planner(step_time_model=None, allow_reconfigure=False)
+    profile = _profile_of(base, slower=1.1)  # every other layout 10 % slower than INIT's
+    ctrl = _planner(step_time_model=None, allow_reconfigure=False, profile_observations=profile)
+    other = next(p for p, _ in profile if p.layout != INIT.layout and p.global_batch_size == 16)
+    for ctl in (base, ctrl):
+        for _ in range(12):
+            ctl.fitter.observe(INIT, 2.0 * float(TRUE.predict_plan(INIT)))
+    s = ctrl.predicted_step_s()
+    i, j = ctrl.candidates.index_of(INIT), ctrl.candidates.index_of(other)
+    assert ctrl.load_factor() == pytest.approx(2.0)
+    assert s[j] / s[i] == pytest.approx(1.1 * float(TRUE.predict_plan(other) / TRUE.predict_plan(INIT)))
+    sb = base.predicted_step_s()
+    assert sb[j] / sb[i] < s[j] / s[i]

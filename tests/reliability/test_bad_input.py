@@ -33,6 +33,8 @@ FILES: dict[str, bytes | None] = {
     "empty.txt": b"   \n\n",
     "corpus.pdf": b"%PDF-1.4",
     "a_folder": None,  # a directory (empty)
+    "profile4.json": b'[{"dp": 4, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_microbatches": 1, "step_s": 0.1}]',
+    "profile_no_step.json": b'[{"dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_microbatches": 1}]',
 }
 
 
@@ -99,6 +101,22 @@ TRAIN = [
         "controller-start-unknown",
         ["--set", "controller.start='fastest'"],
         ["controller.start='fastest'", "planned", "initial"],
+    ),
+    (
+        "controller-profile-missing",
+        ["--set", "controller.profile='{tmp}/no/profile.json'"],
+        ["controller.profile=", "no/profile.json", "no such file", "allowed"],
+    ),
+    ("controller-profile-not-json", ["--set", "controller.profile='{bad_syntax.toml}'"], ["not readable JSON"]),
+    (
+        "controller-profile-other-world",
+        ["--nproc", "2", "--set", "controller.profile='{profile4.json}'"],
+        ["row 0", "dp*tp*pp=4", "world size 2"],
+    ),
+    (
+        "controller-profile-no-step-time",
+        ["--nproc", "2", "--set", "controller.profile='{profile_no_step.json}'"],
+        ["row 0", "missing step_s", "copus profile"],
     ),
     ("unknown-flag", ["--batch-size", "64"], ["--batch-size"]),
     ("unknown-policy", ["--policy", "fastest"], ["batch.policy='fastest'", "goodput"]),

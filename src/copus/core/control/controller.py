@@ -168,6 +168,7 @@ def make_controller(
             f"micro_batch_sizes={mbs}, memory_capacity_bytes={memory_capacity_bytes}"
         )
     fitter, fixed = None, None
+    profile_observations = None if profile_observations is None else list(profile_observations)
     if step_time_model is not None and not isinstance(step_time_model, StepTimeModel):
         fixed = step_time_model
     else:
@@ -218,6 +219,7 @@ def make_controller(
         horizon_tokens=horizon_tokens,
         seq_len=shape.seq_len,
         prior_bcrit=initial_critical_batch(shape),
+        profile=profile_observations if step_time_model is None and profile_observations else (),
         **(planner_options or {}),
         **common,
     )

@@ -42,7 +42,10 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
   least J_L is taken, on it the batch with the highest expected relative rate
   Σ_k p_k r(B; c_k)/r*(c_k) at φ_now.
 - **Step times**: the model's, and for a measured plan the precision-weighted mean (in log) of
-  the model and its measured median (`decision_model`).
+  the model and its measured median (`decision_model`). Given `copus profile`'s table
+  (`controller.profile`), a profiled plan's measured median instead, every time in the
+  profile's units (the run's own medians divided by the load factor k; `_profiled_model`),
+  and a profiled layout is never probed.
 - **Exploration** (with measured step times only): for each layout never measured, the value
   of measuring it = the expected time it would save if its step time were the model's ±
   the model's measured error (three-point quadrature of a log-normal), against its cost =
@@ -56,6 +59,7 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -94,6 +98,7 @@ class PlanningController(ControllerBase):
         fit_after_steps: int = 60,
         start: str = "fastest",
         batch_steps: int = 0,
+        profile: Sequence[tuple[ParallelPlan, float]] = (),
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -115,6 +120,8 @@ class PlanningController(ControllerBase):
         self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
         self._shrunk: tuple | None = None
         self.window_base: float | None = None  # the batch before the open calibration window
+        # `copus profile`'s measured medians (controller.profile): plan -> step seconds
+        self.profile = {p: float(t) for p, t in profile if math.isfinite(t) and t > 0}
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -138,6 +145,8 @@ class PlanningController(ControllerBase):
         relative spread, so that plans measured under another load of the machine are not
         taken at face value); the (fitted) model elsewhere."""
         f = self.fitter
+        if self.profile:
+            return self._profiled_model()
         if f is None or not f.times:
             return self.model
         key = (id(f.model), sum(len(t) for t in f.times.values()), len(self.step_misses))
@@ -158,6 +167,40 @@ class PlanningController(ControllerBase):
             log_s = (w_model * math.log(model_s) + w * math.log(float(np.median(times)))) / (w_model + w)
             obs.append((plan, math.exp(log_s)))
         self._shrunk = (key, ProfiledStepTime(self.model, obs))
+        return self._shrunk[1]
+
+    @property
+    def reconfig_cost_s(self) -> float:
+        """The measured switch cost; with a profile, in its units (÷ `load_factor`)."""
+        cost = super().reconfig_cost_s
+        return cost / self.load_factor() if self.profile else cost
+
+    def load_factor(self) -> float:
+        """k = exp(median over plans measured both in this run and by the profile of
+        log(run median / profiled median)): how much slower this run's machine is than the one
+        the profile measured (load, clocks); 1 before any such plan is measured."""
+        f = self.fitter
+        logs = [
+            math.log(float(np.median(t)) / self.profile[p])
+            for p, t in (f.times.items() if f else ())
+            if t and p in self.profile
+        ]
+        return math.exp(float(np.median(logs))) if logs else 1.0
+
+    def _profiled_model(self):
+        """With a profile (`controller.profile`), every step time in the profile's units: a
+        profiled plan's measured median; a plan measured only in this run, its median / k
+        (`load_factor`); the model fitted to the profile elsewhere. Relative step times come
+        from the profile, measured on a quiet machine; the run's own measurements, taken under
+        whatever else shares the machine, only set k (so the plan does not chase the load)."""
+        f = self.fitter
+        key = ("profile", sum(len(t) for t in f.times.values()) if f else 0)
+        if self._shrunk is not None and self._shrunk[0] == key:
+            return self._shrunk[1]
+        k = self.load_factor()
+        extra = [(p, float(np.median(t)) / k) for p, t in (f.times.items() if f else ()) if t and p not in self.profile]
+        base = f.prior if f is not None else self.model
+        self._shrunk = (key, ProfiledStepTime(base, [*self.profile.items(), *extra]))
         return self._shrunk[1]
 
     def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
@@ -494,7 +537,7 @@ class PlanningController(ControllerBase):
         f = self.fitter
         if not self.explore or f is None or not self.search_options["allow_reconfigure"]:
             return None
-        measured = {p.layout for p in f.times}
+        measured = {p.layout for p in f.times} | {p.layout for p in self.profile}
         sigma, c = self.model_spread(), self.reconfig_cost_s
         cs, w = self.c_hypotheses()
         e_now, phi_now, beta = self.forecast(cs)

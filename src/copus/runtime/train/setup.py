@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
+from copus.core.cost.profile_table import read_profile
 from copus.core.plan.layout_map import LayoutMappedPolicy, check_layout_map, parse_layout_map
 from copus.core.plan.plan import ParallelPlan, default_micro_batch_size, plan_problems
 from copus.core.specs.models import ModelShape
@@ -113,6 +114,8 @@ def make_run_policy(
             hardware=hardware,
             cores=job_cores(world_size) if hardware is None else None,
         )
+        if c.profile:
+            kw["profile_observations"] = read_profile(c.profile, world_size)
         if memory_capacity_bytes is not None:
             kw["memory_capacity_bytes"] = memory_capacity_bytes
             if memory_model is not None:

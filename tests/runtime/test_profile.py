@@ -43,6 +43,30 @@ def test_profile_writes_json_and_csv(tmp_path):
     assert rows[0]["samples_per_s"] >= rows[1]["samples_per_s"]  # fastest first
     with open(out / "profile.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
+    # the goodput run given a profile plans with it: a profile in which pp2 is 10x faster
+    # than dp2 starts the run on pp2 (the model alone starts on dp2), and no profiled layout
+    # is probed
+    for r in rows:
+        r["step_s"] *= 0.1 if r["pp"] == 2 else 10.0
+    (tmp_path / "fast_pp2.json").write_text(json.dumps(rows))
+    run = tmp_path / "run"
+    res = subprocess.run(
+        [
+            *(sys.executable, "-m", "copus", "train", "--nproc", "2", "--max-tokens", "12000"),
+            *("--run-dir", str(run), "--set", "batch.initial=4", "--set", "batch.min=4"),
+            *("--set", "eval.interval_steps=0", "--set", f"controller.profile='{tmp_path / 'fast_pp2.json'}'"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = json.loads((run / "summary.json").read_text())["plan_timeline"][0]
+    assert (first["step"], first["dp"], first["pp"]) == (1, 1, 2), first
+    decisions = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
+    assert [r for r in decisions if r.get("event") == "considered"], decisions
+    probes = [r for r in decisions if r.get("purpose") == "probe"]
+    assert not [r for r in probes if (r["dp"], r["tp"], r["pp"]) in {(2, 1, 1), (1, 1, 2)}], probes
 
 
 def test_profile_bad_arguments_exit_2(tmp_path):

@@ -261,23 +261,25 @@ def test_the_batch_moves_by_sqrt2_rungs_while_the_posterior_over_c_is_wide():
 
 
 def test_while_c_is_wide_the_batch_moves_one_doubling_per_experiment():
-    """While the posterior over c is wide, the batch stays within 2x of the batch before the
-    open calibration window (the plan, deciding every 10 steps, does not climb several rungs on
-    the prior before the first ≈ 70-step window is read); once it has closed, the next doubling."""
+    """While the posterior over c is wide, every batch move stays within 2x of the batch before
+    the calibration window being read (the plan, deciding every 10 steps, does not climb several
+    rungs on the prior before the first ≈ 70-step window is read), and the move that opens a
+    window is itself at most a doubling (it jumped 8 -> 32 on the prior in the CPU runs);
+    once the window has closed, the next doubling."""
     growth = lambda e: 5.0 + 20.0 * e**0.7  # noqa: E731  B_crit far above the start: wants to grow fast
     ctrl = _planner(settings=PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto"))
-    seen = []  # (batch before the open window, batch chosen) at each batch move while wide and reading
+    seen = []  # (batch before the window, batch chosen, window open) at each batch move while wide
 
     def note(rec, d):
         post = ctrl.posterior
         if d is not None and d.plan.global_batch_size != rec.plan.global_batch_size:
-            if post.window_open and post.interval_ratio() > 8.0:
-                seen.append((ctrl.window_base, d.plan.global_batch_size))
+            if post.interval_ratio() > 8.0:
+                seen.append((ctrl.window_base, d.plan.global_batch_size, post.window_open))
 
     moves, plan, _ = _drive(ctrl, 300, bcrit=growth, c=4.0, after=note)
     assert plan.global_batch_size >= 64, [d.plan.global_batch_size for d in moves]  # it does grow
-    assert seen, [d.plan.global_batch_size for d in moves]  # moves were made inside open windows
-    assert all(b <= 2 * base and b >= base / 2 for base, b in seen), seen
+    assert len(seen) >= 2, [d.plan.global_batch_size for d in moves]
+    assert all(b <= 2 * base and b >= base / 2 for base, b, _ in seen), seen
 
 
 def test_a_noise_scale_reading_alone_never_shrinks_the_batch():

@@ -367,6 +367,10 @@ class PlanningController(ControllerBase):
             if self.search_options["allow_reconfigure"] or cur is None
             else np.arange(len(h)) == cur
         )
+        if self._reading():  # one doubling per experiment: only layouts that host such a batch
+            near = np.abs(np.log2(self.candidates.global_batch_size / self.window_base)) <= 1.0 + 1e-9
+            hosts = np.isin(np.arange(len(h)), self._ids[near])
+            allowed = allowed & hosts if (allowed & hosts).any() else allowed
         total = np.where(allowed, h + switch, np.inf)
         lay = int(np.argmin(total))
         r = self.rates(bc_now, step_s)  # (K, N)
@@ -434,16 +438,12 @@ class PlanningController(ControllerBase):
         return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
 
     def _reading(self) -> bool:
-        """Whether an experiment is being read while the posterior over c is wide: a
-        calibration window opened by a batch move is still open (the batch then stays within 2×
-        of `window_base`, the batch before that move)."""
+        """Whether batch moves are experiments capped at one doubling: the posterior over c is
+        wide. The batch then stays within 2× of `window_base`: the batch before the move that
+        opened the calibration window still being read, or the current batch when none is
+        open (so the move that opens a window is itself at most a doubling)."""
         post = self.posterior
-        return bool(
-            self.window_base is not None
-            and post is not None
-            and post.window_open
-            and post.interval_ratio() > WIDE_RATIO
-        )
+        return bool(self.window_base is not None and post is not None and post.interval_ratio() > WIDE_RATIO)
 
     def _key_index(self, plan: ParallelPlan) -> int | None:
         try:

@@ -14,7 +14,8 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
   posterior is wide, one doubling per experiment: until the calibration window opened by a
   batch move has closed, the batch stays within 2× of the batch before that move (a plan
   deciding every `interval_steps` would otherwise climb several rungs on the prior before the
-  first ≈ 70-step window is read).
+  first ≈ 70-step window is read), and the move that opens a window is itself at most a
+  doubling (an uncapped first move jumped 8 → 32 on the prior: docs §6.11).
 - **The batch falls only on evidence about c**: the forecast φ never falls (slope ≥ 0), so a
   smaller batch than the current one is taken only when it would be best even at the
   posterior's 95 % quantile of c and the highest φ read over the last stretches; with c fixed,

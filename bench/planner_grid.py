@@ -39,7 +39,17 @@ def main() -> int:
         help="the planner's posterior width (90 %% interval, fold) above which the batch moves by "
         "sqrt(2) rungs (default: the planner's; inf: never, the ablation of docs/robust-goodput.md §6.3)",
     )
+    ap.add_argument(
+        "--voi-experiments",
+        action="store_true",
+        help="the planner's off-by-default variant: upward batch experiments priced by their value of "
+        "information (docs/robust-goodput.md §6.9)",
+    )
     args = ap.parse_args()
+    if args.voi_experiments:
+        import copus.core.control.planner as planner_module
+
+        planner_module.EXPERIMENTS = True
     if args.wide_ratio is not None:
         import copus.core.control.planner as planner_module
 

@@ -106,3 +106,18 @@ def test_only_moves_of_min_ratio_are_experiments():
     closed = [i for i, r in enumerate(rows) if r is not None]
     assert closed == [250 + post.skip_steps + post.window_steps]
     assert rows[closed[0]]["batches"] == [18.0, 24.0]  # the pre-window: 60 steps
+
+
+def test_loss_trend_reads_the_slope_and_noise_an_experiment_would_see():
+    """`loss_trend`: |dL/dstep| at the last step and the per-step loss noise, from the steps kept
+    at the current batch (what `core.control.experiment_value` prices an experiment with)."""
+    post = CalibrationPosterior(prior_c=4.0)
+    rng = np.random.default_rng(0)
+    assert post.loss_trend(130) is None  # nothing kept yet
+    de = 16.0 * 40.0 / (40.0 + 16.0)  # ΔE per step at B = 16, b_noise 10, c = 4 (the prior median)
+    curve = lambda e: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24  # noqa: E731  a power law in E
+    for t in range(1, 181):  # the last `window_steps` = 60 are kept
+        post.observe(curve(de * t) + 0.02 * rng.standard_normal(), 16.0, 10.0)
+    slope, sigma, misfit = post.loss_trend(130)
+    true = curve(de * 179.5) - curve(de * 180.5)
+    assert abs(slope / true - 1.0) < 0.3 and abs(sigma / 0.02 - 1.0) < 0.3 and 0.0 <= misfit < 0.02

@@ -50,10 +50,12 @@ def _drive(
     gns_noise=0.2,
     c=2.0,
     after=None,
+    loss=lambda e: 1.0,
 ):
     """A synthetic run whose noise scale φ = B_crit(E)/c grows with its effective samples E
     (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from.
-    `after(record, decision)`: called after every step (decision None when none)."""
+    `after(record, decision)`: called after every step (decision None when none); `loss(E)`:
+    the reported loss."""
     rng = np.random.default_rng(seed)
     step, samples, e = start or (0, 0, 0.0)
     out = []
@@ -70,7 +72,7 @@ def _drive(
             tokens=samples * SEQ,
             plan=plan,
             step_s=t,
-            loss=1.0,
+            loss=loss(e),
             b_noise=bcrit(e) / c * math.exp(gns_noise * rng.standard_normal()),
             b_noise_rel_err=0.1,
         )
@@ -349,3 +351,31 @@ def test_with_a_profile_the_load_scales_every_plan_alike():
     assert s[j] / s[i] == pytest.approx(1.1 * float(TRUE.predict_plan(other) / TRUE.predict_plan(INIT)))
     sb = base.predicted_step_s()
     assert sb[j] / sb[i] < s[j] / s[i]
+
+
+def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its_cost(monkeypatch):
+    """c far above the prior (the truth 32, the prior median 4) and B ≪ cφ: the expected-rate
+    rule keeps B = 16; the hypotheses disagree on E(B_x)/E(16) for a larger B_x, the plan under
+    the posterior would lose a lot of time if c were large, and a window at B_x costs a few
+    seconds: the plan takes the larger batch as an experiment (docs/robust-goodput.md §6.9),
+    only once the noise-scale EMA's warm-up lies behind the window's pre-change steps, and
+    holds it until the window has been read."""
+    import copus.core.control.planner as planner_module
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    flat = lambda e: 40.0  # noqa: E731
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(planner_module, "EXPERIMENTS", on)
+        rng = np.random.default_rng(1)
+        # a power law in E with the per-step loss noise of B = 16 sequences (σ ≈ 2.1/sqrt(tokens))
+        curve = lambda e, rng=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + 0.012 * rng.standard_normal()  # noqa: E731
+        ctrl = _planner(settings=auto, horizon_tokens=4e9)
+        runs[on] = (ctrl, _drive(ctrl, 170, c=32.0, bcrit=flat, loss=curve)[0])
+    assert runs[False][1] == []  # the expected-rate rule alone: no move
+    ctrl, moves = runs[True]
+    assert [d.step for d in moves] == [120], [(d.step, d.plan.global_batch_size) for d in moves]
+    assert 16 < moves[0].plan.global_batch_size <= 32 and "experiment" in moves[0].reason
+    row = next(e for e in ctrl.events if e.get("step") == 120 and e.get("event") == "considered")
+    exp = row["experiment"]
+    assert exp["value_s"] > exp["cost_s"] and exp["instead_of"] == 16

@@ -52,6 +52,14 @@ programme under the prior, measured worse; docs/robust-goodput.md §6).
   the model's measured error (three-point quadrature of a log-normal), against its cost =
   two switches and the probe's slower steps. A probe is an ordinary switch (purpose "probe");
   the next plan keeps or leaves the layout on its measured step time.
+- **Experiments priced by their value of information** (variant, off by default: `EXPERIMENTS`,
+  docs/robust-goodput.md §6.9): while the posterior is wide, no calibration window is open and
+  the window's pre-change steps lie past the noise-scale EMA's and the LR's warm-up, a larger
+  batch on the chosen layout's ladder (at most 2× the current) is taken when its value of
+  information exceeds its cost (`core.control.experiment_value`: the expected time the batch
+  choice would save over the rest of the run if the posterior were updated by the bend the move
+  would show, against the expected time lost over the window at that batch); the batch does not
+  fall until that window has been read.
 - **Record**: each decision point leaves one decisions.jsonl row (`"event": "considered"`):
   the plan taken, and the best layout and batch refused with what they were predicted to gain
   and what they had to clear (the switch cost; for a batch, the chosen batch's rate).
@@ -65,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from copus.core.control import experiment_value
 from copus.core.control.base import ControllerBase
 from copus.core.cost.fit import ProfiledStepTime
 from copus.core.plan.plan import ParallelPlan
@@ -78,6 +87,10 @@ QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ:
 # the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
 WIDE_RATIO, WIDE_STEPS = 8.0, 2
 SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
+# the variant "VoI experiments" (docs/robust-goodput.md §6.9): an upward batch experiment when its
+# value of information exceeds its cost; off by default (measured: helps the 3B/13B cells, costs
+# the 32B/7B ones); `bench/planner_grid.py --voi-experiments` turns it on
+EXPERIMENTS = False
 
 
 class PlanningController(ControllerBase):
@@ -123,6 +136,8 @@ class PlanningController(ControllerBase):
         self.window_base: float | None = None  # the batch before the open calibration window
         # `copus profile`'s measured medians (controller.profile): plan -> step seconds
         self.profile = {p: float(t) for p, t in profile if math.isfinite(t) and t > 0}
+        self.experiment_batch: float | None = None  # the batch of the experiment being read
+        self.readable_from = 0  # the first step past the LR warm-up
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -321,10 +336,7 @@ class PlanningController(ControllerBase):
         """h[k, L]: seconds from E_now to E_end starting on layout L (already there), under
         hypothesis k, switching later where the programme says so (module docstring)."""
         g_pts = self.grid_points
-        frac = np.linspace(0.0, 1.0, g_pts + 1)
-        edges = e_now[:, None] * (e_end / e_now)[:, None] ** frac[None, :]  # (K, G+1)
-        mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
-        bc = (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
+        edges, bc = self._grid(e_now, e_end, phi_now, beta, cs)
         idx = self.frontier(step_s)
         r = self.rates(bc, step_s, idx)  # (K, G, N')
         best = np.full(r.shape[:2] + (len(self._keys),), 0.0)
@@ -338,6 +350,19 @@ class PlanningController(ControllerBase):
             h = seg[:, m, :] + g
             g = np.minimum(h, c + h.min(axis=1, keepdims=True))
         return h
+
+    def _grid(self, e_now, e_end, phi_now, beta, cs) -> tuple[np.ndarray, np.ndarray]:
+        """(edges (K, G+1), cφ at the midpoints (K, G)) of the geometric grid of E per c_k."""
+        frac = np.linspace(0.0, 1.0, self.grid_points + 1)
+        edges = e_now[:, None] * (e_end / e_now)[:, None] ** frac[None, :]
+        mids = np.sqrt(edges[:, 1:] * edges[:, :-1])
+        return edges, (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
+
+    def grid_rates(self, e_now, e_end, phi_now, beta, cs, step_s) -> tuple[np.ndarray, np.ndarray]:
+        """(ΔE/s (K, G, N') of the frontier's plans on the grid, ΔE of each stretch (K, G)):
+        what `experiment_value` prices a batch choice on (layouts free, switches not counted)."""
+        edges, bc = self._grid(e_now, e_end, phi_now, beta, cs)
+        return self.rates(bc, step_s, self.frontier(step_s)), np.diff(edges, axis=1)
 
     def plan_now(self, samples: float, step_s: np.ndarray) -> dict | None:
         """The plan's first step: {"layout", "index", "J", "h", ...}; None before any φ."""
@@ -354,11 +379,21 @@ class PlanningController(ControllerBase):
             w,
             step_s,
             extra={"c": cs.tolist(), "phi_now": phi_now.tolist(), "slope": beta.tolist(), "e_end": e_end},
+            grid=self.grid_rates(e_now, e_end, phi_now, beta, cs, step_s) if self._experiments() else None,
         )
 
-    def _choose(self, h: np.ndarray, bc_now: np.ndarray, w: np.ndarray, step_s: np.ndarray, extra: dict) -> dict:
+    def _choose(
+        self,
+        h: np.ndarray,
+        bc_now: np.ndarray,
+        w: np.ndarray,
+        step_s: np.ndarray,
+        extra: dict,
+        grid: tuple | None = None,
+    ) -> dict:
         """The layout with the least expected time (switch cost added off the current one)
-        and, on it, the batch with the highest expected relative rate at φ_now."""
+        and, on it, the batch with the highest expected relative rate at φ_now — or a larger
+        batch on its ladder whose value as an experiment exceeds its cost (`_experiment`)."""
         cur = self._key_index(self.plan)
         switch = np.full(len(h), self.reconfig_cost_s)
         if cur is not None:
@@ -381,9 +416,11 @@ class PlanningController(ControllerBase):
         keep = on[b[on] >= self.floor_batch(bc_now / np.maximum(self.c_hypotheses()[0], 1e-300), step_s)]
         on = keep if len(keep) else on
         i = int(on[np.argmax(score[on])])
+        exp = None if grid is None else self._experiment(on, i, r, bc_now, w, grid, step_s)
         return {
             "layout": lay,
-            "index": i,
+            "index": i if exp is None else exp["index"],
+            "experiment": exp,
             "J": total,
             "h": h,
             "score": score,
@@ -391,6 +428,35 @@ class PlanningController(ControllerBase):
             "allowed": allowed,
             **extra,
         }
+
+    def _experiments(self) -> bool:
+        """Whether batch experiments are priced: with the posterior over c, not yet narrow."""
+        post = self.posterior
+        if not EXPERIMENTS or post is None or post.window_open or post.interval_ratio() <= WIDE_RATIO:
+            return False
+        # the window's pre-change steps must lie past the noise-scale EMA's warm-up (the first
+        # `fit_after_steps`) and the LR warm-up (which the posterior does not read)
+        return self.last_decision_step >= max(self.fit_after_steps, self.readable_from) + post.window_steps
+
+    def _experiment(self, on, i, r, bc_now, w, grid, step_s) -> dict | None:
+        """The larger batch of `on` (the ladder, at most one doubling) whose value of
+        information most exceeds its cost (`experiment_value`; the window: the posterior's
+        skip + read steps; same layout, no switch), or None when none does."""
+        post = self.posterior
+        trend = post.loss_trend(2 * post.window_steps + post.skip_steps)
+        if trend is None:
+            return None
+        b = self.candidates.global_batch_size.astype(float)
+        b_now = float(self.plan.global_batch_size)
+        steps = post.skip_steps + post.window_steps
+        best = None
+        for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
+            z2 = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
+            value = experiment_value.value(grid[0], grid[1], w, z2)
+            cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
+            if value > cost and (best is None or value - cost > best["net"]):
+                best = {"index": int(x), "value_s": value, "cost_s": cost, "net": value - cost, "instead_of": b[i]}
+        return best
 
     def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
         """The smallest batch the plan may take: the current one, unless the evidence about c
@@ -400,7 +466,7 @@ class PlanningController(ControllerBase):
         smaller batch is never planned for a reading of φ alone: a gradient spike, which
         moves the online φ for many steps, does not shrink the batch."""
         cur = float(self.plan.global_batch_size)
-        if self.posterior is None or not len(self.chunks):
+        if self.posterior is None or not len(self.chunks) or self._in_experiment():
             return cur
         recent = [c[2] / c[3] for c in self.chunks[-self.interval_steps :] if c[3] > 0]
         phi = max([float(np.max(phi_now))] + recent)
@@ -438,6 +504,11 @@ class PlanningController(ControllerBase):
         keep = idx[np.isin(b, b[first])]  # every plan (micro-batch, layout) at a rung's batch
         return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
 
+    def _in_experiment(self) -> bool:
+        """Whether the calibration window opened by an experiment (`_experiment`) is still open:
+        its cost was priced over the whole window, so until then the batch does not fall."""
+        return self.experiment_batch is not None and self.posterior is not None and self.posterior.window_open
+
     def _reading(self) -> bool:
         """Whether batch moves are experiments capped at one doubling: the posterior over c is
         wide. The batch then stays within 2× of `window_base`: the batch before the move that
@@ -457,8 +528,11 @@ class PlanningController(ControllerBase):
     def observe(self, record: StepRecord) -> Decision | None:
         """Account one optimizer step; at a decision point, re-plan and act on its first step."""
         self._account(record)
+        if record.tokens < self.lr_warmup_tokens:
+            self.readable_from = record.step + 1  # the posterior reads no step before
         if self.posterior is not None and not self.posterior.window_open:
             self.window_base = float(record.plan.global_batch_size)
+            self.experiment_batch = None
         self._note_new_layout(record)
         self._add_chunk(record)
         why = self._gate(record)
@@ -480,6 +554,8 @@ class PlanningController(ControllerBase):
         if target == record.plan:
             self.last_explanation = {"step": record.step, "action": "stay", "why": self.events[-1]["why"]}
             return None
+        if plan.get("experiment") is not None:
+            self.experiment_batch = float(target.global_batch_size)
         return self._decide(record, target, self.events[-1]["why"], "decide")
 
     def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
@@ -630,6 +706,12 @@ class PlanningController(ControllerBase):
             f"end; c {_span(plan['c'])}, φ {_span(plan['phi_now'])}, slope "
             f"{_span(plan['slope'])})"
         )
+        exp = plan.get("experiment")
+        if exp is not None:
+            out["experiment"] = {k: _f(v) for k, v in exp.items() if k != "index"}
+            out["why"] += (
+                f"; an experiment: its value of information {exp['value_s']:.1f}s > its cost {exp['cost_s']:.1f}s"
+            )
         if probe is not None:
             out["probe"] = probe[1]
         return out
@@ -664,6 +746,8 @@ class PlanningController(ControllerBase):
             "chunks": [list(c) for c in self.chunks],
             "step_misses": list(self.step_misses),
             "window_base": self.window_base,
+            "experiment_batch": self.experiment_batch,
+            "readable_from": self.readable_from,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -672,6 +756,9 @@ class PlanningController(ControllerBase):
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
         base = state.get("window_base")
         self.window_base = None if base is None else float(base)
+        exp = state.get("experiment_batch")
+        self.experiment_batch = None if exp is None else float(exp)
+        self.readable_from = int(state.get("readable_from", 0))
 
 
 def _f(x: float) -> float | None:

@@ -142,6 +142,38 @@ class CalibrationPosterior:
         """p95 / p05 of c: how many-fold the 90 % interval spans."""
         return self.quantile_c(0.95) / self.quantile_c(0.05)
 
+    def loss_trend(self, span_steps: int) -> tuple[float, float, float] | None:
+        """What an experiment's window would see, from the steps kept at the current batch
+        (`core.control.experiment_value`), or None with fewer than `min_fit_steps` of them:
+        (g = |dL/dstep| at the last step, σ = one step's loss noise, m = the rms misfit that a
+        quadratic in x = log E (the posterior's fit, E on the prior median's clock) would leave
+        over a window of `span_steps` steps). A quadratic in x fitted by least squares gives
+        L_x and L_xx at the last step and σ (its residual sd); for the loss curve's next term
+        the power law L − L∞ ∝ E^(−α) gives L_xxx = L_xx²/L_x, and a cubic c3·u³ on u ∈ [−H, H]
+        leaves rms 0.151·|c3|·H³ after the best quadratic (Legendre P3), H = half the window in x."""
+        tail = []
+        for s in reversed(self._buffer):
+            if s.batch != self._last_batch:
+                break
+            tail.append(s)
+        n = len(tail)
+        if n < self.min_fit_steps:
+            return None
+        col = int(np.argmin(np.abs(self.log2_grid - math.log2(self.prior_c))))
+        x = np.log(np.maximum([s.clock[0, col] for s in reversed(tail)], 1e-12))
+        x = x - x[-1]  # 0 at the last step
+        y = np.array([s.loss for s in reversed(tail)], dtype=float)
+        design = np.stack([np.ones(n), x, x * x], axis=1)
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        resid = y - design @ coef
+        sigma = float(np.sqrt(resid @ resid / (n - 3)))
+        q = max(n // 4, 1)
+        dx = float(x[-1] - x[-1 - q]) / q  # x per step now (the last quarter of the steps)
+        d1, d2 = float(coef[1]), 2.0 * float(coef[2])
+        c3 = d2 * d2 / d1 / 6.0 if d1 != 0 else 0.0
+        misfit = 0.151 * abs(c3) * (0.5 * dx * span_steps) ** 3
+        return abs(d1) * dx, sigma, misfit
+
     def mean_c(self) -> float:
         """Posterior mean of c on the grid (E[c], not exp E[log c])."""
         return float(np.sum(self.probabilities() * 2.0**self.log2_grid))

@@ -12,9 +12,19 @@ smooth function of effective samples, L = f(E). Under the right c, the loss plot
 clock E_c(t) = Σ_{i≤t} ΔE_i(c) has no kink where B changed; under a wrong c it bends there
 (c too small: the larger batch looks too efficient, the curve steepens). For a window of steps
 around one or more changes, and for every c on a grid over log c, the loss is fitted by weighted
-least squares as a quadratic in log E_c, the clock counted from the run's first step (a power law
-L(E) is nearly quadratic in log E over a window; the quadratic also absorbs a smooth LR
-schedule). The profile likelihood of c with the noise level unknown is
+least squares two ways, the clock E_c counted from the run's first step:
+- as the power law it is, L ≈ a + b·E_c^(−α) (Kaplan et al. 2020, L(D)), linear in (a, b) for
+  each loss exponent α on a small grid (`loss_exponents`; α is one number per run, learnt with c:
+  one posterior over (α, c));
+- as a quadratic in log E_c (a power law is nearly quadratic in log E over a window; the
+  quadratic also absorbs a smooth LR schedule, and the GNS estimator's lag, which kinks at a
+  change: its EMA falls further behind a rising B_crit once the larger batch speeds progress).
+The quadratic alone (the first version) absorbs most of the bend too: on the 7B sqrt-lr truth
+one window told c = 1 from c = 256 by ~1.6 nats, so three unlucky windows ran the posterior away
+(docs/robust-goodput.md §6.10); the power law alone reads ~10 nats but takes the estimator's
+lag for a bend. Each window's likelihood is their average (`average_quadratic`; the quadratic's
+third parameter priced as in BIC, 1/sqrt(n)).
+The profile likelihood of c with the noise level unknown is
 
     log p(losses | c) = −(n/2) · log WRSS(c)        (Gaussian noise, σ profiled out)
 
@@ -22,8 +32,9 @@ with weights w_i = B_i·seq (the per-step loss noise of real runs is σ ≈ 2.1/
 step) nats: docs/robust-goodput.md), so one step at a larger batch counts more. The first
 `skip_steps` after each change are left out of the fit (the post-change transient: Adam's second
 moment lags the new LR, COPUS App. E; Merrill et al. 2025 Assumption 3) but still advance the
-clock. Evidence multiplies into a grid posterior over log c (prior: normal in log c around
-`prior_c`, `prior_octaves` wide). Windows do not overlap, so no loss is counted twice.
+clock. Evidence multiplies into a grid posterior over log c (and α with `loss_exponents`; prior:
+normal in log c around `prior_c`, `prior_octaves` wide; uniform in α). Windows do not overlap,
+so no loss is counted twice.
 
 Decisions use `value()`: the posterior quantile `quantile` of c (0.5: the median, i.e. the
 c whose log error is as likely high as low; a factor-k error in c costs goodput about equally
@@ -40,6 +51,8 @@ import numpy as np
 
 LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
 GRID_POINTS = 49  # quarter-octave steps
+# the truths fitted to COPUS's rows have loss exponents α = 0.17–0.26; Kaplan's L(D) 0.095
+POWER_LAW_EXPONENTS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 
 
 @dataclass(slots=True)
@@ -65,13 +78,22 @@ class CalibrationPosterior:
     min_fit_steps: int = 12
     quantile: float = 0.5
     tempering: float = 1.0  # < 1 discounts each window's evidence (misspecification)
+    # exponents α of the power law L ≈ a + b·E^(−α) fitted in each window, learnt with c
+    # (uniform prior): alone, one window tells c = 1 from c = 256 by ~10 nats instead of the
+    # quadratic's ~1.6, but the GNS estimator's EMA lag, which kinks at a change, reads as a bend
+    # too (c ~2x high); () = the quadratic alone (the first version). docs §6.10
+    loss_exponents: tuple[float, ...] = POWER_LAW_EXPONENTS
+    # average each window's power-law likelihood with the quadratic's (the quadratic's third
+    # parameter priced as in BIC): the power law's evidence where it fits, the quadratic's
+    # where the estimator's lag bends the curve (~3 nats a window on the 7B sqrt-lr truth)
+    average_quadratic: bool = True
     # exponents γ of an LR factor B^γ on the progress per sample: 0 = E(B) alone (LR re-tuned
     # for every B; docs/statistics.md §4), ½ = COPUS's LR-aware Eq. 8 (an LR below its optimum,
     # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
     lr_exponents: tuple[float, ...] = (0.0,)
     prior_lr_aware: float = 0.5  # prior probability of the last exponent (½)
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
-    log_post: np.ndarray = field(init=False)  # (len(lr_exponents), len(log2_grid))
+    log_post: np.ndarray = field(init=False)  # (len(lr_exponents), max(len(loss_exponents), 1), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
     _buffer: list[_Step] = field(default_factory=list)
     _last_batch: float | None = None
@@ -97,14 +119,25 @@ class CalibrationPosterior:
         n = len(self.lr_exponents)
         prior_g = np.full(n, (1.0 - self.prior_lr_aware) / max(n - 1, 1))
         prior_g[-1] = self.prior_lr_aware if n > 1 else 1.0
-        self.log_post = np.log(prior_g)[:, None] - 0.5 * (z * z)[None, :]
+        if any(not (math.isfinite(a) and a > 0) for a in self.loss_exponents):
+            raise ValueError(f"loss_exponents={self.loss_exponents!r} are invalid; allowed: finite numbers > 0")
+        n_alpha = max(len(self.loss_exponents), 1)
+        self.log_post = np.log(prior_g)[:, None, None] - 0.5 * (z * z)[None, None, :] + np.zeros((1, n_alpha, 1))
 
     # ---- reading ---------------------------------------------------------------------------
 
     def joint(self) -> np.ndarray:
-        """p(γ, c) on the grid, shape (len(lr_exponents), len(log2_grid))."""
-        p = np.exp(self.log_post - np.max(self.log_post))
+        """p(γ, c) on the grid (the loss exponent α summed out), shape (len(lr_exponents),
+        len(log2_grid))."""
+        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=1)
         return p / p.sum()
+
+    def loss_exponent(self) -> float | None:
+        """The most probable loss exponent α (None: the quadratic fit)."""
+        if not self.loss_exponents:
+            return None
+        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
+        return float(self.loss_exponents[int(np.argmax(p))])
 
     def probabilities(self) -> np.ndarray:
         """p(c), the marginal over the LR exponents."""
@@ -243,7 +276,9 @@ class CalibrationPosterior:
 
     def _close(self) -> dict | None:
         steps, self._buffer, self._since_change = self._buffer, [], None
-        loglik = window_log_likelihood(steps, self.log2_grid, self.min_fit_steps, self.lr_exponents)
+        loglik = window_log_likelihood(
+            steps, self.log2_grid, self.min_fit_steps, self.lr_exponents, self.loss_exponents, self.average_quadratic
+        )
         if loglik is None:
             return None
         self.log_post = self.log_post + self.tempering * loglik
@@ -254,6 +289,7 @@ class CalibrationPosterior:
             "batches": batches,
             "b_noise": float(np.median([s.b_noise for s in steps])),
             "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)]),
+            "alpha": self.loss_exponent(),
         } | self.summary()
         self.experiments.append(row)
         return row
@@ -271,6 +307,8 @@ class CalibrationPosterior:
     def load_state_dict(self, state: dict) -> None:
         grid = np.asarray(state["log2_grid"], dtype=float)
         post = np.asarray(state["log_post"], dtype=float)
+        if post.ndim == 2 and post.shape[0] == self.log_post.shape[0]:  # saved before the α axis
+            post = np.broadcast_to(post[:, None, :], self.log_post.shape).copy()
         if (
             grid.shape != self.log2_grid.shape
             or not np.allclose(grid, self.log2_grid)
@@ -288,14 +326,21 @@ class CalibrationPosterior:
 
 
 def window_log_likelihood(
-    steps: list[_Step], log2_grid: np.ndarray, min_fit_steps: int = 12, lr_exponents: tuple[float, ...] = (0.0,)
+    steps: list[_Step],
+    log2_grid: np.ndarray,
+    min_fit_steps: int = 12,
+    lr_exponents: tuple[float, ...] = (0.0,),
+    loss_exponents: tuple[float, ...] = (),
+    with_quadratic: bool = False,
 ) -> np.ndarray | None:
-    """log p(losses | γ, c) on the grid, shape (len(lr_exponents), len(log2_grid)) (module
-    docstring); None if too few fitted steps or no change of batch in the window.
+    """log p(losses | γ, α, c) on the grid, shape (len(lr_exponents), max(len(loss_exponents), 1),
+    len(log2_grid)) (module docstring); None if too few fitted steps or no change of batch.
 
-    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step; fit
-    L_i ≈ a + b·x_i + q·x_i², x = log E centred and scaled (a power law L(E) is nearly
-    quadratic in log E over a window), weights B_i, over the steps with `fit`; −(n/2)·log WRSS.
+    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step. Fit, weights
+    B_i, over the steps with `fit`: L_i ≈ a + b·(E_i/Ē)^(−α) for each α in `loss_exponents`
+    (Ē the window's geometric mean clock), or with `loss_exponents` empty L_i ≈ a + b·x_i + q·x_i²,
+    x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`: both, averaged per window,
+    p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
     """
     fit = np.array([s.fit for s in steps])
     n = int(fit.sum())
@@ -303,16 +348,42 @@ def window_log_likelihood(
     if n < min_fit_steps or len(set(batches.tolist())) < 2:
         return None
     loss = np.array([s.loss for s in steps])[fit]
-    clocks = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, G, K)
-    clocks = clocks.reshape(n, -1)
-    w = np.sqrt(batches[fit] / np.mean(batches[fit]))
+    logs = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, K, G)
+    w = batches[fit] / np.mean(batches[fit])
+    quad = None
+    if with_quadratic or not loss_exponents:
+        wrss = _quadratic_wrss(loss, logs.reshape(n, -1), w).reshape(logs.shape[1], 1, logs.shape[2])
+        quad = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
+    if not loss_exponents:
+        return quad - np.max(quad)
+    wrss = np.stack([_power_law_wrss(loss, logs, w, a) for a in loss_exponents], axis=1)  # (K, A, G)
+    out = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
+    if quad is not None:  # the two fits averaged, the quadratic's extra parameter priced (BIC)
+        out = np.logaddexp(out, quad - 0.5 * math.log(n))
+    return out - np.max(out)
+
+
+def _power_law_wrss(loss: np.ndarray, logs: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
+    """Weighted residual sum of squares of L ≈ a + b·u, u = exp(−α·(log E − mean log E)), for
+    every grid column of `logs` (n, K, G) at once: WRSS = S_LL − S_uL²/S_uu on w-centred sums."""
+    u = np.exp(-alpha * (logs - logs.mean(axis=0)))
+    sw = w.sum()
+    uc = u - np.tensordot(w, u, axes=1) / sw
+    lc = loss - float(w @ loss) / sw
+    s_uu = np.tensordot(w, uc * uc, axes=1)
+    s_ul = np.tensordot(w * lc, uc, axes=1)
+    return float(w @ (lc * lc)) - s_ul * s_ul / np.maximum(s_uu, 1e-300)
+
+
+def _quadratic_wrss(loss: np.ndarray, clocks: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """WRSS of L ≈ a + b·x + q·x², x = log E centred and scaled, per column of `clocks` (n, M)."""
+    sw, n = np.sqrt(w), len(loss)
     out = np.empty(clocks.shape[1])
     for k in range(clocks.shape[1]):
         x = clocks[:, k] - clocks[:, k].mean()
         x = x / max(float(np.ptp(x)), 1e-12)
-        design = np.stack([np.ones(n), x, x * x], axis=1) * w[:, None]
-        coef, *_ = np.linalg.lstsq(design, loss * w, rcond=None)
-        resid = loss * w - design @ coef
-        out[k] = -0.5 * n * math.log(max(float(resid @ resid), 1e-300))
-    out = out.reshape(len(lr_exponents), len(log2_grid))
-    return out - np.max(out)
+        design = np.stack([np.ones(n), x, x * x], axis=1) * sw[:, None]
+        coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
+        resid = loss * sw - design @ coef
+        out[k] = float(resid @ resid)
+    return out

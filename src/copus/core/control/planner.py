@@ -74,11 +74,10 @@ from typing import Any
 import numpy as np
 
 from copus.core.control import experiment_value
-from copus.core.control.base import ControllerBase
-from copus.core.cost.fit import ProfiledStepTime
+from copus.core.control.considered import considered_row
+from copus.core.control.step_estimates import MeasuredStepTimes
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
-from copus.core.stats.step_uncertainty import median_error, relative_spread
 
 PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
@@ -93,7 +92,7 @@ SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile
 EXPERIMENTS = False
 
 
-class PlanningController(ControllerBase):
+class PlanningController(MeasuredStepTimes):
     """observe(record) -> Decision | None by the module docstring's rule."""
 
     def __init__(
@@ -153,71 +152,6 @@ class PlanningController(ControllerBase):
 
     def _candidates_changed(self) -> None:
         self._layouts()
-
-    def decision_model(self):
-        """The step time of each measured plan estimated from its measurements and the model
-        together (in log: precision-weighted, the model's weight 1/σ_model², the measurements'
-        1/se², se = the median's standard error but no less than the current plan's own
-        relative spread, so that plans measured under another load of the machine are not
-        taken at face value); the (fitted) model elsewhere."""
-        f = self.fitter
-        if self.profile:
-            return self._profiled_model()
-        if f is None or not f.times:
-            return self.model
-        key = (id(f.model), sum(len(t) for t in f.times.values()), len(self.step_misses))
-        if self._shrunk is not None and self._shrunk[0] == key:
-            return self._shrunk[1]
-        plans = list(f.times)
-        pred = np.asarray(self.model.predict_plans(plans), dtype=float).reshape(-1)
-        floor = relative_spread(f.times.get(self.plan, ()))
-        floor = floor if math.isfinite(floor) else 0.0
-        w_model = 1.0 / max(self.model_spread(), 1e-3) ** 2
-        obs = []
-        for plan, model_s in zip(plans, pred):
-            times = f.times[plan]
-            se = median_error(times, noise_floor=0.0)
-            if not (math.isfinite(se) and model_s > 0):
-                continue
-            w = 1.0 / max(se, floor, 1e-3) ** 2
-            log_s = (w_model * math.log(model_s) + w * math.log(float(np.median(times)))) / (w_model + w)
-            obs.append((plan, math.exp(log_s)))
-        self._shrunk = (key, ProfiledStepTime(self.model, obs))
-        return self._shrunk[1]
-
-    @property
-    def reconfig_cost_s(self) -> float:
-        """The measured switch cost; with a profile, in its units (÷ `load_factor`)."""
-        cost = super().reconfig_cost_s
-        return cost / self.load_factor() if self.profile else cost
-
-    def load_factor(self) -> float:
-        """k = exp(median over plans measured both in this run and by the profile of
-        log(run median / profiled median)): how much slower this run's machine is than the one
-        the profile measured (load, clocks); 1 before any such plan is measured."""
-        f = self.fitter
-        logs = [
-            math.log(float(np.median(t)) / self.profile[p])
-            for p, t in (f.times.items() if f else ())
-            if t and p in self.profile
-        ]
-        return math.exp(float(np.median(logs))) if logs else 1.0
-
-    def _profiled_model(self):
-        """With a profile (`controller.profile`), every step time in the profile's units: a
-        profiled plan's measured median; a plan measured only in this run, its median / k
-        (`load_factor`); the model fitted to the profile elsewhere. Relative step times come
-        from the profile, measured on a quiet machine; the run's own measurements, taken under
-        whatever else shares the machine, only set k (so the plan does not chase the load)."""
-        f = self.fitter
-        key = ("profile", sum(len(t) for t in f.times.values()) if f else 0)
-        if self._shrunk is not None and self._shrunk[0] == key:
-            return self._shrunk[1]
-        k = self.load_factor()
-        extra = [(p, float(np.median(t)) / k) for p, t in (f.times.items() if f else ()) if t and p not in self.profile]
-        base = f.prior if f is not None else self.model
-        self._shrunk = (key, ProfiledStepTime(base, [*self.profile.items(), *extra]))
-        return self._shrunk[1]
 
     def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
         """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c."""
@@ -588,26 +522,7 @@ class PlanningController(ControllerBase):
             last[2] += record.b_noise
             last[3] += 1
 
-    def _note_new_layout(self, record: StepRecord) -> None:
-        """The model's miss on a layout's first measured median (what exploration prices)."""
-        f = self.fitter
-        if f is None or record.skipped:
-            return
-        times = f.times.get(record.plan, [])
-        if len(times) == 3 and not any(p.layout == record.plan.layout and p != record.plan for p in f.times):
-            pred = float(np.asarray(self.model.predict_plans([record.plan])).reshape(-1)[0])
-            if pred > 0:
-                self.step_misses.append(float(np.median(times)) / pred - 1.0)
-
     # ---- exploration ---------------------------------------------------------------------------
-
-    def model_spread(self) -> float:
-        """σ of log(measured/predicted) for an unmeasured layout: the misses measured so far
-        (root mean square of log(1 + miss)); 0.3 before the first (a CPU prior's typical
-        error, docs/cost-model.md)."""
-        if not self.step_misses:
-            return 0.3
-        return float(np.sqrt(np.mean(np.log1p(np.asarray(self.step_misses)) ** 2)))
 
     def _probe(self, record: StepRecord, plan: dict) -> tuple[ParallelPlan, str] | None:
         """The unmeasured layout whose measurement is worth most, when worth its cost."""
@@ -649,72 +564,7 @@ class PlanningController(ControllerBase):
 
     def _considered(self, record: StepRecord, plan: dict, probe) -> dict:
         """decisions.jsonl row: the plan taken and the best layout and batch refused."""
-        cands, J, h = self.candidates, plan["J"], plan["h"]
-        lay, i = plan["layout"], plan["index"]
-        chosen = cands.plan(i)
-        out = {
-            "event": "considered",
-            "step": record.step,
-            "tokens": record.tokens,
-            "current": record.plan.describe(),
-            "chosen": chosen.describe(),
-            "global_batch_size": chosen.global_batch_size,
-            "expected_s": _f(J[lay]),
-            "switch_cost_s": self.reconfig_cost_s,
-            "b_noise": record.b_noise,
-            "c": plan["c"],
-            "phi_now": plan["phi_now"],
-            "slope": plan["slope"],
-            "e_end": plan["e_end"].tolist(),
-            "refused": [],
-        }
-        others = [k for k in np.argsort(J) if k != lay and np.isfinite(J[k])]
-        if others:
-            k = int(others[0])
-            on_k = self.ladder(np.flatnonzero(self._ids == k))
-            j = int(on_k[np.argmax(plan["score"][on_k])])
-            gain, need = h[lay] - h[k], plan["switch"][k] - plan["switch"][lay]
-            out["refused"].append(
-                {
-                    "move": "layout",
-                    "plan": cands.plan(j).describe(),
-                    "global_batch_size": int(cands.global_batch_size[j]),
-                    "gain_s": _f(gain),
-                    "needs_s": _f(need),
-                    "why": f"saves {gain:.1f}s over the rest of the run, needs {need:.1f}s",
-                }
-            )
-        on = self.ladder(np.flatnonzero(self._ids == lay))
-        b = cands.global_batch_size
-        for side, pick in (("larger", on[b[on] > b[i]]), ("smaller", on[b[on] < b[i]])):
-            if len(pick):
-                j = int(pick[np.argmax(plan["score"][pick])])
-                gain = 100.0 * (plan["score"][j] / max(plan["score"][i], 1e-300) - 1.0)
-                out["refused"].append(
-                    {
-                        "move": f"batch ({side})",
-                        "plan": cands.plan(j).describe(),
-                        "global_batch_size": int(b[j]),
-                        "gain_pct": _f(gain),
-                        "needs_pct": 0.0,
-                        "why": f"B={b[j]} expected rate {gain:+.1f}% vs B={b[i]} under the posterior",
-                    }
-                )
-        what = "stay on" if chosen == record.plan else "take"
-        out["why"] = (
-            f"plan: {what} {chosen.describe()} (expected {_f(J[lay]):.0f}s to the run's "
-            f"end; c {_span(plan['c'])}, φ {_span(plan['phi_now'])}, slope "
-            f"{_span(plan['slope'])})"
-        )
-        exp = plan.get("experiment")
-        if exp is not None:
-            out["experiment"] = {k: _f(v) for k, v in exp.items() if k != "index"}
-            out["why"] += (
-                f"; an experiment: its value of information {exp['value_s']:.1f}s > its cost {exp['cost_s']:.1f}s"
-            )
-        if probe is not None:
-            out["probe"] = probe[1]
-        return out
+        return considered_row(self, record, plan, probe)
 
     # ---- start and checkpointing ---------------------------------------------------------------
 
@@ -759,12 +609,3 @@ class PlanningController(ControllerBase):
         exp = state.get("experiment_batch")
         self.experiment_batch = None if exp is None else float(exp)
         self.readable_from = int(state.get("readable_from", 0))
-
-
-def _f(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
-
-
-def _span(values) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.3g}" if math.isclose(lo, hi, rel_tol=1e-3) else f"{lo:.3g}-{hi:.3g}"

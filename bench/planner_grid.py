@@ -45,7 +45,17 @@ def main() -> int:
         help="the planner's off-by-default variant: upward batch experiments priced by their value of "
         "information (docs/robust-goodput.md §6.9)",
     )
+    ap.add_argument(
+        "--lag-model",
+        action="store_true",
+        help="the posterior over c models the noise-scale EMA's lag in its clock (off by default; "
+        "docs/robust-goodput.md §6.13)",
+    )
     args = ap.parse_args()
+    if args.lag_model:
+        import copus.core.stats.calibration_posterior as posterior_module
+
+        posterior_module.MODEL_ESTIMATOR_LAG = True
     if args.voi_experiments:
         import copus.core.control.planner as planner_module
 

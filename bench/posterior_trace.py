@@ -4,8 +4,10 @@ For one preset × truth × crit-ratio × seed, runs the default goodput controll
 per closed calibration window (`CalibrationPosterior.experiments`): its step range, batches,
 the window's own best c (c_ml), the posterior's median and 5–95 % interval after it, and the
 truth's c relative to what the estimator reads, c_eff = B_crit(L) / φ_measured (median over the
-window: the c the posterior should find; the truth's c = B_crit / b_noise_true is `--crit-ratio`,
-but the EMA'd estimator lags a growing noise scale). `--dump` writes every step (reported loss,
+window: the c the posterior without the lag model should find; the truth's c = B_crit / b_noise_true
+is `--crit-ratio`, but the EMA'd estimator lags a growing noise scale) and c_lag = B_crit(t) /
+φ_measured(t + lag), the c of the posterior's lag-modelled clock (`lag_steps`, docs §6.13).
+`--dump` writes every step (reported loss,
 true loss, batch, φ, B_crit, the truth's progress) as JSON for offline refits.
 
     PYTHONPATH=src python bench/posterior_trace.py --preset 7b-32xmi210 --truth sqrt-lr \
@@ -78,22 +80,40 @@ def trace(preset_name: str, truth: str, ratio: float, seed: int, posterior_optio
         on_record=on_record,
     )
     events = [e for e in getattr(policy, "events", []) if e.get("event") == "calibration"]
-    return {"steps": steps, "windows": events, "wall_s": res.wall_s, "reached": res.time_to_target_s}
+    lag = int(getattr(getattr(policy, "posterior", None), "lag_steps", 0) or 0)
+    return {"steps": steps, "windows": events, "wall_s": res.wall_s, "reached": res.time_to_target_s, "lag": lag}
 
 
 def summarise(out: dict) -> None:
-    steps = out["steps"]
+    """One line per closed window. With the posterior's lag line (`lag_steps` = lag), a window
+    closed at step `end` holds steps end − lag − n + 1 … end − lag, and the c it should find is
+    c_lag = B_crit(t)/φ_measured(t + lag) (= the truth's R when φ(t + lag) ≈ φ_true(t));
+    c_eff = B_crit(t)/φ_measured(t) is the c of the clock without the lag model."""
+    steps, lag = out["steps"], int(out.get("lag", 0))
     by_step = {s["step"]: s for s in steps}
-    print(f"{'end':>5} {'n':>4} {'batches':<22} {'c_ml':>7} {'median':>7} {'p05':>6} {'p95':>7} {'c_eff':>6}")
+    print(f"lag_steps {lag} (a window with a modelled lag uses its own row's lag_steps)")
+    print(
+        f"{'end':>5} {'n':>4} {'batches':<22} {'c_ml':>7} {'median':>7} {'p05':>6} {'p95':>7} {'c_eff':>6} "
+        f"{'clock':>6} {'c_lag':>6}"
+    )
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(x for x in xs if math.isfinite(x))
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    def ok(r: dict | None) -> bool:
+        return r is not None and bool(r["b_noise"]) and math.isfinite(r["b_noise"])
+
     for w in out["windows"]:
-        end, n = w["step"], w["steps"]
+        lag = int(w.get("lag_steps", lag))  # the lag line's length when the window closed
+        end, n = w["step"] - lag, w["steps"]
         rows = [by_step[k] for k in range(end - n + 1, end + 1) if k in by_step]
-        ceff = sorted(r["bcrit"] / r["b_noise"] for r in rows if r["b_noise"] and math.isfinite(r["b_noise"]))
-        ce = ceff[len(ceff) // 2] if ceff else float("nan")
+        ce = med([r["bcrit"] / r["b_noise"] for r in rows if ok(r)])
+        cl = med([r["bcrit"] / by_step[r["step"] + lag]["b_noise"] for r in rows if ok(by_step.get(r["step"] + lag))])
         bs = ",".join(str(int(b)) for b in w["batches"])
         print(
             f"{end:>5} {n:>4} {bs:<22} {w['c_ml']:>7.2f} {w['median']:>7.2f} "
-            f"{w['p05']:>6.2f} {w['p95']:>7.2f} {ce:>6.2f}"
+            f"{w['p05']:>6.2f} {w['p95']:>7.2f} {ce:>6.2f} {w['median'] / w.get('lag_ratio', 1.0):>6.2f} {cl:>6.2f}"
         )
     print(
         "wall_s", round(out["wall_s"], 1), "reached", {k: (round(v, 1) if v else v) for k, v in out["reached"].items()}
@@ -108,7 +128,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--posterior", default="", help="JSON CalibrationPosterior options")
     ap.add_argument("--dump", default="")
+    ap.add_argument("--lag-model", action="store_true", help="model the estimator's lag in the clock (§6.13)")
     a = ap.parse_args()
+    if a.lag_model:
+        import copus.core.stats.calibration_posterior as posterior_module
+
+        posterior_module.MODEL_ESTIMATOR_LAG = True
     out = trace(a.preset, a.truth, a.crit_ratio, a.seed, json.loads(a.posterior) if a.posterior else None)
     summarise(out)
     if a.dump:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from copus.core.stats.calibration_posterior import POWER_LAW_EXPONENTS, CalibrationPosterior
+from copus.core.stats.calibration_posterior import POWER_LAW_EXPONENTS, CalibrationPosterior, ema_lag_steps
 
 
 def _run(
@@ -194,3 +194,63 @@ def test_a_state_saved_before_the_loss_exponent_axis_loads():
     other.load_state_dict(old)
     assert other.log_post.shape == (1, len(POWER_LAW_EXPONENTS), len(other.log2_grid))
     assert other.quantile_c(0.5) == pytest.approx(post.quantile_c(0.5), rel=1e-6)
+
+
+def _ema_run(c_true: float, post: CalibrationPosterior, decay: float = 0.99) -> CalibrationPosterior:
+    """The simulator's truth without noise: B_crit(L) = 2e8/L^(1/0.21) tokens (Kaplan), φ = B_crit/c,
+    |G|² = (L − 1)², measured by the run's `GnsEstimator` (EMAs of |G|² and tr(Σ), decay 0.99):
+    the measured φ lags the true one by ~99 steps, and further once the batch doubles."""
+    from copus.core.stats.gns import GnsEstimator
+
+    est, progress, batch, loss = GnsEstimator(decay), 0.0, 16, 11.0
+    for t in range(900):
+        bcrit = 2.0e8 / loss ** (1 / 0.21) / 2048
+        g2 = (loss - 1.0) ** 2
+        tr = bcrit / c_true * g2
+        est.update(g2 + tr, 1.0, g2 + tr / batch, batch)  # expected ‖g‖² at b = 1 and at B
+        if t in (300, 600):
+            batch *= 2
+        progress += batch * bcrit / (bcrit + batch)
+        loss = 1 + 10 * (1 + progress / 50) ** -0.24
+        post.observe(loss, batch, est.b_noise)
+    return post
+
+
+@pytest.mark.parametrize("c_true", [1.0, 2.0])
+def test_the_estimators_lag_modelled_in_the_clock_reads_c(c_true):
+    # the clock with the lagged φ reads c 1.4-1.7x high (the lag kinks at each doubling); with
+    # φ reported a/(1 − a) = 99 steps later standing for φ(t), within 1.2x (docs §6.13)
+    assert ema_lag_steps(0.99) == 99 and ema_lag_steps(0.95) == 19
+    lagged = _ema_run(c_true, CalibrationPosterior(lag_steps=0)).value()
+    modelled = _ema_run(c_true, CalibrationPosterior(lag_steps=ema_lag_steps(0.99), lag_level=False))
+    assert math.log2(lagged / c_true) > 0.45
+    assert abs(math.log2(modelled.value() / c_true)) < 0.3
+    assert len(modelled.experiments) == 2
+    # the lag from the decay schedule (the mean age of the EMA's weights; here 0.99 throughout)
+    scheduled = _ema_run(c_true, CalibrationPosterior(lag_decay=(0.99, 0.99, 0.0), lag_level=False))
+    assert abs(math.log2(scheduled.value() / c_true)) < 0.3
+    # the default reports c in the units of the current (lagged) φ: × φ_ema(now)/φ_ema(now − lag)
+    level = _ema_run(c_true, CalibrationPosterior(lag_decay=(0.99, 0.99, 0.0)))
+    assert level.value() == pytest.approx(scheduled.value() * level._lag_ratio, rel=1e-9)
+    assert 1.05 < level._lag_ratio < 2.0
+
+
+def test_the_lag_is_the_mean_age_of_the_emas_weights():
+    post = CalibrationPosterior(lag_decay=(0.95, 0.99, 1000.0))
+    lags = [post._current_lag(tokens=t) for t in range(0, 3000, 2)]  # 500 steps at 0.95, then 0.99
+    assert lags[400] == 19 and lags[499] == 19
+    assert 19 < lags[600] < lags[900] < 99 and lags[-1] == 99
+
+
+def test_the_lag_line_keeps_the_window_open_and_survives_a_checkpoint():
+    post = CalibrationPosterior(lag_steps=20, min_ratio=1.3)
+    for t in range(100):
+        post.observe(5.0 - t * 1e-3, 16, 10.0 + t)
+    assert not post.window_open
+    post.observe(4.8, 32, 111.0)  # a doubling, still in the lag line: the experiment is under way
+    assert post.window_open
+    other = CalibrationPosterior(lag_steps=20, min_ratio=1.3)
+    other.load_state_dict(post.state_dict())
+    assert other.window_open and len(other._pending) == 20
+    with pytest.raises(ValueError, match="lag_steps"):
+        CalibrationPosterior(lag_steps=-1)

@@ -164,7 +164,11 @@ class ControllerBase:
         if self.posterior is None or record.skipped:
             return
         row = self.posterior.observe(
-            record.loss, record.plan.global_batch_size, record.b_noise, usable=record.tokens >= self.lr_warmup_tokens
+            record.loss,
+            record.plan.global_batch_size,
+            record.b_noise,
+            usable=record.tokens >= self.lr_warmup_tokens,
+            tokens=record.tokens,
         )
         if row is not None:
             self.calibration = self.posterior.value()

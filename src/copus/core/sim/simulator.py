@@ -520,6 +520,7 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
     from dataclasses import replace
 
     from copus.core.control.policies import PolicySettings, make_policy
+    from copus.core.stats import calibration_posterior
 
     settings = replace(PolicySettings(), **dict(_copus_settings(scenario)), **dict(scenario.policy_overrides))
 
@@ -541,6 +542,11 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                 "lr_warmup_tokens": scenario.sim.trajectory.lr_warmup_tokens,
                 "reconfig_cost_s": planner.switch_cost_s,
             } | dict(variant.controller)
+            if calibration_posterior.MODEL_ESTIMATOR_LAG:
+                # the posterior over c models the simulated estimator's EMA lag in its clock (§6.13)
+                sim = scenario.sim
+                lag = {"lag_decay": (sim.gns_decay, sim.gns_decay_late, float(sim.gns_decay_switch_tokens))}
+                kw["posterior_options"] = lag | dict(kw.get("posterior_options") or {})
             if variant.policy == "goodput":
                 kw = {"horizon_tokens": scenario.horizon_tokens} | kw
             name = variant.policy

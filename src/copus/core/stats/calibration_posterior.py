@@ -24,6 +24,18 @@ one window told c = 1 from c = 256 by ~1.6 nats, so three unlucky windows ran th
 (docs/robust-goodput.md §6.10); the power law alone reads ~10 nats but takes the estimator's
 lag for a bend. Each window's likelihood is their average (`average_quadratic`; the quadratic's
 third parameter priced as in BIC, 1/sqrt(n)).
+
+**The estimator's lag in the clock** (`lag_steps`; off by default: `MODEL_ESTIMATOR_LAG`; docs/robust-goodput.md
+§6.13): φ is an EMA
+(COPUS §3.2: decay a = 0.99 per step), which lags a rising noise scale by a/(1 − a) = 99 steps and
+falls further behind once a larger batch speeds progress per step: with φ_ema in the clock the
+window reads that kink as a bend (c 1.4–3× high at small c, where ΔE ≈ cφ). The posterior runs a
+lag line: step t enters the clock and the fit when φ_ema(t + lag) has been reported, and that
+value stands for φ(t) (exact for a linearly drifting signal); `lag_decay` takes the lag from the
+EMA's decay schedule (the mean age of its weights), `lag_level` reports c in the units of the
+current, lagged φ. A window closes `lag` steps later than without it. It reads c right on the
+simulator's truths but lowers the whole grid's median capture 0.58 → 0.45 (not adopted, §6.13).
+
 The profile likelihood of c with the noise level unknown is
 
     log p(losses | c) = −(n/2) · log WRSS(c)        (Gaussian noise, σ profiled out)
@@ -45,6 +57,7 @@ Pure numpy; no torch.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +66,25 @@ LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merril
 GRID_POINTS = 49  # quarter-octave steps
 # the truths fitted to COPUS's rows have loss exponents α = 0.17–0.26; Kaplan's L(D) 0.095
 POWER_LAW_EXPONENTS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
+# the lag, in steps, of the GNS estimator modelled in the clock (`CalibrationPosterior.lag_steps`)
+# when none is given: an EMA with per-step decay a lags a steadily drifting signal by a/(1 − a)
+# steps (99 at COPUS's late decay 0.99; docs/robust-goodput.md §6.13); 0 = off
+DEFAULT_LAG_STEPS = 0
+DEFAULT_LAG_DECAY: tuple[float, float, float] | None = None
+DEFAULT_LAG_LEVEL = True
+# whether the controllers built by the simulator and the trainer (gns.estimator = "ema") give
+# the posterior the estimator's decay schedule (`lag_decay`): off by default, the whole grid
+# trades median capture for fewer cells behind (docs/robust-goodput.md §6.13);
+# `bench/planner_grid.py --lag-model` switches it on
+MODEL_ESTIMATOR_LAG = False
+
+
+def ema_lag_steps(decay: float) -> int:
+    """Mean age of an EMA's weights, a/(1 − a) steps: the lag of y_t = a·y_{t−1} + (1 − a)·x_t
+    behind a linear trend x_t = x_0 + k·t (y_t = x_{t − a/(1−a)} once the start is forgotten)."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay={decay!r} is invalid; allowed: 0 <= decay < 1")
+    return round(decay / (1.0 - decay))
 
 
 @dataclass(slots=True)
@@ -92,6 +124,23 @@ class CalibrationPosterior:
     # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
     lr_exponents: tuple[float, ...] = (0.0,)
     prior_lr_aware: float = 0.5  # prior probability of the last exponent (½)
+    # the noise-scale estimator's lag in steps, modelled in the clock: step t's ΔE uses the φ
+    # reported `lag_steps` steps later (the EMA'd estimate φ_ema(t + lag) ≈ φ(t); the estimator
+    # falls further behind once a larger batch speeds progress per step, a kink the fit would
+    # read as a bend); the posterior then runs `lag_steps` behind the run. None: DEFAULT_LAG_STEPS
+    lag_steps: int | None = None
+    # the estimator's EMA decay schedule (decay, decay_late, switch_tokens) (`core.gns.DecaySchedule`;
+    # observe() then needs `tokens`): the lag is the mean age of the EMA's weights at each step
+    # (19 steps at 0.95, rising to 99 after the switch to 0.99) instead of the constant lag_steps
+    lag_decay: tuple[float, float, float] | None = None
+    # report c in the units of the φ the run reports now: c × φ_ema(now)/φ_ema(t) for the last
+    # step t that left the lag line (the planner multiplies the current φ_ema by c)
+    lag_level: bool | None = None
+    _lag_ratio: float = 1.0
+    _ema_w: float = 0.0  # Σ weights and Σ weight·age of the EMA (its mean age = the lag)
+    _ema_age: float = 0.0
+    _seen: int = 0  # steps observed (the lag line's clock)
+    _lag_now: int = 0
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
     log_post: np.ndarray = field(init=False)  # (len(lr_exponents), max(len(loss_exponents), 1), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
@@ -99,8 +148,17 @@ class CalibrationPosterior:
     _last_batch: float | None = None
     _since_change: int | None = None  # steps since the last change in the buffer
     _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
+    _pending: deque = field(default_factory=deque)  # (loss, batch, b_noise, usable) awaiting φ(t + lag)
 
     def __post_init__(self) -> None:
+        if self.lag_steps is None:
+            self.lag_steps = DEFAULT_LAG_STEPS
+        if self.lag_decay is None:
+            self.lag_decay = DEFAULT_LAG_DECAY
+        if self.lag_level is None:
+            self.lag_level = DEFAULT_LAG_LEVEL
+        if not (isinstance(self.lag_steps, int) and self.lag_steps >= 0):
+            raise ValueError(f"lag_steps={self.lag_steps!r} is invalid; allowed: an integer >= 0")
         for name in ("prior_c", "prior_octaves", "tempering"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
@@ -159,7 +217,8 @@ class CalibrationPosterior:
         p = joint[int(np.argmax(joint.sum(axis=1)))] if given_exponent else joint.sum(axis=0)
         p = p / p.sum()
         cdf = np.cumsum(p) - 0.5 * p
-        return float(2.0 ** np.interp(q, cdf, self.log2_grid))
+        scale = self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0
+        return float(2.0 ** np.interp(q, cdf, self.log2_grid)) * scale
 
     def value(self) -> float:
         """The c decisions use: the posterior `quantile` (median by default) of c given the
@@ -168,8 +227,19 @@ class CalibrationPosterior:
 
     @property
     def window_open(self) -> bool:
-        """Whether a batch change is waiting for its post-window (an experiment under way)."""
-        return self._since_change is not None
+        """Whether a batch change is waiting for its post-window (an experiment under way),
+        counting a change still in the lag line (`lag_steps`)."""
+        if self._since_change is not None:
+            return True
+        prev = self._last_batch
+        for _, batch, _, usable in self._pending:
+            if not usable:
+                continue
+            if prev is None:
+                prev = batch
+            elif batch != prev and abs(math.log(batch / prev)) >= math.log(self.min_ratio):
+                return True
+        return False
 
     def interval_ratio(self) -> float:
         """p95 / p05 of c: how many-fold the 90 % interval spans."""
@@ -225,7 +295,9 @@ class CalibrationPosterior:
 
     # ---- learning --------------------------------------------------------------------------
 
-    def observe(self, loss: float, batch: float, b_noise: float, usable: bool = True) -> dict | None:
+    def observe(
+        self, loss: float, batch: float, b_noise: float, usable: bool = True, tokens: float | None = None
+    ) -> dict | None:
         """One optimizer step (reported loss, global batch in samples, online b_noise).
 
         Returns the experiment's row when this step closed a window (else None). A step with a
@@ -236,6 +308,35 @@ class CalibrationPosterior:
         """
         if not batch > 0:
             raise ValueError(f"batch={batch!r} is invalid; allowed: a number > 0")
+        if not (self.lag_steps or self.lag_decay):
+            return self._observe(loss, batch, b_noise, usable)
+        # the lag line: step t enters the clock when φ_ema(t + lag) ≈ φ(t) has been reported
+        self._pending.append((float(loss), float(batch), float(b_noise), bool(usable)))
+        self._seen += 1
+        lag = self._lag_now = self._current_lag(tokens)
+        row = None
+        while self._pending and self._seen - len(self._pending) <= self._seen - 1 - lag:
+            old_loss, old_batch, old_phi, old_usable = self._pending.popleft()
+            good = math.isfinite(old_phi) and old_phi > 0
+            later = b_noise if math.isfinite(b_noise) and b_noise > 0 else old_phi
+            if good and later != old_phi:
+                self._lag_ratio = later / old_phi
+            row = self._observe(old_loss, old_batch, later, old_usable and good) or row
+        return row
+
+    def _current_lag(self, tokens: float | None) -> int:
+        """The estimator's lag now in steps: `lag_steps`, or with `lag_decay` the mean age
+        A/W of the EMA's weights (W' = a·W + (1 − a), A' = a·(A + W); a from the schedule)."""
+        if not self.lag_decay:
+            return int(self.lag_steps)
+        early, late, switch = self.lag_decay
+        a = early if tokens is None or tokens < switch else late
+        self._ema_age = a * (self._ema_age + self._ema_w)
+        self._ema_w = a * self._ema_w + (1.0 - a)
+        return round(self._ema_age / self._ema_w)
+
+    def _observe(self, loss: float, batch: float, b_noise: float, usable: bool) -> dict | None:
+        """`observe` for one step whose φ is known (after the lag line)."""
         self._advance_clock(float(batch), b_noise)
         if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
             self._reset()
@@ -290,6 +391,8 @@ class CalibrationPosterior:
             "b_noise": float(np.median([s.b_noise for s in steps])),
             "c_ml": float(2.0 ** self.log2_grid[int(np.argmax(loglik)) % len(self.log2_grid)]),
             "alpha": self.loss_exponent(),
+            "lag_steps": self._lag_now,
+            "lag_ratio": self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0,
         } | self.summary()
         self.experiments.append(row)
         return row
@@ -302,6 +405,8 @@ class CalibrationPosterior:
             "log2_grid": self.log2_grid.tolist(),
             "experiments": list(self.experiments),
             "clock": None if self._clock is None else self._clock.tolist(),
+            "pending": [list(p) for p in self._pending],
+            "lag_state": [self._ema_w, self._ema_age, self._seen, self._lag_ratio],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -323,6 +428,9 @@ class CalibrationPosterior:
         clock = state.get("clock")
         self._clock = None if clock is None else np.asarray(clock, dtype=float)
         self._reset()
+        self._pending = deque(tuple(p) for p in state.get("pending", []))
+        self._ema_w, self._ema_age, seen, self._lag_ratio = state.get("lag_state", [0.0, 0.0, 0, 1.0])
+        self._seen = int(seen)
 
 
 def window_log_likelihood(

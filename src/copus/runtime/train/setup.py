@@ -114,6 +114,13 @@ def make_run_policy(
             hardware=hardware,
             cores=job_cores(world_size) if hardware is None else None,
         )
+        from copus.core.stats import calibration_posterior
+
+        if cfg.gns.estimator == "ema" and calibration_posterior.MODEL_ESTIMATOR_LAG:
+            # the posterior over c models the EMA's lag (the mean age of its weights) in its clock
+            # (docs/robust-goodput.md §6.13); the tracking estimator's lag is not modelled
+            g = cfg.gns
+            kw["posterior_options"] = {"lag_decay": (g.decay, g.decay_late, float(g.decay_switch_tokens))}
         if c.profile:
             kw["profile_observations"] = read_profile(c.profile, world_size)
         if memory_capacity_bytes is not None:

@@ -51,7 +51,16 @@ def main() -> int:
         help="the posterior over c models the noise-scale EMA's lag in its clock (off by default; "
         "docs/robust-goodput.md §6.13)",
     )
+    ap.add_argument(
+        "--estimator",
+        default="",
+        help="the simulated runs' noise-scale estimator: ema | tracking (default: the simulator's)",
+    )
     args = ap.parse_args()
+    if args.estimator:
+        import copus.core.sim.simulator as simulator_module
+
+        simulator_module.SIM_ESTIMATOR = args.estimator
     if args.lag_model:
         import copus.core.stats.calibration_posterior as posterior_module
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from copus.core.stats.gns import DecaySchedule, GnsEstimator
+from copus.core.stats.gns_tracking import make_estimator
 from copus.core.specs.models import ModelShape
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord
@@ -45,6 +45,9 @@ class Policy(Protocol):
 
 class StepTimePredictor(Protocol):
     def predict(self, dp, tp, pp, micro_batch_size, num_microbatches) -> np.ndarray: ...
+
+
+SIM_ESTIMATOR = "ema"  # the simulated runs' noise-scale estimator (SimSettings.gns_estimator)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +71,9 @@ class SimSettings:
     gns_decay: float = 0.95  # COPUS §3.2: 0.95 for the first 8M tokens, then 0.99
     gns_decay_late: float = 0.99
     gns_decay_switch_tokens: int = 8_000_000
+    # the noise-scale estimator the controllers read: "ema" (COPUS §3.2, one EMA with the decays
+    # above) or "tracking" (`copus train`'s default gns.estimator, core/stats/gns_tracking.py)
+    gns_estimator: str = ""  # "" = SIM_ESTIMATOR
     stop_at_last_target: bool = True
     max_steps: int = 2_000_000
     keep_records: bool = False  # keep every StepRecord (replay tests, debugging)
@@ -203,10 +209,12 @@ def simulate(
             else reconfig_cost_s(shape, initial_plan.world_size, settings.reconfig_mode)
         )
     )
-    est = GnsEstimator(
-        DecaySchedule(
-            decay=settings.gns_decay, decay_late=settings.gns_decay_late, switch_tokens=settings.gns_decay_switch_tokens
-        )
+    est = make_estimator(
+        settings.gns_estimator or SIM_ESTIMATOR,
+        ref_batch=float(initial_plan.global_batch_size),
+        decay=settings.gns_decay,
+        decay_late=settings.gns_decay_late,
+        decay_switch_tokens=settings.gns_decay_switch_tokens,
     )
     targets = sorted(settings.target_losses, reverse=True)
     reached: dict[float, float | None] = dict.fromkeys(targets)

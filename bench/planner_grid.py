@@ -45,7 +45,16 @@ def main() -> int:
         help="the planner's off-by-default variant: upward batch experiments priced by their value of "
         "information (docs/robust-goodput.md §6.9)",
     )
+    ap.add_argument(
+        "--no-lr-rule-factor",
+        action="store_true",
+        help="the planner without the sqrt LR rule's overshoot factor (docs/robust-goodput.md §6.14)",
+    )
     args = ap.parse_args()
+    if args.no_lr_rule_factor:
+        import copus.core.control.controller as controller_module
+
+        controller_module.LR_RULE_FACTOR = False
     if args.voi_experiments:
         import copus.core.control.planner as planner_module
 

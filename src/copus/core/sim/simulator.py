@@ -542,7 +542,8 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                 "reconfig_cost_s": planner.switch_cost_s,
             } | dict(variant.controller)
             if variant.policy == "goodput":
-                kw = {"horizon_tokens": scenario.horizon_tokens} | kw
+                # every simulated method runs η0·sqrt(B/16) (SimSettings.base_lr; COPUS §6.1)
+                kw = {"horizon_tokens": scenario.horizon_tokens, "lr_rule": "sqrt"} | kw
             name = variant.policy
         return make_policy(name, own, plan, scenario.world_size, scenario.shape, **kw)
 

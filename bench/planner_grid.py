@@ -46,15 +46,16 @@ def main() -> int:
         "information (docs/robust-goodput.md §6.9)",
     )
     ap.add_argument(
-        "--no-lr-rule-factor",
+        "--lr-rule-factor",
         action="store_true",
-        help="the planner without the sqrt LR rule's overshoot factor (docs/robust-goodput.md §6.14)",
+        help="the planner's off-by-default variant: the sqrt LR rule's overshoot factor in its rates, "
+        "x0 learnt by the posterior (docs/robust-goodput.md §6.14)",
     )
     args = ap.parse_args()
-    if args.no_lr_rule_factor:
+    if args.lr_rule_factor:
         import copus.core.control.controller as controller_module
 
-        controller_module.LR_RULE_FACTOR = False
+        controller_module.LR_RULE_FACTOR = True
     if args.voi_experiments:
         import copus.core.control.planner as planner_module
 

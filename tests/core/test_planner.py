@@ -381,13 +381,18 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     assert exp["value_s"] > exp["cost_s"] and exp["instead_of"] == 16
 
 
-def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor():
+def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch):
     """docs/robust-goodput.md §6.14: told the run scales the LR by sqrt(B/B_ref), the plan's rate
     at batch B is ΔE·(2x − x²)/step_s under the posterior's x0 rows; all mass on the LR re-tuned
     row (or lr_rule "none"): the factor is 1."""
     auto = PolicySettings(
         initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0, calibration_mode="auto"
     )
+    import copus.core.control.controller as controller_module
+
+    off = _planner(settings=auto, lr_rule="sqrt")
+    assert not off.posterior.lr_fractions  # off by default: no x0 rows, factor 1
+    monkeypatch.setattr(controller_module, "LR_RULE_FACTOR", True)
     sqrt_rule = _planner(settings=auto, lr_rule="sqrt")
     plain = _planner(settings=auto, lr_rule="none")
     post = sqrt_rule.posterior

@@ -1,5 +1,7 @@
 """Seed-0 comparison: main's per-seed-0 figures (3-seed file) vs a one-seed run."""
+
 import json, sys, statistics as st
+
 main = {(d["preset"], d["truth"], d["crit_ratio"]): d for d in map(json.loads, open(sys.argv[1]))}
 new = {(d["preset"], d["truth"], d["crit_ratio"]): d for d in map(json.loads, open(sys.argv[2]))}
 rows = []
@@ -13,6 +15,9 @@ for k, mp, mc, np_, nc in rows:
     flag = " **" if abs(np_ - mp) > 0.5 else ""
     print(f"| {k[0]} {k[1]} R={k[2]:g} | {mp:+.2f} ({mc:.2f}) | {np_:+.2f} ({nc:.2f}) | {np_ - mp:+.2f}{flag} |")
 for name, i, j in (("main", 1, 2), ("lr", 3, 4)):
-    caps = [r[j] for r in rows]; pct = [r[i] for r in rows]
-    print(f"{name}: cells {len(rows)} median capture {st.median(caps):.2f} min {min(caps):.2f} "
-          f"cells<0.5 {sum(c < 0.5 for c in caps)} behind>1% {sum(p < -1 for p in pct)} mean % {st.mean(pct):+.2f}")
+    caps = [r[j] for r in rows]
+    pct = [r[i] for r in rows]
+    print(
+        f"{name}: cells {len(rows)} median capture {st.median(caps):.2f} min {min(caps):.2f} "
+        f"cells<0.5 {sum(c < 0.5 for c in caps)} behind>1% {sum(p < -1 for p in pct)} mean % {st.mean(pct):+.2f}"
+    )

@@ -56,6 +56,12 @@ def main() -> int:
         default="",
         help="the simulated runs' noise-scale estimator: ema | tracking (default: the simulator's)",
     )
+    ap.add_argument(
+        "--lr-rule-factor",
+        action="store_true",
+        help="the planner's off-by-default variant: the sqrt LR rule's overshoot factor in its rates, "
+        "x0 learnt by the posterior (docs/robust-goodput.md §6.14)",
+    )
     args = ap.parse_args()
     if args.estimator:
         import copus.core.sim.simulator as simulator_module
@@ -65,6 +71,10 @@ def main() -> int:
         import copus.core.stats.calibration_posterior as posterior_module
 
         posterior_module.MODEL_ESTIMATOR_LAG = True
+    if args.lr_rule_factor:
+        import copus.core.control.controller as controller_module
+
+        controller_module.LR_RULE_FACTOR = True
     if args.voi_experiments:
         import copus.core.control.planner as planner_module
 

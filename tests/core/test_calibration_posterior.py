@@ -254,3 +254,24 @@ def test_the_lag_line_keeps_the_window_open_and_survives_a_checkpoint():
     assert other.window_open and len(other._pending) == 20
     with pytest.raises(ValueError, match="lag_steps"):
         CalibrationPosterior(lag_steps=-1)
+
+
+def test_the_sqrt_rule_rows_count_the_clock_times_the_overshoot_factor():
+    """docs/robust-goodput.md §6.14: each x0 row's clock adds B·cφ/(cφ + B)·(2x − x²),
+    x = x0·sqrt(B/B_ref)·[(1 + cφ/B)/(1 + cφ/B_ref)]^½; the prior mass of those rows is
+    `prior_lr_fractions`."""
+    from copus.core.stats.calibration_posterior import CalibrationPosterior
+
+    post = CalibrationPosterior(
+        lr_fractions=(0.5, 1.0), prior_lr_fractions=0.4, lr_ref_batch=16.0, lr_overshoot_only=False
+    )
+    assert post.joint().sum(axis=1) == pytest.approx([0.6, 0.2, 0.2])
+    post.observe(3.0, 64.0, 10.0)
+    c = 2.0**post.log2_grid
+    e = 64.0 * c * 10.0 / (c * 10.0 + 64.0)
+    for row, x0 in ((1, 0.5), (2, 1.0)):
+        x = x0 * 2.0 * np.sqrt((1.0 + c * 10.0 / 64.0) / (1.0 + c * 10.0 / 16.0))
+        np.testing.assert_allclose(post._clock[row], e * np.maximum(2 * x - x * x, 0.0))
+    np.testing.assert_allclose(post._clock[0], e)
+    x0s, p = post.lr_fraction_weights()
+    assert list(x0s) == [0.5, 1.0] and p.sum() == pytest.approx(0.4)

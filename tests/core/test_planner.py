@@ -379,3 +379,36 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     row = next(e for e in ctrl.events if e.get("step") == 120 and e.get("event") == "considered")
     exp = row["experiment"]
     assert exp["value_s"] > exp["cost_s"] and exp["instead_of"] == 16
+
+
+def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch):
+    """docs/robust-goodput.md §6.14: told the run scales the LR by sqrt(B/B_ref), the plan's rate
+    at batch B is ΔE·(2x − x²)/step_s under the posterior's x0 rows; all mass on the LR re-tuned
+    row (or lr_rule "none"): the factor is 1."""
+    auto = PolicySettings(
+        initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0, calibration_mode="auto"
+    )
+    import copus.core.control.controller as controller_module
+
+    off = _planner(settings=auto, lr_rule="sqrt")
+    assert not off.posterior.lr_fractions  # off by default: no x0 rows, factor 1
+    monkeypatch.setattr(controller_module, "LR_RULE_FACTOR", True)
+    sqrt_rule = _planner(settings=auto, lr_rule="sqrt")
+    plain = _planner(settings=auto, lr_rule="none")
+    post = sqrt_rule.posterior
+    assert post.lr_fractions and post.lr_ref_batch == 16.0
+    k = len(post.lr_exponents) + len(post.lr_fractions) - 1
+    post.log_post[:] = -1e9
+    post.log_post[k] = 0.0  # the largest x0 hypothesis
+    step_s = sqrt_rule.predicted_step_s()
+    b = sqrt_rule.candidates.global_batch_size.astype(float)
+    r_sqrt, r_plain = sqrt_rule.rates(np.array([100.0]), step_s)[0], plain.rates(np.array([100.0]), step_s)[0]
+    x0 = post.lr_fractions[-1]
+    x = np.maximum(x0 * np.sqrt(b / 16.0) * np.sqrt((1.0 + 100.0 / b) / 7.25), 1.0)  # overshoot only
+    ok = r_plain > 0
+    np.testing.assert_allclose(r_sqrt[ok], r_plain[ok] * np.maximum(2 * x - x * x, 0.0)[ok], rtol=1e-9, atol=1e-12)
+    big = ok & (b >= 256)
+    assert big.any() and np.all(r_sqrt[big] < 0.8 * r_plain[big])  # past the optimum: less progress
+    post.log_post[:] = -1e9
+    post.log_post[0] = 0.0  # the LR re-tuned for every B: no factor
+    np.testing.assert_allclose(sqrt_rule.rates(np.array([100.0]), step_s), plain.rates(np.array([100.0]), step_s))

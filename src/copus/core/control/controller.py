@@ -91,6 +91,16 @@ class Controller(ControllerBase):
 
 
 PLANNER_EXPERIMENT_RATIO = 1.3
+# the sqrt LR rule's overshoot in the planner's rates (docs/robust-goodput.md §6.14), off by default:
+# with it on and lr_rule "sqrt", the posterior also weighs hypotheses of the base LR's fraction
+# x0 = η0/ε_opt(B_ref) of its optimum (the presets' fitted truths: 0.3–0.85; half the prior mass,
+# the other half on the LR re-tuned for every B) and only the overshoot (x > 1) scales the rate.
+# Measured (seed 0, 40 cells): the same as without it in every cell but one (±0.1 pp): the planner
+# never runs the batches where the truths' sqrt rule overshoots. The first version (2x − x² for
+# every x, x0 in 0.25 … 1.0) cost 32B lr-tuned R=0.5 seed 0 −22.8 % (main +2.4 %).
+# `bench/planner_grid.py --lr-rule-factor` turns it on.
+LR_RULE_FACTOR = False
+SQRT_LR_FRACTIONS = (0.3, 0.45, 0.6, 0.85)
 
 
 def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> list[int]:
@@ -126,6 +136,7 @@ def make_controller(
     horizon_tokens: float = 0.0,
     posterior_options: dict | None = None,
     planner_options: dict | None = None,
+    lr_rule: str = "none",
 ) -> ControllerBase:
     """`make_policy("goodput" | "goodput-copus", ...)`: the planning controller
     (`core.control.planner.PlanningController`) or COPUS's (`Controller`).
@@ -142,6 +153,9 @@ def make_controller(
     Planning controller only: `horizon_tokens` = the run's planned length (train.max_tokens;
     0: unknown, the plan assumes the run lasts as long again as it has); `planner_options`:
     keyword arguments of `PlanningController` (measured alternatives, docs/robust-goodput.md).
+    `lr_rule`: the run's LR rule (train.lr_rule); with "sqrt" and `LR_RULE_FACTOR` the planning
+    controller's posterior also weighs the base LR's fraction x0 of its optimum (`SQRT_LR_FRACTIONS`)
+    and its rates carry the rule's overshoot factor 2x − x² (docs/robust-goodput.md §6.14).
     COPUS only: `margin`, `max_growth` (settings), `allow_shrink`, `max_rel_err` (settings).
     """
     initial_plan.validate(world_size, shape)
@@ -185,7 +199,10 @@ def make_controller(
     if getattr(settings, "calibration_mode", "fixed") == "auto":
         # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
         # (docs/robust-goodput.md §6)
-        opts = ({"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}) | (posterior_options or {})
+        opts = {"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}
+        if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:
+            opts |= {"lr_fractions": SQRT_LR_FRACTIONS, "lr_ref_batch": float(settings.initial)}
+        opts |= posterior_options or {}
         posterior = CalibrationPosterior(
             prior_c=float(settings.calibration), quantile=float(getattr(settings, "calibration_quantile", 0.5)), **opts
         )
@@ -220,6 +237,7 @@ def make_controller(
         seq_len=shape.seq_len,
         prior_bcrit=initial_critical_batch(shape),
         profile=profile_observations if step_time_model is None and profile_observations else (),
+        lr_rule=lr_rule,
         **(planner_options or {}),
         **common,
     )

@@ -78,6 +78,7 @@ from copus.core.control.considered import considered_row
 from copus.core.control.step_estimates import MeasuredStepTimes
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
+from copus.core.stats.calibration_posterior import sqrt_rule_factor
 
 PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
@@ -112,9 +113,11 @@ class PlanningController(MeasuredStepTimes):
         start: str = "fastest",
         batch_steps: int = 0,
         profile: Sequence[tuple[ParallelPlan, float]] = (),
+        lr_rule: str = "none",
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        self.lr_rule = str(lr_rule)  # the run's LR rule (train.lr_rule): "sqrt" prices its overshoot
         if c_points < 1 or grid_points < 2 or probe_steps < 1 or not 0 <= prior_slope <= MAX_SLOPE:
             raise ValueError(
                 f"c_points={c_points}, grid_points={grid_points}, probe_steps="
@@ -231,10 +234,26 @@ class PlanningController(MeasuredStepTimes):
         b = self.candidates.global_batch_size[idx].astype(float)
         s = step_s[idx]
         bc = np.asarray(bc, dtype=float)[..., None]
-        r = b * bc / (bc + b) / s
+        r = b * bc / (bc + b) / s * self.lr_factor(bc, b)
         if self.search_options["lr_aware"]:  # COPUS Eq. 8's sqrt(B) factor, when configured
             r = r * np.sqrt(b / self.search_options["lr_ref_batch"])
         return np.where(np.isfinite(r) & (s > 0), r, 0.0)
+
+    def lr_factor(self, bc: np.ndarray, b: np.ndarray) -> np.ndarray | float:
+        """The run's LR rule's factor on the progress per sample at batch `b` and B_crit `bc`
+        (broadcast): under `lr_rule` "sqrt" with the posterior's x0 rows (`lr_fractions`), the
+        posterior mean Σ_j p_j·(2x_j − x_j²) + (1 − Σ_j p_j)·1, x_j = x0_j·sqrt(B/B_ref)·
+        [(1 + cφ/B)/(1 + cφ/B_ref)]^½ (McCandlish 2018 Eqs. 2.5–2.7; docs/robust-goodput.md
+        §6.14); else 1 (the LR re-tuned for every B, or a rule the plan does not model)."""
+        post = self.posterior
+        if self.lr_rule != "sqrt" or post is None or not post.lr_fractions:
+            return 1.0
+        x0s, p = post.lr_fraction_weights()
+        ref, expo = post.lr_ref_batch, post.lr_opt_exponent
+        out = 1.0 - float(p.sum())
+        for x0, pj in zip(x0s, p, strict=True):
+            out = out + pj * sqrt_rule_factor(b, bc, float(x0), ref, expo, overshoot_only=post.lr_overshoot_only)
+        return out
 
     def end_clock(
         self,
@@ -255,7 +274,8 @@ class PlanningController(MeasuredStepTimes):
         bc = (cs * phi_now)[:, None] * (mids / e_now[:, None]) ** beta[:, None]
         idx = self.frontier(step_s)
         b = self.candidates.global_batch_size[idx[np.argmax(self.rates(bc, step_s, idx), axis=-1)]]
-        spent = np.cumsum(np.diff(edges, axis=1) * (bc + b) / bc, axis=1)
+        per_e = (bc + b) / bc / np.maximum(self.lr_factor(bc, b.astype(float)), 1e-3)  # samples per ΔE
+        spent = np.cumsum(np.diff(edges, axis=1) * per_e, axis=1)
         return np.array([np.interp(samples_left, spent[k], edges[k, 1:], right=edges[k, -1]) for k in range(len(cs))])
 
     def layout_times(

@@ -556,7 +556,8 @@ def default_policy_factory(scenario: Scenario) -> PolicyFactory:
                 lag = {"lag_decay": (sim.gns_decay, sim.gns_decay_late, float(sim.gns_decay_switch_tokens))}
                 kw["posterior_options"] = lag | dict(kw.get("posterior_options") or {})
             if variant.policy == "goodput":
-                kw = {"horizon_tokens": scenario.horizon_tokens} | kw
+                # every simulated method runs η0·sqrt(B/16) (SimSettings.base_lr; COPUS §6.1)
+                kw = {"horizon_tokens": scenario.horizon_tokens, "lr_rule": "sqrt"} | kw
             name = variant.policy
         return make_policy(name, own, plan, scenario.world_size, scenario.shape, **kw)
 

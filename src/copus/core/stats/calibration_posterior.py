@@ -141,6 +141,18 @@ class CalibrationPosterior:
     _ema_age: float = 0.0
     _seen: int = 0  # steps observed (the lag line's clock)
     _lag_now: int = 0
+    # base-LR fractions x0 = η0/ε_opt(B_ref) of the sqrt LR rule η(B) = η0·sqrt(B/B_ref), one LR
+    # row each after the exponents' rows: progress per sample E(B)·(2x − x²), x = x0·sqrt(B/B_ref)·
+    # [(1 + cφ/B)/(1 + cφ/B_ref)]^p (`core.stats.lr_progress`, McCandlish 2018 Eqs. 2.5–2.7); with
+    # x0 > 1/sqrt(B/B_ref) the scaled LR overshoots and a larger batch loses progress per sample.
+    # () = none (the first version); docs/robust-goodput.md §6.14
+    lr_fractions: tuple[float, ...] = ()
+    prior_lr_fractions: float = 0.5  # their prior mass together (the exponents' rows share the rest)
+    lr_ref_batch: float = 16.0  # B_ref of the sqrt rule
+    lr_opt_exponent: float = 0.5  # p of ε_opt ∝ (1 + B_noise/B)^(−p): Adam's ½
+    # count only the overshoot, x > 1 (x < 1 read as x = 1: below its optimum the scaled LR's
+    # gain with B looks like a larger c, which the c axis already reads; docs §6.14)
+    lr_overshoot_only: bool = True
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
     log_post: np.ndarray = field(init=False)  # (len(lr_exponents), max(len(loss_exponents), 1), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
@@ -177,6 +189,14 @@ class CalibrationPosterior:
         n = len(self.lr_exponents)
         prior_g = np.full(n, (1.0 - self.prior_lr_aware) / max(n - 1, 1))
         prior_g[-1] = self.prior_lr_aware if n > 1 else 1.0
+        if self.lr_fractions:
+            if any(not (math.isfinite(x) and x > 0) for x in self.lr_fractions) or not 0 < self.prior_lr_fractions < 1:
+                raise ValueError(
+                    f"lr_fractions={self.lr_fractions!r}, prior_lr_fractions={self.prior_lr_fractions!r} are "
+                    "invalid; allowed: finite numbers > 0, 0 < prior < 1"
+                )
+            frac = np.full(len(self.lr_fractions), self.prior_lr_fractions / len(self.lr_fractions))
+            prior_g = np.concatenate([prior_g * (1.0 - self.prior_lr_fractions), frac])
         if any(not (math.isfinite(a) and a > 0) for a in self.loss_exponents):
             raise ValueError(f"loss_exponents={self.loss_exponents!r} are invalid; allowed: finite numbers > 0")
         n_alpha = max(len(self.loss_exponents), 1)
@@ -203,11 +223,18 @@ class CalibrationPosterior:
 
     def lr_exponent(self) -> float:
         """The most probable LR exponent γ (decisions use it: ½ = goodput × sqrt(B))."""
-        return float(self.lr_exponents[int(np.argmax(self.joint().sum(axis=1)))])
+        p = self.joint().sum(axis=1)[: len(self.lr_exponents)]
+        return float(self.lr_exponents[int(np.argmax(p))])
 
     def p_lr_aware(self) -> float:
         """Posterior probability of the last LR exponent (½: COPUS's LR-aware factor)."""
-        return float(self.joint().sum(axis=1)[-1])
+        return float(self.joint().sum(axis=1)[len(self.lr_exponents) - 1])
+
+    def lr_fraction_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x0 hypotheses, their posterior probabilities) of the sqrt LR rule's rows; the rest of
+        the mass (1 − their sum) is on the exponents' rows (LR re-tuned: no overshoot)."""
+        p = self.joint().sum(axis=1)[len(self.lr_exponents) :]
+        return np.asarray(self.lr_fractions, dtype=float), p
 
     def quantile_c(self, q: float, given_exponent: bool = False) -> float:
         """The q-quantile of c (each grid point's mass spread over its quarter-octave cell:
@@ -364,13 +391,30 @@ class CalibrationPosterior:
     def _advance_clock(self, batch: float, b_noise: float) -> None:
         """E_{γ,c} += B^γ · B·cφ/(cφ + B) for every grid (γ, c) (φ unknown: E = 1)."""
         if self._clock is None:
-            self._clock = np.zeros((len(self.lr_exponents), len(self.log2_grid)))
+            self._clock = np.zeros((len(self.lr_exponents) + len(self.lr_fractions), len(self.log2_grid)))
         lr = np.power(batch, np.asarray(self.lr_exponents, dtype=float))[:, None]
+        lr = np.concatenate([np.broadcast_to(lr, (len(lr), len(self.log2_grid))), self._lr_rows(batch, b_noise)])
         if math.isfinite(b_noise) and b_noise > 0:
             bc = (2.0**self.log2_grid) * b_noise
             self._clock += lr * (batch * bc / (bc + batch))[None, :]
         else:
             self._clock += lr * batch
+
+    def _lr_rows(self, batch: float, b_noise: float) -> np.ndarray:
+        """(len(lr_fractions), G): the sqrt rule's factor 2x − x² per x0 and grid c (B_crit =
+        cφ; φ unknown: B_crit ≫ B, x = x0·sqrt(B/B_ref)); `core.stats.lr_progress`."""
+        if not self.lr_fractions:
+            return np.zeros((0, len(self.log2_grid)))
+        bc = (2.0**self.log2_grid) * b_noise if math.isfinite(b_noise) and b_noise > 0 else np.inf
+        x0 = np.asarray(self.lr_fractions, dtype=float)[:, None]
+        return sqrt_rule_factor(
+            batch,
+            np.broadcast_to(bc, self.log2_grid.shape)[None, :],
+            x0,
+            self.lr_ref_batch,
+            self.lr_opt_exponent,
+            overshoot_only=self.lr_overshoot_only,
+        )
 
     def _reset(self) -> None:
         self._buffer, self._since_change = [], None
@@ -431,6 +475,31 @@ class CalibrationPosterior:
         self._pending = deque(tuple(p) for p in state.get("pending", []))
         self._ema_w, self._ema_age, seen, self._lag_ratio = state.get("lag_state", [0.0, 0.0, 0, 1.0])
         self._seen = int(seen)
+
+
+def sqrt_rule_factor(
+    batch: np.ndarray | float,
+    b_crit: np.ndarray,
+    x0: np.ndarray,
+    ref_batch: float,
+    exponent: float = 0.5,
+    *,
+    overshoot_only: bool = False,
+) -> np.ndarray:
+    """2x − x² (floored at 0) with x = x0·sqrt(B/B_ref)·[(1 + B_crit/B)/(1 + B_crit/B_ref)]^p: the
+    progress per sample of the sqrt LR rule over the LR-tuned E(B) (McCandlish 2018 Eqs. 2.5–2.7;
+    `core.stats.lr_progress.sqrt_lr_progress_factor` after the warm-up). `overshoot_only`: x < 1
+    counted as x = 1 (factor 1): only the overshoot past the optimum scales. Broadcasts."""
+    b = np.asarray(batch, dtype=float)
+    bc = np.asarray(b_crit, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(
+            np.isfinite(bc), ((1.0 + bc / b) / (1.0 + bc / ref_batch)) ** exponent, (ref_batch / b) ** exponent
+        )
+    x = x0 * np.sqrt(b / ref_batch) * ratio
+    if overshoot_only:
+        x = np.maximum(x, 1.0)
+    return np.maximum(2.0 * x - x * x, 0.0)
 
 
 def window_log_likelihood(

@@ -107,6 +107,7 @@ def make_run_policy(
             margin=c.margin,
             lr_aware=c.lr_aware,
             lr_warmup_tokens=cfg.train.warmup_tokens,
+            lr_rule=cfg.train.lr_rule,
             horizon_tokens=float(cfg.train.max_tokens or 0),
             reconfig_cost_s=switch_cost_prior_s(c.reconfig_cost_s, shape, world_size, hardware),
             allow_reconfigure=c.allow_reconfigure and not fixed,

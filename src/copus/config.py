@@ -283,7 +283,9 @@ class GnsConfig:
     probe_tokens: int = _opt(16384, _int(1))  # with calibration = "probe"
     probe_interval_tokens: int = _opt(500_000, _int(0))  # 0: only the first probe
     probe_multipliers: str = _opt("1,2,4", _probe_multipliers())
-    estimator: str = _opt("tracking", _choice("tracking", "ema"))
+    # "auto": "ema" under the goodput policies (their posterior over c reads a fixed-memory
+    # estimator; docs/robust-goodput.md §6.15), "tracking" under every other policy
+    estimator: str = _opt("auto", _choice("auto", "tracking", "ema"))
     confidence: float = _opt(1.645, _real(0.0))
     recovery_steps: int = _opt(20, _int(0))
 

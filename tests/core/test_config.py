@@ -23,7 +23,7 @@ def test_defaults_match_the_documented_contract():
     assert cfg.train.lr == 3e-3 and cfg.train.lr_rule == "sqrt"
     assert cfg.batch.policy == "goodput" and (cfg.batch.min, cfg.batch.initial, cfg.batch.max) == (8, 8, 256)
     assert cfg.gns.decay_switch_tokens == 8_000_000 and cfg.gns.calibration == "auto"  # issue 26
-    assert cfg.gns.estimator == "tracking" and cfg.gns.confidence == 1.645
+    assert cfg.gns.estimator == "auto" and cfg.gns.confidence == 1.645  # ema under goodput (robust-goodput §6.15)
     assert cfg.gns.recovery_steps == 20 and cfg.controller.lr_aware is False
     assert cfg.parallel.pp_schedule == "1f1b" and cfg.log.tensorboard is True
 

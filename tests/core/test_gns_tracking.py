@@ -253,3 +253,17 @@ def test_a_doubling_alone_does_not_trigger_growth():
     )
     _, after_copus = run(copus, GnsEstimator(DecaySchedule()))
     assert after_copus and after_copus[0].step <= 220
+
+
+def test_auto_estimator_is_the_ema_under_goodput_and_tracking_otherwise():
+    """gns.estimator = "auto" (the default): the goodput controllers read a fixed-memory EMA
+    (their posterior over c absorbs a consistent bias, not one that changes with the chosen
+    window; docs/robust-goodput.md §6.15); every other policy reads the tracking estimator."""
+    from copus.core.stats.gns import GnsEstimator
+    from copus.core.stats.gns_tracking import TrackingGnsEstimator, resolve_estimator
+
+    assert resolve_estimator("auto", "goodput") == resolve_estimator("auto", "goodput-copus") == "ema"
+    assert resolve_estimator("auto", "gns") == resolve_estimator("auto", "norm-test") == "tracking"
+    assert resolve_estimator("tracking", "goodput") == "tracking" and resolve_estimator("ema", "gns") == "ema"
+    assert isinstance(make_estimator(resolve_estimator("auto", "goodput"), ref_batch=8), GnsEstimator)
+    assert isinstance(make_estimator(resolve_estimator("auto", "constant"), ref_batch=8), TrackingGnsEstimator)

@@ -17,7 +17,7 @@ def test_goodput_copus_is_the_papers_settings_and_goodput_is_not():
     assert paper.gns.max_rel_err >= 1e9 and paper.controller.margin == 0.10
     ours = load_config(None, [])
     assert ours.batch.policy == "goodput"
-    assert (ours.gns.calibration, ours.gns.estimator, ours.controller.lr_aware) == ("auto", "tracking", False)
+    assert (ours.gns.calibration, ours.gns.estimator, ours.controller.lr_aware) == ("auto", "auto", False)
 
 
 def test_explicit_keys_win_over_the_preset_and_round_trip(tmp_path):

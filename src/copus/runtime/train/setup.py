@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
 from copus.core.cost.profile_table import read_profile
+from copus.core.stats.gns_tracking import resolve_estimator
 from copus.core.plan.layout_map import LayoutMappedPolicy, check_layout_map, parse_layout_map
 from copus.core.plan.plan import ParallelPlan, default_micro_batch_size, plan_problems
 from copus.core.specs.models import ModelShape
@@ -117,7 +118,10 @@ def make_run_policy(
         )
         from copus.core.stats import calibration_posterior
 
-        if cfg.gns.estimator == "ema" and calibration_posterior.MODEL_ESTIMATOR_LAG:
+        if (
+            resolve_estimator(cfg.gns.estimator, cfg.batch.policy) == "ema"
+            and calibration_posterior.MODEL_ESTIMATOR_LAG
+        ):
             # the posterior over c models the EMA's lag (the mean age of its weights) in its clock
             # (docs/robust-goodput.md §6.13); the tracking estimator's lag is not modelled
             g = cfg.gns

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from copus.config import Config
-from copus.core.stats.gns_tracking import make_estimator
+from copus.core.stats.gns_tracking import make_estimator, resolve_estimator
 from copus.core.specs.models import ModelShape
 from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan, plan_problems
@@ -138,7 +138,7 @@ class Trainer:
         self._decision: tuple[int, Decision | None] | None = None  # (step, rank 0's decision)
         self.last_step_end: StepEnd | None = None
         self.gns = make_estimator(
-            cfg.gns.estimator,
+            resolve_estimator(cfg.gns.estimator, cfg.batch.policy),
             ref_batch=cfg.batch.initial,
             decay=cfg.gns.decay,
             decay_late=cfg.gns.decay_late,

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from copus.core.stats.lr_progress import lr_fraction, progress_factor
+
 LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
 GRID_POINTS = 49  # quarter-octave steps
 # the truths fitted to COPUS's rows have loss exponents α = 0.17–0.26; Kaplan's L(D) 0.095
@@ -492,14 +494,16 @@ def sqrt_rule_factor(
     counted as x = 1 (factor 1): only the overshoot past the optimum scales. Broadcasts."""
     b = np.asarray(batch, dtype=float)
     bc = np.asarray(b_crit, dtype=float)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = np.where(
-            np.isfinite(bc), ((1.0 + bc / b) / (1.0 + bc / ref_batch)) ** exponent, (ref_batch / b) ** exponent
-        )
-    x = x0 * np.sqrt(b / ref_batch) * ratio
+    finite = np.isfinite(bc)
+    # B_crit → ∞ (φ unknown): the ratio's limit (B_ref/B)^p, i.e. x = x0·(B/B_ref)^(1/2 − p)
+    x = np.where(
+        finite,
+        lr_fraction(b, np.where(finite, bc, 0.0), x0, ref_batch=ref_batch, exponent=exponent),
+        x0 * np.sqrt(b / ref_batch) * (ref_batch / b) ** exponent,
+    )
     if overshoot_only:
         x = np.maximum(x, 1.0)
-    return np.maximum(2.0 * x - x * x, 0.0)
+    return progress_factor(x)
 
 
 def window_log_likelihood(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from copus.config import Config
 from copus.core.cost.profile_table import read_profile
+from copus.core.stats import calibration_posterior
 from copus.core.stats.gns_tracking import resolve_estimator
 from copus.core.plan.layout_map import LayoutMappedPolicy, check_layout_map, parse_layout_map
 from copus.core.plan.plan import ParallelPlan, default_micro_batch_size, plan_problems
@@ -116,8 +117,6 @@ def make_run_policy(
             hardware=hardware,
             cores=job_cores(world_size) if hardware is None else None,
         )
-        from copus.core.stats import calibration_posterior
-
         if (
             resolve_estimator(cfg.gns.estimator, cfg.batch.policy) == "ema"
             and calibration_posterior.MODEL_ESTIMATOR_LAG

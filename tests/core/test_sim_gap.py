@@ -11,7 +11,14 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.sim.gap import decompose, run_gap
 from copus.core.sim.oracle import scenario_oracle_minutes
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import GoodputVariant, Planner, compare_policies, preset_scenario, simulate
+from copus.core.sim.simulator import (
+    GoodputVariant,
+    Planner,
+    compare_policies,
+    default_policy_factory,
+    preset_scenario,
+    simulate,
+)
 from copus.core.sim.trajectory import LR_TUNED
 
 
@@ -81,20 +88,21 @@ def test_switch_costs_after_the_stop_are_not_counted_and_bad_plans_fail():
         decompose([alien], [], sc.sim.trajectory, sc.shape.seq_len, cands, step_s)
 
 
-def test_a_planner_start_variant_starts_on_the_planners_fastest_plan():
+def test_a_planner_start_variant_starts_on_the_controllers_start_plan():
     published = GoodputVariant(name="published")
     planned = GoodputVariant(name="planned", start="planner")
     sc = _scenario(variants=(published, planned))
     sc = replace(sc, start_layout=(4, 2, 1), sim=replace(sc.sim, token_budget=2_000_000))
     cmp_ = compare_policies(sc, ("goodput",))
-    fastest = Planner(sc).fastest_plan(16)
+    planner = Planner(sc)
+    chosen = default_policy_factory(sc)("goodput", planner.fastest_plan(16), planner, planned).start_plan()
     assert cmp_.run("published").timeline[0].plan.layout == (4, 2, 1)
-    assert cmp_.run("planned").timeline[0].plan == fastest != cmp_.run("published").timeline[0].plan
+    assert cmp_.run("planned").timeline[0].plan == chosen != cmp_.run("published").timeline[0].plan
     with pytest.raises(ValueError, match="start='x' is invalid"):
         GoodputVariant(start="x")
 
 
-def test_the_controller_start_plan_is_the_fastest_at_the_initial_batch():
+def test_the_controller_start_plan_is_at_the_initial_batch_and_fastest_on_request():
     preset = PRESETS["3b-8xh100"]
     sc = _scenario()
     planner = Planner(sc)
@@ -111,8 +119,21 @@ def test_the_controller_start_plan_is_the_fastest_at_the_initial_batch():
         memory_capacity_bytes=planner.memory_capacity_bytes,
         micro_batch_sizes=sc.micro_batch_sizes,
     )
-    start = ctrl.start_plan()
-    assert start == planner.fastest_plan(16) and start != slow
+    start = ctrl.start_plan()  # the plan under the prior (start="plan"): some plan at B = 16
+    assert start.global_batch_size == 16
+    fastest = make_controller(
+        settings,
+        slow,
+        8,
+        sc.shape,
+        hardware=preset.hardware,
+        step_time_model=planner.step_time_model,
+        online_fit=False,
+        memory_capacity_bytes=planner.memory_capacity_bytes,
+        micro_batch_sizes=sc.micro_batch_sizes,
+        planner_options={"start": "fastest"},
+    ).start_plan()
+    assert fastest == planner.fastest_plan(16) and fastest != slow
     mb = 2 if start.micro_batch_size != 2 else 1
     fixed_mb = ctrl.start_plan(micro_batch_size=mb)
     assert fixed_mb.micro_batch_size == mb and fixed_mb.global_batch_size == 16

@@ -64,6 +64,7 @@ class ControllerBase:
         self.calibration = calibration
         self.posterior = posterior
         self.lr_warmup_tokens = float(lr_warmup_tokens)  # no calibration evidence before
+        self.read_from_step = 0  # nor before this step (the planner: the noise-scale EMA's warm-up)
         if posterior is not None:
             self.calibration = posterior.value()
         self.prior_reconfig_cost_s = reconfig_cost_s
@@ -167,7 +168,7 @@ class ControllerBase:
             record.loss,
             record.plan.global_batch_size,
             record.b_noise,
-            usable=record.tokens >= self.lr_warmup_tokens,
+            usable=record.tokens >= self.lr_warmup_tokens and record.step >= self.read_from_step,
             tokens=record.tokens,
         )
         if row is not None:

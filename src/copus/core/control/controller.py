@@ -20,7 +20,6 @@ follows its median. Rows for decisions.jsonl wait in `drain_events()`; every cal
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -235,17 +234,8 @@ def make_controller(
     return PlanningController(
         horizon_tokens=horizon_tokens,
         seq_len=shape.seq_len,
-        prior_bcrit=initial_critical_batch(shape),
         profile=profile_observations if step_time_model is None and profile_observations else (),
         lr_rule=lr_rule,
         **(planner_options or {}),
         **common,
     )
-
-
-def initial_critical_batch(shape: ModelShape) -> float:
-    """The critical batch at initialisation, in sequences: Kaplan et al. 2020 Eq. 5.2,
-    B_crit(L) = 2e8 tokens / L^(1/0.21), at L = ln(vocab) (≈ 1 sequence of 2048 tokens for a
-    128k vocabulary); the planning controller's prior for the start layout."""
-    loss = math.log(max(shape.vocab_size, 2))
-    return max(2.0e8 / loss ** (1.0 / 0.21) / max(shape.seq_len, 1), 1.0)

@@ -4,8 +4,11 @@
 posterior over c, plan batch and layout over the rest of the run by dynamic programming with
 the measured switch cost, take the first step of the plan, and plan again at the next
 decision; probe an unmeasured layout only when the value of what it would tell exceeds what it
-costs. The run starts on the fastest plan at the initial batch (`start="plan"`: the same
-programme under the prior, measured worse; docs/robust-goodput.md §6).
+costs. The start layout is the same programme's choice under the prior (`start="plan"`:
+Kaplan et al.'s critical batch for the tokens seen, `core.control.start_prior`; `"fastest"`:
+the fastest plan at the initial batch; docs/robust-goodput.md §6.16). The posterior over c
+reads no step of the first `fit_after_steps` (the noise-scale EMA's warm-up, which the
+forecast leaves out too).
 
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
@@ -73,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from copus.core.control import experiment_value
+from copus.core.control import experiment_value, start_prior
 from copus.core.control.considered import considered_row
 from copus.core.control.step_estimates import MeasuredStepTimes
 from copus.core.plan.plan import ParallelPlan
@@ -107,15 +110,16 @@ class PlanningController(MeasuredStepTimes):
         fit_octaves: float = 3.0,
         explore: bool = True,
         probe_steps: int = 5,
-        prior_bcrit: float = 1.0,
         slope_sd: float = 0.3,
         fit_after_steps: int = 60,
-        start: str = "fastest",
+        start: str = "plan",
         batch_steps: int = 0,
         profile: Sequence[tuple[ParallelPlan, float]] = (),
         lr_rule: str = "none",
         **kw: Any,
     ) -> None:
+        if start not in ("plan", "fastest"):
+            raise ValueError(f"start={start!r} is invalid; allowed: plan, fastest")
         super().__init__(**kw)
         self.lr_rule = str(lr_rule)  # the run's LR rule (train.lr_rule): "sqrt" prices its overshoot
         if c_points < 1 or grid_points < 2 or probe_steps < 1 or not 0 <= prior_slope <= MAX_SLOPE:
@@ -128,9 +132,9 @@ class PlanningController(MeasuredStepTimes):
         self.c_points, self.grid_points = int(c_points), int(grid_points)
         self.prior_slope, self.fit_octaves = float(prior_slope), float(fit_octaves)
         self.explore, self.probe_steps = bool(explore), int(probe_steps)
-        self.prior_bcrit = float(prior_bcrit)
         self.slope_sd = float(slope_sd)
         self.fit_after_steps, self.start = int(fit_after_steps), start
+        self.read_from_step = self.fit_after_steps  # the posterior reads no step before
         self.batch_steps = int(batch_steps)  # B_crit at the first step (samples; prior)
         self.chunks: list[list[float]] = []  # [batch, steps, Σφ, steps with φ, first step]
         self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
@@ -589,26 +593,30 @@ class PlanningController(MeasuredStepTimes):
     # ---- start and checkpointing ---------------------------------------------------------------
 
     def start_plan(self, micro_batch_size: int | None = None) -> ParallelPlan:
-        """The first plan: the same programme under the prior (cφ = `prior_bcrit` at the first
-        step, growing with `prior_slope`), restricted to plans at the initial batch (and
-        `micro_batch_size` when given)."""
+        """The first plan (`start="plan"`): the same programme under the prior, restricted to
+        plans at the initial batch (and `micro_batch_size` when given). The prior's critical
+        batch is Kaplan et al.'s at the first step's tokens, growing as D^0.45
+        (`core.control.start_prior`), its level uncertain by two octaves (B_crit,k = prior ·
+        m_k, `start_prior.level_hypotheses`); the least expected time over those hypotheses,
+        switches later included, picks the layout. `start="fastest"`: the fastest plan at the
+        initial batch (docs/robust-goodput.md §6.16)."""
         if self.start == "fastest":
             return super().start_plan(micro_batch_size)
         idx = self._start_indices(micro_batch_size)
         if idx is None:
             return self.plan
-        cs, w = self.c_hypotheses()
+        level, weights = start_prior.level_hypotheses(self.c_points)
+        cs, w = np.array(level), np.array(weights)  # B_crit,k = prior · m_k: cφ with φ = prior
         b0 = float(self.plan.global_batch_size)
         step_s = self.predicted_step_s()
-        phi, beta = self.prior_bcrit / cs, np.full(len(cs), self.prior_slope)
-        e_now = b0 * self.prior_bcrit / (self.prior_bcrit + b0) * np.ones(len(cs))
+        bc0 = start_prior.prior_critical_batch(b0, self.seq_len) * cs
+        phi, beta = np.full(len(cs), bc0[0] / cs[0]), np.full(len(cs), start_prior.GROWTH_SLOPE)
+        e_now = b0 * bc0 / (bc0 + b0)
         e_end = self.end_clock(e_now, phi, beta, cs, step_s, self.end_samples(b0) - b0)
         h = w @ self.layout_times(e_now, np.maximum(e_end, e_now * 1.001), phi, beta, cs, step_s)
-        ok = np.isin(self._ids, self._ids[idx])
         lay = min(set(self._ids[idx].tolist()), key=lambda k: h[k])
         on = idx[self._ids[idx] == lay]
-        best = int(on[np.argmin(step_s[on])])
-        return self.plan if not ok.any() else self.candidates.plan(best)
+        return self.candidates.plan(int(on[np.argmin(step_s[on])]))
 
     def state_dict(self) -> dict:
         return {

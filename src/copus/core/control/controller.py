@@ -90,6 +90,10 @@ class Controller(ControllerBase):
 
 
 PLANNER_EXPERIMENT_RATIO = 1.3
+# each calibration window's evidence counts half under the planner (a power posterior: the
+# window's loss model is misspecified and its first reading ended the ladder on one noisy window;
+# docs/robust-goodput.md §6.17, measured 0.3 / 0.5 / 0.7 / 1)
+PLANNER_TEMPERING = 0.5
 # the sqrt LR rule's overshoot in the planner's rates (docs/robust-goodput.md §6.14), off by default:
 # with it on and lr_rule "sqrt", the posterior also weighs hypotheses of the base LR's fraction
 # x0 = η0/ε_opt(B_ref) of its optimum (the presets' fitted truths: 0.3–0.85; half the prior mass,
@@ -198,7 +202,7 @@ def make_controller(
     if getattr(settings, "calibration_mode", "fixed") == "auto":
         # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
         # (docs/robust-goodput.md §6)
-        opts = {"min_ratio": PLANNER_EXPERIMENT_RATIO} if policy == "goodput" else {}
+        opts = {"min_ratio": PLANNER_EXPERIMENT_RATIO, "tempering": PLANNER_TEMPERING} if policy == "goodput" else {}
         if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:
             opts |= {"lr_fractions": SQRT_LR_FRACTIONS, "lr_ref_batch": float(settings.initial)}
         opts |= posterior_options or {}

@@ -46,10 +46,10 @@ def main() -> int:
         "information (docs/robust-goodput.md §6.9)",
     )
     ap.add_argument(
-        "--lag-model",
+        "--no-lag-model",
         action="store_true",
-        help="the posterior over c models the noise-scale EMA's lag in its clock (off by default; "
-        "docs/robust-goodput.md §6.13)",
+        help="the posterior over c does not model the noise-scale EMA's lag in its clock (the default "
+        "since docs/robust-goodput.md §6.18; off before, §6.13)",
     )
     ap.add_argument(
         "--estimator",
@@ -67,10 +67,10 @@ def main() -> int:
         import copus.core.sim.simulator as simulator_module
 
         simulator_module.SIM_ESTIMATOR = args.estimator
-    if args.lag_model:
+    if args.no_lag_model:
         import copus.core.stats.calibration_posterior as posterior_module
 
-        posterior_module.MODEL_ESTIMATOR_LAG = True
+        posterior_module.MODEL_ESTIMATOR_LAG = False
     if args.lr_rule_factor:
         import copus.core.control.controller as controller_module
 

@@ -128,12 +128,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--posterior", default="", help="JSON CalibrationPosterior options")
     ap.add_argument("--dump", default="")
-    ap.add_argument("--lag-model", action="store_true", help="model the estimator's lag in the clock (§6.13)")
+    ap.add_argument("--no-lag-model", action="store_true", help="no lag model in the clock (on since §6.18)")
     a = ap.parse_args()
-    if a.lag_model:
+    if a.no_lag_model:
         import copus.core.stats.calibration_posterior as posterior_module
 
-        posterior_module.MODEL_ESTIMATOR_LAG = True
+        posterior_module.MODEL_ESTIMATOR_LAG = False
     out = trace(a.preset, a.truth, a.crit_ratio, a.seed, json.loads(a.posterior) if a.posterior else None)
     summarise(out)
     if a.dump:

@@ -135,7 +135,7 @@ class PlanningController(MeasuredStepTimes):
         self.slope_sd = float(slope_sd)
         self.fit_after_steps, self.start = int(fit_after_steps), start
         self.read_from_step = self.fit_after_steps  # the posterior reads no step before
-        self.batch_steps = int(batch_steps)  # B_crit at the first step (samples; prior)
+        self.batch_steps = int(batch_steps)  # ladder rungs per doubling (0: `WIDE_STEPS` while wide)
         self.chunks: list[list[float]] = []  # [batch, steps, Σφ, steps with φ, first step]
         self.step_misses: list[float] = []  # measured/predicted − 1 of each new layout
         self._shrunk: tuple | None = None

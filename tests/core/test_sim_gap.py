@@ -108,45 +108,29 @@ def test_the_controller_start_plan_is_at_the_initial_batch_and_fastest_on_reques
     planner = Planner(sc)
     settings = PolicySettings(initial=16, min=16, max=512)
     slow = ParallelPlan(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
-    ctrl = make_controller(
-        settings,
-        slow,
-        8,
-        sc.shape,
-        hardware=preset.hardware,
-        step_time_model=planner.step_time_model,
-        online_fit=False,
-        memory_capacity_bytes=planner.memory_capacity_bytes,
-        micro_batch_sizes=sc.micro_batch_sizes,
-    )
+
+    def build(**kw):
+        return make_controller(
+            settings,
+            slow,
+            8,
+            sc.shape,
+            hardware=preset.hardware,
+            step_time_model=planner.step_time_model,
+            online_fit=False,
+            **kw,
+        )
+
+    fitting = {"memory_capacity_bytes": planner.memory_capacity_bytes, "micro_batch_sizes": sc.micro_batch_sizes}
+    ctrl = build(**fitting)
     start = ctrl.start_plan()  # the plan under the prior (start="plan"): some plan at B = 16
     assert start.global_batch_size == 16
-    fastest = make_controller(
-        settings,
-        slow,
-        8,
-        sc.shape,
-        hardware=preset.hardware,
-        step_time_model=planner.step_time_model,
-        online_fit=False,
-        memory_capacity_bytes=planner.memory_capacity_bytes,
-        micro_batch_sizes=sc.micro_batch_sizes,
-        planner_options={"start": "fastest"},
-    ).start_plan()
+    fastest = build(**fitting, planner_options={"start": "fastest"}).start_plan()
     assert fastest == planner.fastest_plan(16) and fastest != slow
     mb = 2 if start.micro_batch_size != 2 else 1
     fixed_mb = ctrl.start_plan(micro_batch_size=mb)
     assert fixed_mb.micro_batch_size == mb and fixed_mb.global_batch_size == 16
-    locked = make_controller(
-        settings,
-        slow,
-        8,
-        sc.shape,
-        hardware=preset.hardware,
-        step_time_model=planner.step_time_model,
-        online_fit=False,
-        allow_reconfigure=False,
-    )
+    locked = build(allow_reconfigure=False)
     assert locked.start_plan() == slow
 
 

@@ -609,8 +609,9 @@ class PlanningController(MeasuredStepTimes):
         cs, w = np.array(level), np.array(weights)  # B_crit,k = prior · m_k: cφ with φ = prior
         b0 = float(self.plan.global_batch_size)
         step_s = self.predicted_step_s()
-        bc0 = start_prior.prior_critical_batch(b0, self.seq_len) * cs
-        phi, beta = np.full(len(cs), bc0[0] / cs[0]), np.full(len(cs), start_prior.GROWTH_SLOPE)
+        prior = start_prior.prior_critical_batch(b0, self.seq_len)
+        bc0 = prior * cs
+        phi, beta = np.full(len(cs), prior), np.full(len(cs), start_prior.GROWTH_SLOPE)
         e_now = b0 * bc0 / (bc0 + b0)
         e_end = self.end_clock(e_now, phi, beta, cs, step_s, self.end_samples(b0) - b0)
         h = w @ self.layout_times(e_now, np.maximum(e_end, e_now * 1.001), phi, beta, cs, step_s)

@@ -62,6 +62,19 @@ def main() -> int:
         help="the planner's off-by-default variant: the sqrt LR rule's overshoot factor in its rates, "
         "x0 learnt by the posterior (docs/robust-goodput.md §6.14)",
     )
+    ap.add_argument(
+        "--lr-full-factor",
+        action="store_true",
+        help="with --lr-rule-factor: the whole factor 2x - x^2, the gain of a scaled LR still below its "
+        "optimum too, not only the overshoot (docs/robust-goodput.md §6.20)",
+    )
+    ap.add_argument(
+        "--warmup-hold",
+        choices=("all", "layout", "none"),
+        default=None,
+        help="what the planner defers to the end of the LR warm-up: all decisions (the default), layout "
+        "switches only, or nothing (before docs/robust-goodput.md §6.19)",
+    )
     args = ap.parse_args()
     if args.estimator:
         import copus.core.sim.simulator as simulator_module
@@ -75,10 +88,15 @@ def main() -> int:
         import copus.core.control.controller as controller_module
 
         controller_module.LR_RULE_FACTOR = True
+        controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
     if args.voi_experiments:
         import copus.core.control.planner as planner_module
 
         planner_module.EXPERIMENTS = True
+    if args.warmup_hold is not None:
+        import copus.core.control.planner as planner_module
+
+        planner_module.WARMUP_HOLD = args.warmup_hold
     if args.wide_ratio is not None:
         import copus.core.control.planner as planner_module
 

@@ -51,11 +51,12 @@ def _drive(
     c=2.0,
     after=None,
     loss=lambda e: 1.0,
+    phi_scale=lambda step: 1.0,
 ):
     """A synthetic run whose noise scale φ = B_crit(E)/c grows with its effective samples E
     (ΔE = B·B_crit/(B_crit + B)); returns (decisions, plan, state) to continue from.
     `after(record, decision)`: called after every step (decision None when none); `loss(E)`:
-    the reported loss."""
+    the reported loss; `phi_scale(step)`: a factor on the reported φ (e.g. low in an LR warm-up)."""
     rng = np.random.default_rng(seed)
     step, samples, e = start or (0, 0, 0.0)
     out = []
@@ -73,7 +74,7 @@ def _drive(
             plan=plan,
             step_s=t,
             loss=loss(e),
-            b_noise=bcrit(e) / c * math.exp(gns_noise * rng.standard_normal()),
+            b_noise=bcrit(e) / c * phi_scale(step) * math.exp(gns_noise * rng.standard_normal()),
             b_noise_rel_err=0.1,
         )
         d = ctrl.observe(rec)
@@ -300,7 +301,11 @@ def test_a_noise_scale_reading_alone_never_shrinks_the_batch():
     ctrl = _planner(settings=auto)
     _, plan, state = _drive(ctrl, 200, c=4.0)
     big = plan.global_batch_size
-    assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) == big  # wide: keep B
+    step_s = ctrl.predicted_step_s()
+    now = ctrl.forecast(ctrl.c_hypotheses()[0])[1]
+    # wide: the spike's reading changes nothing (the floor is the recent stretches' φ at the
+    # posterior's 95 % quantile), and keeps the batch up to the ladder's rounding
+    assert ctrl.floor_batch(np.array([0.05]), step_s) == ctrl.floor_batch(now, step_s) >= 0.9 * big
     _narrow(ctrl, 1.0 / 16)  # the evidence: c is 64x below its prior
     assert ctrl.floor_batch(np.array([0.05]), ctrl.predicted_step_s()) < big
 
@@ -412,3 +417,47 @@ def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch
     post.log_post[:] = -1e9
     post.log_post[0] = 0.0  # the LR re-tuned for every B: no factor
     np.testing.assert_allclose(sqrt_rule.rates(np.array([100.0]), step_s), plain.rates(np.array([100.0]), step_s))
+
+
+def test_no_decision_is_taken_and_no_stretch_fitted_during_the_lr_warmup():
+    warm = 150 * 16 * SEQ  # the first 150 steps at B = 16
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    why = []
+    ctrl = _planner(horizon_tokens=2e6 * SEQ, lr_warmup_tokens=warm)
+    decisions, _, _ = _drive(ctrl, 300, after=lambda rec, d: why.append((rec.tokens, ctrl.last_explanation)), **grow)
+    rows = [e for e in ctrl.events if e.get("event") == "considered"]
+    assert rows and min(r["tokens"] for r in rows) >= warm
+    assert decisions and all(d.step >= 150 for d in decisions)
+    assert any("LR warm-up" in w["why"] for t, w in why if t < warm and w)
+    # the same run without a warm-up decides inside those first 150 steps
+    free = _planner(horizon_tokens=2e6 * SEQ)
+    _drive(free, 300, **grow)
+    assert min(e["tokens"] for e in free.events if e.get("event") == "considered") < warm
+    # a noise scale read while the LR ramps (100x low) is left out of the forecast: 50 steps
+    # past the warm-up the forecast φ is the run's, not a tenth of it
+    low = dict(phi_scale=lambda step: 0.01 if step <= 150 else 1.0, gns_noise=0.05, **grow)
+    phi = []
+    for w in (warm, 0):
+        c = _planner(settings=PolicySettings(initial=16, min=16, max=16, calibration=2.0), lr_warmup_tokens=w)
+        _, _, (_, _, e) = _drive(c, 200, **low)
+        phi.append(c.forecast(np.array([2.0]))[1][0] / ((5.0 + 2.0 * e**0.8) / 2.0))
+    assert phi[0] == pytest.approx(1.0, rel=0.25) and phi[1] < 0.5
+
+
+def test_with_the_layout_hold_only_batch_moves_are_taken_in_the_lr_warmup(monkeypatch):
+    import copus.core.control.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "WARMUP_HOLD", "layout")
+    warm = 150 * 16 * SEQ
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    seen = []  # (tokens, decision) of every step
+    _drive(
+        _planner(horizon_tokens=2e6 * SEQ, lr_warmup_tokens=warm),
+        300,
+        after=lambda r, d: seen.append((r.tokens, d)),
+        **grow,
+    )
+    early = [d for t, d in seen if d is not None and t < warm]
+    late = [d for t, d in seen if d is not None and t >= warm]
+    assert early and all(d.kind == "batch" and d.plan.layout == INIT.layout for d in early)
+    assert any(d.kind == "reconfigure" for d in late)

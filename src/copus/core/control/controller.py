@@ -101,8 +101,11 @@ PLANNER_TEMPERING = 0.5
 # Measured (seed 0, 40 cells): the same as without it in every cell but one (±0.1 pp): the planner
 # never runs the batches where the truths' sqrt rule overshoots. The first version (2x − x² for
 # every x, x0 in 0.25 … 1.0) cost 32B lr-tuned R=0.5 seed 0 −22.8 % (main +2.4 %).
-# `bench/planner_grid.py --lr-rule-factor` turns it on.
+# `bench/planner_grid.py --lr-rule-factor` turns it on. `LR_OVERSHOOT_ONLY = False` (with it,
+# `--lr-full-factor`) prices the whole factor, the gain below the optimum too: 3 seeds, 40 cells,
+# 9 cells > 1 % behind (default 10) but median capture 0.64 (0.77), 5 cells < 0.5 (2): §6.20.
 LR_RULE_FACTOR = False
+LR_OVERSHOOT_ONLY = True
 SQRT_LR_FRACTIONS = (0.3, 0.45, 0.6, 0.85)
 
 
@@ -204,7 +207,11 @@ def make_controller(
         # (docs/robust-goodput.md §6)
         opts = {"min_ratio": PLANNER_EXPERIMENT_RATIO, "tempering": PLANNER_TEMPERING} if policy == "goodput" else {}
         if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:
-            opts |= {"lr_fractions": SQRT_LR_FRACTIONS, "lr_ref_batch": float(settings.initial)}
+            opts |= {
+                "lr_fractions": SQRT_LR_FRACTIONS,
+                "lr_ref_batch": float(settings.initial),
+                "lr_overshoot_only": LR_OVERSHOOT_ONLY,
+            }
         opts |= posterior_options or {}
         posterior = CalibrationPosterior(
             prior_c=float(settings.calibration), quantile=float(getattr(settings, "calibration_quantile", 0.5)), **opts

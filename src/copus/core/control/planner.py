@@ -8,7 +8,8 @@ costs. The start layout is the same programme's choice under the prior (`start="
 Kaplan et al.'s critical batch for the tokens seen, `core.control.start_prior`; `"fastest"`:
 the fastest plan at the initial batch; docs/robust-goodput.md §6.16). The posterior over c
 reads no step of the first `fit_after_steps` (the noise-scale EMA's warm-up, which the
-forecast leaves out too).
+forecast leaves out too) nor of the LR warm-up, during which the plan takes no decision
+(docs/robust-goodput.md §6.19).
 
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
@@ -31,7 +32,9 @@ forecast leaves out too).
   octaves of E): φ(E) = φ_now·(E/E_now)^β; β is the least-squares slope shrunk to the prior
   (normal, mean `prior_slope`, sd `slope_sd` = 0.3; precision-weighted with the fit's standard
   error), clipped to [0, 1.5]; stretches of the first `fit_after_steps` = 60 steps (three
-  time constants of the noise-scale EMA, decay 0.95) are not fitted. The prior slope 0.8:
+  time constants of the noise-scale EMA, decay 0.95) and of the LR warm-up are not fitted, and
+  no decision is taken during the LR warm-up (§6.19: a φ read while the LR ramps forecast a
+  critical batch far below the run's). The prior slope 0.8:
   Kaplan et al. 2020's B_crit ∝ L^(−1/0.21) with L − L_∞ ∝ E^(−0.24) gives
   d log B_crit / d log E ≈ 0.8–1.1 in the loss range of the presets).
 - **Horizon**: the run ends at `horizon_tokens` (train.max_tokens); unknown or passed, it is
@@ -94,6 +97,10 @@ SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile
 # value of information exceeds its cost; off by default (measured: helps the 3B/13B cells, costs
 # the 32B/7B ones); `bench/planner_grid.py --voi-experiments` turns it on
 EXPERIMENTS = False
+# what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "all" decisions (the
+# default), "layout" switches and probes only (batch moves go on), or "none" (before §6.19); with
+# "all" or "layout" the forecast of φ also leaves the warm-up's stretches out
+WARMUP_HOLD = "all"
 
 
 class PlanningController(MeasuredStepTimes):
@@ -181,7 +188,7 @@ class PlanningController(MeasuredStepTimes):
         (weights: steps) over the stretches of the last `fit_octaves` octaves of E."""
         e, phi, n, step = self.clock(cs)
         ok = np.isfinite(phi) & (phi > 0)
-        late = ok & (step > self.fit_after_steps)
+        late = ok & (step > self.fit_after_steps) & ((step >= self.readable_from) | (WARMUP_HOLD == "none"))
         e_now = e[:, -1]
         beta = np.full(len(cs), self.prior_slope)
         phi_now = np.full(len(cs), phi[ok][-1] if ok.any() else np.nan)
@@ -358,7 +365,7 @@ class PlanningController(MeasuredStepTimes):
             switch[cur] = 0.0
         allowed = (
             np.ones(len(h), bool)
-            if self.search_options["allow_reconfigure"] or cur is None
+            if (self.search_options["allow_reconfigure"] and not self._layout_held()) or cur is None
             else np.arange(len(h)) == cur
         )
         if self._reading():  # one doubling per experiment: only layouts that host such a batch
@@ -531,6 +538,19 @@ class PlanningController(MeasuredStepTimes):
         self.history.append(decision.to_dict())
         return decision
 
+    def _gate(self, record: StepRecord) -> str | None:
+        """Why no decision is taken at this step (None: decide): the base gate, and no decision
+        during the LR warm-up (its loss and noise scale are not the run's: the forecast of φ
+        leaves those stretches out too; docs/robust-goodput.md §6.19)."""
+        why = super()._gate(record)
+        if why is None and WARMUP_HOLD == "all" and record.tokens < self.lr_warmup_tokens:
+            return f"LR warm-up: {record.tokens} < train.warmup_tokens {self.lr_warmup_tokens:.0f}"
+        return why
+
+    def _layout_held(self) -> bool:
+        """Whether layout switches and probes wait: `WARMUP_HOLD` "layout" inside the LR warm-up."""
+        return WARMUP_HOLD == "layout" and self.readable_from > self.last_decision_step
+
     def _add_chunk(self, record: StepRecord) -> None:
         """The step into the φ history (stretches of one batch, at most `interval_steps` long)."""
         if record.skipped:
@@ -551,7 +571,7 @@ class PlanningController(MeasuredStepTimes):
     def _probe(self, record: StepRecord, plan: dict) -> tuple[ParallelPlan, str] | None:
         """The unmeasured layout whose measurement is worth most, when worth its cost."""
         f = self.fitter
-        if not self.explore or f is None or not self.search_options["allow_reconfigure"]:
+        if not self.explore or f is None or not self.search_options["allow_reconfigure"] or self._layout_held():
             return None
         measured = {p.layout for p in f.times} | {p.layout for p in self.profile}
         sigma, c = self.model_spread(), self.reconfig_cost_s

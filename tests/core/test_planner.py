@@ -419,7 +419,10 @@ def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch
     np.testing.assert_allclose(sqrt_rule.rates(np.array([100.0]), step_s), plain.rates(np.array([100.0]), step_s))
 
 
-def test_no_decision_is_taken_and_no_stretch_fitted_during_the_lr_warmup():
+def test_no_decision_is_taken_and_no_stretch_fitted_during_the_lr_warmup(monkeypatch):
+    import copus.core.control.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "WARMUP_HOLD", "all")
     warm = 150 * 16 * SEQ  # the first 150 steps at B = 16
     grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
     why = []
@@ -444,10 +447,7 @@ def test_no_decision_is_taken_and_no_stretch_fitted_during_the_lr_warmup():
     assert phi[0] == pytest.approx(1.0, rel=0.25) and phi[1] < 0.5
 
 
-def test_with_the_layout_hold_only_batch_moves_are_taken_in_the_lr_warmup(monkeypatch):
-    import copus.core.control.planner as planner_module
-
-    monkeypatch.setattr(planner_module, "WARMUP_HOLD", "layout")
+def test_by_default_only_batch_moves_are_taken_in_the_lr_warmup():
     warm = 150 * 16 * SEQ
     grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
     seen = []  # (tokens, decision) of every step

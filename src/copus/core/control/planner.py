@@ -8,8 +8,8 @@ costs. The start layout is the same programme's choice under the prior (`start="
 Kaplan et al.'s critical batch for the tokens seen, `core.control.start_prior`; `"fastest"`:
 the fastest plan at the initial batch; docs/robust-goodput.md §6.16). The posterior over c
 reads no step of the first `fit_after_steps` (the noise-scale EMA's warm-up, which the
-forecast leaves out too) nor of the LR warm-up, during which the plan takes no decision
-(docs/robust-goodput.md §6.19).
+forecast leaves out too) nor of the LR warm-up, during which the plan switches no layout and
+probes none (docs/robust-goodput.md §6.19).
 
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between
@@ -33,8 +33,8 @@ forecast leaves out too) nor of the LR warm-up, during which the plan takes no d
   (normal, mean `prior_slope`, sd `slope_sd` = 0.3; precision-weighted with the fit's standard
   error), clipped to [0, 1.5]; stretches of the first `fit_after_steps` = 60 steps (three
   time constants of the noise-scale EMA, decay 0.95) and of the LR warm-up are not fitted, and
-  no decision is taken during the LR warm-up (§6.19: a φ read while the LR ramps forecast a
-  critical batch far below the run's). The prior slope 0.8:
+  no layout switch or probe is taken during the LR warm-up (§6.19: a φ read while the LR ramps
+  forecast a critical batch far below the run's). The prior slope 0.8:
   Kaplan et al. 2020's B_crit ∝ L^(−1/0.21) with L − L_∞ ∝ E^(−0.24) gives
   d log B_crit / d log E ≈ 0.8–1.1 in the loss range of the presets).
 - **Horizon**: the run ends at `horizon_tokens` (train.max_tokens); unknown or passed, it is
@@ -97,10 +97,10 @@ SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile
 # value of information exceeds its cost; off by default (measured: helps the 3B/13B cells, costs
 # the 32B/7B ones); `bench/planner_grid.py --voi-experiments` turns it on
 EXPERIMENTS = False
-# what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "all" decisions (the
-# default), "layout" switches and probes only (batch moves go on), or "none" (before §6.19); with
-# "all" or "layout" the forecast of φ also leaves the warm-up's stretches out
-WARMUP_HOLD = "all"
+# what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
+# probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
+# or "all" the forecast of φ also leaves the warm-up's stretches out
+WARMUP_HOLD = "layout"
 
 
 class PlanningController(MeasuredStepTimes):
@@ -544,6 +544,9 @@ class PlanningController(MeasuredStepTimes):
         leaves those stretches out too; docs/robust-goodput.md §6.19)."""
         why = super()._gate(record)
         if why is None and WARMUP_HOLD == "all" and record.tokens < self.lr_warmup_tokens:
+            # a decision point whose decision is to wait: the grid of decision points stays the
+            # one a run without the hold has (a shifted grid reads φ at other steps; §6.19)
+            self.last_decision_step = record.step
             return f"LR warm-up: {record.tokens} < train.warmup_tokens {self.lr_warmup_tokens:.0f}"
         return why
 

@@ -72,8 +72,8 @@ def main() -> int:
         "--warmup-hold",
         choices=("all", "layout", "none"),
         default=None,
-        help="what the planner defers to the end of the LR warm-up: all decisions (the default), layout "
-        "switches only, or nothing (before docs/robust-goodput.md §6.19)",
+        help="what the planner defers to the end of the LR warm-up: layout switches and probes (the default), "
+        "all decisions, or nothing (before docs/robust-goodput.md §6.19)",
     )
     args = ap.parse_args()
     if args.estimator:

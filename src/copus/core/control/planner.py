@@ -539,9 +539,9 @@ class PlanningController(MeasuredStepTimes):
         return decision
 
     def _gate(self, record: StepRecord) -> str | None:
-        """Why no decision is taken at this step (None: decide): the base gate, and no decision
-        during the LR warm-up (its loss and noise scale are not the run's: the forecast of φ
-        leaves those stretches out too; docs/robust-goodput.md §6.19)."""
+        """Why no decision is taken at this step (None: decide): the base gate, and with
+        `WARMUP_HOLD` "all" no decision during the LR warm-up (its loss and noise scale are not
+        the run's; docs/robust-goodput.md §6.19)."""
         why = super()._gate(record)
         if why is None and WARMUP_HOLD == "all" and record.tokens < self.lr_warmup_tokens:
             # a decision point whose decision is to wait: the grid of decision points stays the
@@ -551,7 +551,8 @@ class PlanningController(MeasuredStepTimes):
         return why
 
     def _layout_held(self) -> bool:
-        """Whether layout switches and probes wait: `WARMUP_HOLD` "layout" inside the LR warm-up."""
+        """Whether layout switches and probes wait: `WARMUP_HOLD` "layout" and the current decision
+        point inside the LR warm-up (`observe` moves `readable_from` past every warm-up step)."""
         return WARMUP_HOLD == "layout" and self.readable_from > self.last_decision_step
 
     def _add_chunk(self, record: StepRecord) -> None:

@@ -162,6 +162,19 @@ def test_probes_a_layout_only_when_measuring_it_is_worth_its_cost():
     assert not [d for d in off if d.purpose == "probe"]
 
 
+def test_a_probe_runs_at_the_batch_the_plan_chose():
+    """A probe measures a layout; it takes the batch the plan chose on the current layout (which
+    respects the ladder and the floor), never a batch the plan refused (§6.21)."""
+    grow = dict(bcrit=lambda e: 5.0 + 2.0 * e**0.8)
+    ctrl = _planner(reconfig_cost_s=0.5, step_time_model=None, horizon_tokens=2e6 * SEQ)
+    decisions, _, _ = _drive(ctrl, 120, switch_cost_s=0.5, **grow)
+    chosen = {r["step"]: r["global_batch_size"] for r in ctrl.drain_events() if r["event"] == "considered"}
+    probes = [d for d in decisions if d.purpose == "probe"]
+    assert probes
+    for d in probes:
+        assert d.plan.global_batch_size == chosen[d.step], (d.step, d.plan.describe(), chosen[d.step])
+
+
 def test_state_round_trip_gives_identical_decisions():
     a = _planner(horizon_tokens=2e6 * SEQ, step_time_model=None)
     _, plan, at = _drive(a, 55, seed=3)

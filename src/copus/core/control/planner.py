@@ -593,8 +593,7 @@ class PlanningController(MeasuredStepTimes):
                 s = np.where(self._ids == lay, step_s * math.exp(sigma * z), step_s)
                 h = w @ self.layout_times(e_now, e_end, phi_now, beta, cs, s)
                 value += q * max(base - (h[lay] + c), 0.0)
-            on = np.flatnonzero(self._ids == lay)
-            i = int(on[np.argmax(plan["score"][on])])
+            i = self._probe_plan(lay, plan)
             cur = self.candidates.index_of(record.plan)
             slower = max(step_s[i] - (step_s[cur] if cur is not None else step_s[i]), 0.0)
             cost = 2.0 * c + self.probe_steps * slower
@@ -607,6 +606,21 @@ class PlanningController(MeasuredStepTimes):
             f"{best[2]:.1f}s > its cost {best[3]:.1f}s (two switches and slower "
             f"steps; model error σ={sigma:.2f})"
         )
+
+    def _probe_plan(self, lay: int, plan: dict) -> int:
+        """The plan a probe of layout `lay` runs: at the batch the plan chose (`plan["index"]`,
+        which respects the ladder and the floor), or, where `lay` hosts no plan at that batch,
+        the nearest batch on it (|log2 B − log2 B_plan| least, not below the floor's side);
+        among those the best-scored. A probe measures a layout; it moves no batch the plan
+        did not choose (docs/robust-goodput.md §6.21)."""
+        on = np.flatnonzero(self._ids == lay)
+        b = self.candidates.global_batch_size[on].astype(float)
+        want = float(self.candidates.global_batch_size[plan["index"]])
+        above = b >= want
+        on, b = (on[above], b[above]) if above.any() else (on, b)
+        d = np.abs(np.log2(b / want))
+        near = on[d <= d.min() + 1e-9]
+        return int(near[np.argmax(plan["score"][near])])
 
     # ---- the record ----------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ from copus.core.control.considered import considered_row
 from copus.core.control.step_estimates import MeasuredStepTimes
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
-from copus.core.stats.calibration_posterior import sqrt_rule_factor
+from copus.core.stats.lr_progress import sqrt_rule_factor
 
 PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5

@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from copus.core.stats.lr_progress import lr_fraction, progress_factor
+from copus.core.stats.lr_progress import sqrt_rule_factor
+from copus.core.stats.window_fit import WindowStep, window_log_likelihood
 
 LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merrill ≫ 1
 GRID_POINTS = 49  # quarter-octave steps
@@ -88,15 +89,6 @@ def ema_lag_steps(decay: float) -> int:
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay={decay!r} is invalid; allowed: 0 <= decay < 1")
     return round(decay / (1.0 - decay))
-
-
-@dataclass(slots=True)
-class _Step:
-    loss: float
-    batch: float
-    b_noise: float
-    fit: bool  # False: inside the transient after a change (clock only)
-    clock: np.ndarray  # E_c since the run's start, every grid c, after this step
 
 
 @dataclass(slots=True, kw_only=True)
@@ -159,7 +151,7 @@ class CalibrationPosterior:
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
     log_post: np.ndarray = field(init=False)  # (len(lr_exponents), max(len(loss_exponents), 1), len(log2_grid))
     experiments: list[dict] = field(default_factory=list)
-    _buffer: list[_Step] = field(default_factory=list)
+    _buffer: list[WindowStep] = field(default_factory=list)
     _last_batch: float | None = None
     _since_change: int | None = None  # steps since the last change in the buffer
     _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
@@ -383,7 +375,7 @@ class CalibrationPosterior:
         elif self._since_change is not None:
             self._since_change += 1
         in_transient = self._since_change is not None and self._since_change < self.skip_steps
-        self._buffer.append(_Step(float(loss), float(batch), float(b_noise), not in_transient, self._clock.copy()))
+        self._buffer.append(WindowStep(float(loss), float(batch), float(b_noise), not in_transient, self._clock.copy()))
         if self._since_change is None:
             del self._buffer[: -self.window_steps]  # only the pre-window is kept
             return None
@@ -478,94 +470,3 @@ class CalibrationPosterior:
         self._pending = deque(tuple(p) for p in state.get("pending", []))
         self._ema_w, self._ema_age, seen, self._lag_ratio = state.get("lag_state", [0.0, 0.0, 0, 1.0])
         self._seen = int(seen)
-
-
-def sqrt_rule_factor(
-    batch: np.ndarray | float,
-    b_crit: np.ndarray,
-    x0: np.ndarray,
-    ref_batch: float,
-    exponent: float = 0.5,
-    *,
-    overshoot_only: bool = False,
-) -> np.ndarray:
-    """2x − x² (floored at 0) with x = x0·sqrt(B/B_ref)·[(1 + B_crit/B)/(1 + B_crit/B_ref)]^p: the
-    progress per sample of the sqrt LR rule over the LR-tuned E(B) (McCandlish 2018 Eqs. 2.5–2.7;
-    `core.stats.lr_progress.sqrt_lr_progress_factor` after the warm-up). `overshoot_only`: x < 1
-    counted as x = 1 (factor 1): only the overshoot past the optimum scales. Broadcasts."""
-    b = np.asarray(batch, dtype=float)
-    bc = np.asarray(b_crit, dtype=float)
-    finite = np.isfinite(bc)
-    # B_crit → ∞ (φ unknown): the ratio's limit (B_ref/B)^p, i.e. x = x0·(B/B_ref)^(1/2 − p)
-    x = np.where(
-        finite,
-        lr_fraction(b, np.where(finite, bc, 0.0), x0, ref_batch=ref_batch, exponent=exponent),
-        x0 * np.sqrt(b / ref_batch) * (ref_batch / b) ** exponent,
-    )
-    if overshoot_only:
-        x = np.maximum(x, 1.0)
-    return progress_factor(x)
-
-
-def window_log_likelihood(
-    steps: list[_Step],
-    log2_grid: np.ndarray,
-    min_fit_steps: int = 12,
-    lr_exponents: tuple[float, ...] = (0.0,),
-    loss_exponents: tuple[float, ...] = (),
-    with_quadratic: bool = False,
-) -> np.ndarray | None:
-    """log p(losses | γ, α, c) on the grid, shape (len(lr_exponents), max(len(loss_exponents), 1),
-    len(log2_grid)) (module docstring); None if too few fitted steps or no change of batch.
-
-    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step. Fit, weights
-    B_i, over the steps with `fit`: L_i ≈ a + b·(E_i/Ē)^(−α) for each α in `loss_exponents`
-    (Ē the window's geometric mean clock), or with `loss_exponents` empty L_i ≈ a + b·x_i + q·x_i²,
-    x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`: both, averaged per window,
-    p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
-    """
-    fit = np.array([s.fit for s in steps])
-    n = int(fit.sum())
-    batches = np.array([s.batch for s in steps])
-    if n < min_fit_steps or len(set(batches.tolist())) < 2:
-        return None
-    loss = np.array([s.loss for s in steps])[fit]
-    logs = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, K, G)
-    w = batches[fit] / np.mean(batches[fit])
-    quad = None
-    if with_quadratic or not loss_exponents:
-        wrss = _quadratic_wrss(loss, logs.reshape(n, -1), w).reshape(logs.shape[1], 1, logs.shape[2])
-        quad = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
-    if not loss_exponents:
-        return quad - np.max(quad)
-    wrss = np.stack([_power_law_wrss(loss, logs, w, a) for a in loss_exponents], axis=1)  # (K, A, G)
-    out = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
-    if quad is not None:  # the two fits averaged, the quadratic's extra parameter priced (BIC)
-        out = np.logaddexp(out, quad - 0.5 * math.log(n))
-    return out - np.max(out)
-
-
-def _power_law_wrss(loss: np.ndarray, logs: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
-    """Weighted residual sum of squares of L ≈ a + b·u, u = exp(−α·(log E − mean log E)), for
-    every grid column of `logs` (n, K, G) at once: WRSS = S_LL − S_uL²/S_uu on w-centred sums."""
-    u = np.exp(-alpha * (logs - logs.mean(axis=0)))
-    sw = w.sum()
-    uc = u - np.tensordot(w, u, axes=1) / sw
-    lc = loss - float(w @ loss) / sw
-    s_uu = np.tensordot(w, uc * uc, axes=1)
-    s_ul = np.tensordot(w * lc, uc, axes=1)
-    return float(w @ (lc * lc)) - s_ul * s_ul / np.maximum(s_uu, 1e-300)
-
-
-def _quadratic_wrss(loss: np.ndarray, clocks: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """WRSS of L ≈ a + b·x + q·x², x = log E centred and scaled, per column of `clocks` (n, M)."""
-    sw, n = np.sqrt(w), len(loss)
-    out = np.empty(clocks.shape[1])
-    for k in range(clocks.shape[1]):
-        x = clocks[:, k] - clocks[:, k].mean()
-        x = x / max(float(np.ptp(x)), 1e-12)
-        design = np.stack([np.ones(n), x, x * x], axis=1) * sw[:, None]
-        coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
-        resid = loss * sw - design @ coef
-        out[k] = float(resid @ resid)
-    return out

@@ -109,3 +109,30 @@ def sqrt_lr_progress_factor(
         warmup=warmup_factor(tokens, warmup_tokens),
     )
     return progress_factor(x)
+
+
+def sqrt_rule_factor(
+    batch: np.ndarray | float,
+    b_crit: np.ndarray,
+    x0: np.ndarray,
+    ref_batch: float,
+    exponent: float = 0.5,
+    *,
+    overshoot_only: bool = False,
+) -> np.ndarray:
+    """2x − x² (floored at 0) with x = x0·sqrt(B/B_ref)·[(1 + B_crit/B)/(1 + B_crit/B_ref)]^p: the
+    progress per sample of the sqrt LR rule over the LR-tuned E(B) (McCandlish 2018 Eqs. 2.5–2.7;
+    `core.stats.lr_progress.sqrt_lr_progress_factor` after the warm-up). `overshoot_only`: x < 1
+    counted as x = 1 (factor 1): only the overshoot past the optimum scales. Broadcasts."""
+    b = np.asarray(batch, dtype=float)
+    bc = np.asarray(b_crit, dtype=float)
+    finite = np.isfinite(bc)
+    # B_crit → ∞ (φ unknown): the ratio's limit (B_ref/B)^p, i.e. x = x0·(B/B_ref)^(1/2 − p)
+    x = np.where(
+        finite,
+        lr_fraction(b, np.where(finite, bc, 0.0), x0, ref_batch=ref_batch, exponent=exponent),
+        x0 * np.sqrt(b / ref_batch) * (ref_batch / b) ** exponent,
+    )
+    if overshoot_only:
+        x = np.maximum(x, 1.0)
+    return progress_factor(x)

@@ -1,0 +1,92 @@
+"""How one calibration window's losses score each hypothesis c (and loss exponent α): the
+window likelihood of the posterior over c (`core.stats.calibration_posterior`, whose docstring
+states the model; docs/robust-goodput.md §6.10, §6.12).
+
+For every c on the grid the clock E_c(t) = Σ_{i≤t} ΔE_i(c) puts the window's losses on one
+axis; the right c leaves no bend where the batch changed. The losses are fitted by weighted least
+squares as a power law L ≈ a + b·E_c^(−α) (Kaplan et al. 2020, L(D)) per α, and/or as a quadratic
+in log E_c; the profile likelihood with the noise level unknown is −(n/2)·log WRSS(c).
+Pure numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class WindowStep:
+    """One step in a calibration window: its loss, batch, noise scale, and the clock E_c after it."""
+
+    loss: float
+    batch: float
+    b_noise: float
+    fit: bool  # False: inside the transient after a change (clock only)
+    clock: np.ndarray  # E_c since the run's start, every grid c, after this step
+
+
+def window_log_likelihood(
+    steps: list[WindowStep],
+    log2_grid: np.ndarray,
+    min_fit_steps: int = 12,
+    lr_exponents: tuple[float, ...] = (0.0,),
+    loss_exponents: tuple[float, ...] = (),
+    with_quadratic: bool = False,
+) -> np.ndarray | None:
+    """log p(losses | γ, α, c) on the grid, shape (len(lr_exponents), max(len(loss_exponents), 1),
+    len(log2_grid)) (module docstring); None if too few fitted steps or no change of batch.
+
+    Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step. Fit, weights
+    B_i, over the steps with `fit`: L_i ≈ a + b·(E_i/Ē)^(−α) for each α in `loss_exponents`
+    (Ē the window's geometric mean clock), or with `loss_exponents` empty L_i ≈ a + b·x_i + q·x_i²,
+    x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`: both, averaged per window,
+    p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
+    """
+    fit = np.array([s.fit for s in steps])
+    n = int(fit.sum())
+    batches = np.array([s.batch for s in steps])
+    if n < min_fit_steps or len(set(batches.tolist())) < 2:
+        return None
+    loss = np.array([s.loss for s in steps])[fit]
+    logs = np.log(np.maximum(np.stack([s.clock for s in steps])[fit], 1e-12))  # (n, K, G)
+    w = batches[fit] / np.mean(batches[fit])
+    quad = None
+    if with_quadratic or not loss_exponents:
+        wrss = _quadratic_wrss(loss, logs.reshape(n, -1), w).reshape(logs.shape[1], 1, logs.shape[2])
+        quad = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
+    if not loss_exponents:
+        return quad - np.max(quad)
+    wrss = np.stack([_power_law_wrss(loss, logs, w, a) for a in loss_exponents], axis=1)  # (K, A, G)
+    out = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
+    if quad is not None:  # the two fits averaged, the quadratic's extra parameter priced (BIC)
+        out = np.logaddexp(out, quad - 0.5 * math.log(n))
+    return out - np.max(out)
+
+
+def _power_law_wrss(loss: np.ndarray, logs: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
+    """Weighted residual sum of squares of L ≈ a + b·u, u = exp(−α·(log E − mean log E)), for
+    every grid column of `logs` (n, K, G) at once: WRSS = S_LL − S_uL²/S_uu on w-centred sums."""
+    u = np.exp(-alpha * (logs - logs.mean(axis=0)))
+    sw = w.sum()
+    uc = u - np.tensordot(w, u, axes=1) / sw
+    lc = loss - float(w @ loss) / sw
+    s_uu = np.tensordot(w, uc * uc, axes=1)
+    s_ul = np.tensordot(w * lc, uc, axes=1)
+    return float(w @ (lc * lc)) - s_ul * s_ul / np.maximum(s_uu, 1e-300)
+
+
+def _quadratic_wrss(loss: np.ndarray, clocks: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """WRSS of L ≈ a + b·x + q·x², x = log E centred and scaled, per column of `clocks` (n, M)."""
+    sw, n = np.sqrt(w), len(loss)
+    out = np.empty(clocks.shape[1])
+    for k in range(clocks.shape[1]):
+        x = clocks[:, k] - clocks[:, k].mean()
+        x = x / max(float(np.ptp(x)), 1e-12)
+        design = np.stack([np.ones(n), x, x * x], axis=1) * sw[:, None]
+        coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
+        resid = loss * sw - design @ coef
+        out[k] = float(resid @ resid)
+    return out

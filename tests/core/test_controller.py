@@ -210,3 +210,30 @@ def test_bad_settings_raise_value_error():
         _controller(memory_capacity_bytes=1e6)
     with pytest.raises(ValueError, match="world size"):
         make_controller(SETTINGS, INIT, 4, SHAPE)
+
+
+def _blind(cands):
+    return (cands.dp * cands.num_microbatches < 2).sum()
+
+
+@pytest.mark.parametrize("policy", ["goodput", "goodput-copus"])
+def test_every_plan_the_controller_can_choose_measures_the_noise_scale(policy):
+    """The README run froze at b_noise 2.3 for 350 steps on tp2 mb16x1: dp = 1 and one micro-batch
+    give J = 1 small gradient, so the noise scale cannot update. Such plans are dropped where a
+    measuring plan of the same layout and batch exists (tp2 mb8x2), kept where none does."""
+    tiny = get_model_shape("tiny")
+    init = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1)
+    settings = PolicySettings(initial=8, min=8, max=128, interval_steps=10, warmup_steps=10, calibration=1.0)
+    ctrl = make_controller(settings, init, 2, tiny, policy=policy)
+    c = ctrl.candidates
+    assert _blind(c) == 0
+    tp2 = (c.dp == 1) & (c.tp == 2)
+    assert set(c.global_batch_size[tp2].tolist()) >= {8, 16, 32, 64, 128}  # every batch stays reachable on tp2
+    assert ((c.micro_batch_size == 8) & (c.num_microbatches == 2) & tp2 & (c.global_batch_size == 16)).any()
+    pair = make_controller(settings, init, 2, tiny, policy=policy, micro_batch_sizes=[4, 16]).candidates
+    # B = 16 on tp2 with micro-batches of 4 or 16: mb4x4 measures, so mb16x1 goes
+    assert not ((pair.dp == 1) & (pair.micro_batch_size == 16) & (pair.num_microbatches == 1)).any()
+    assert ((pair.dp == 1) & (pair.tp == 2) & (pair.global_batch_size == 16)).any()
+    lone = make_controller(settings, init, 2, tiny, policy=policy, micro_batch_sizes=[16]).candidates
+    # micro-batches of 16 only: B = 16 on tp2 is mb16x1 or nothing, so it stays reachable
+    assert ((lone.tp == 2) & (lone.global_batch_size == 16) & (lone.num_microbatches == 1)).sum() == 1

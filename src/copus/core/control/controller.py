@@ -30,7 +30,7 @@ from copus.core.control.planner import PlanningController
 from copus.core.cost.fit import OnlineFitter, fit_model, prior_model
 from copus.core.cost.memory import MemoryModel
 from copus.core.cost.throughput import StepTimeModel
-from copus.core.plan.goodput import StepTimePredictor, build_candidates
+from copus.core.plan.goodput import StepTimePredictor, build_candidates, noise_measuring
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord
 from copus.core.plan.search import evaluate
@@ -152,7 +152,8 @@ def make_controller(
     `step_time_model` (a `StepTimeModel` is refitted online; any other predictor, e.g. a
     profiled table, is used as is), then a fit to `profile_observations` ((plan, step_s) pairs
     from `copus profile`), then the analytic model of `hardware` (None: the "cpu" profile).
-    Plans over `memory_capacity_bytes` per rank (memory model of `shape`) are never chosen.
+    Plans over `memory_capacity_bytes` per rank (memory model of `shape`) are never chosen, nor
+    plans that cannot measure the noise scale where a measuring twin exists (`noise_measuring`).
     `cores`: CPU cores the ranks share (CPU prior only). `plan_options`: the run's
     `ParallelPlan.options` (activation checkpointing, ...) price every candidate.
     `lr_warmup_tokens`: the LR warm-up; the posterior over c takes no evidence before it.
@@ -172,15 +173,17 @@ def make_controller(
         memory_model = MemoryModel(shape=shape, mixed_precision=(hw is None or hw.dtype_bytes == 2))
     if plan_options and memory_model is not None:
         memory_model = memory_model.with_plan_options(**plan_options)
-    cands = build_candidates(
-        world_size,
-        shape,
-        min_batch=min_b,
-        max_batch=max_b,
-        micro_batch_sizes=mbs,
-        batch_grid=batch_grid,
-        memory_model=memory_model,
-        memory_capacity_bytes=memory_capacity_bytes,
+    cands = noise_measuring(
+        build_candidates(
+            world_size,
+            shape,
+            min_batch=min_b,
+            max_batch=max_b,
+            micro_batch_sizes=mbs,
+            batch_grid=batch_grid,
+            memory_model=memory_model,
+            memory_capacity_bytes=memory_capacity_bytes,
+        )
     )
     if not len(cands):
         raise ValueError(

@@ -279,6 +279,27 @@ def build_candidates(
     return cands
 
 
+def noise_measuring(candidates: CandidateSet) -> CandidateSet:
+    """The candidates an adaptive controller may run: those whose step measures the noise scale.
+
+    The estimator needs J ≥ 2 small gradients per step, J = dp·num_microbatches (one per
+    micro-batch per dp rank; "rank" mode has J = dp and falls back to micro-batches at dp = 1),
+    because B_simple = tr(Σ)/|G|² is solved from two batch sizes (McCandlish et al. 2018, App. A;
+    design §3). A plan with dp = 1 and one micro-batch computes only the big gradient, so while
+    it runs b_noise is frozen and every later decision rests on a stale reading. Such a plan is
+    dropped wherever its layout hosts a measuring plan at the same global batch (e.g. tp2 mb8x2
+    for tp2 mb16x1); it stays only where nothing at that batch measures.
+    """
+    c = candidates
+    measuring = c.dp * c.num_microbatches >= 2
+    if measuring.all():
+        return c
+    keys = np.stack([c.dp, c.tp, c.pp, c.global_batch_size], axis=1)
+    twin = {tuple(k) for k in keys[measuring].tolist()}
+    covered = np.array([tuple(k) in twin for k in keys.tolist()], dtype=bool)
+    return c.subset(measuring | ~covered)
+
+
 def _cross_options(
     arrays: dict[str, np.ndarray], table: dict[str, np.ndarray], shape: ModelShape | None
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -324,3 +324,30 @@ def test_tokenizer_from_a_hugging_face_folder(tmp_path):
     assert spec.path == str(tmp_path / "tokenizer.json")
     loaded = HfTokenizer.from_file(spec.path)
     assert loaded.eos_id == 256 and loaded.vocab_size == 257
+
+
+def test_a_plan_that_measures_no_noise_scale_says_so_once(tmp_path):
+    """One rank, one micro-batch of the whole batch: J = 1 small gradient, so the noise scale
+    cannot update; the run says so once (not every step) and b_noise stays unmeasured."""
+    run_dir = tmp_path / "run"
+    out = _copus_train(
+        "--nproc",
+        "1",
+        "--policy",
+        "constant",
+        "--max-steps",
+        "3",
+        "--set",
+        "parallel.micro_batch_size=8",
+        "--set",
+        "data.max_chars=100000",
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert text.count("dp1.tp1.pp1 mb8x1 (B=8) measures no noise scale (dp*num_microbatches = 1") == 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    assert len(steps) == 3 and all(r.get("b_noise") is None for r in steps)

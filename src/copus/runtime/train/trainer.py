@@ -112,6 +112,7 @@ class Trainer:
         run_data = build_run_data(cfg, get_model_shape(cfg.model.name, cfg.model.seq_len))
         self.train_set, self.val_set, self.tokenizer = run_data.train, run_data.val, run_data.tokenizer
         self.shape, self.sampler, self.val_note = run_data.shape, run_data.sampler, None
+        self.blind_plans: set[ParallelPlan] = set()  # plans said to measure no noise scale
         self.run_id, self.restarted = elastic_run_id(), restart_count() > 0
         self.plan = initial_plan(cfg, self.world, self.shape)
         self.hardware = run_hardware(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
@@ -271,6 +272,17 @@ class Trainer:
         if self.rank == 0:
             self.writer.console(f"copus: {message}")
 
+    def warn_blind(self, plan, num_small: int) -> None:
+        """Say once per plan that it measures no noise scale: J = num_small < 2 small gradients
+        (dp = 1 and one micro-batch), so b_noise holds its last value while the plan runs."""
+        if num_small >= 2 or plan in self.blind_plans:
+            return
+        self.blind_plans.add(plan)
+        self.log(
+            f"{plan.describe()} measures no noise scale (dp*num_microbatches = {num_small}; the estimate needs "
+            ">= 2 small gradients): b_noise holds its last value while it runs; use a smaller micro-batch"
+        )
+
     # -- main loop ----------------------------------------------------------------------------
 
     def done(self) -> bool:
@@ -361,6 +373,7 @@ class Trainer:
         finite = bool(out.finite)
         if finite:
             self.gns.update(out.small_sqnorm, out.small_batch, out.big_sqnorm, B, p.tokens)
+            self.warn_blind(plan, int(out.num_small))
         else:
             p.num_skipped += 1
         g = self.gns

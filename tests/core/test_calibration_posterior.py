@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from copus.core.stats.calibration_posterior import POWER_LAW_EXPONENTS, CalibrationPosterior, ema_lag_steps
+from copus.core.stats.window_fit import effective_fraction
 
 
 def _run(
@@ -275,3 +276,48 @@ def test_the_sqrt_rule_rows_count_the_clock_times_the_overshoot_factor():
     np.testing.assert_allclose(post._clock[0], e)
     x0s, p = post.lr_fraction_weights()
     assert list(x0s) == [0.5, 1.0] and p.sum() == pytest.approx(0.4)
+
+
+def _early_window(post: CalibrationPosterior, c_true: float, seed: int) -> CalibrationPosterior:
+    """One change (16 → 32 at step 70) early in a run whose loss carries a fast transient the
+    power law in E does not follow (+0.3·e^(−t/30)), loss noise as in `_run`."""
+    rng = np.random.default_rng(seed)
+    progress, batch = 0.0, 16
+    for t in range(160):
+        phi = 5.0 * (1 + t / 100)
+        batch = 32 if t >= 70 else 16
+        bc = c_true * phi
+        progress += batch * bc / (bc + batch)
+        loss = 1 + 10 * (1 + progress / 50) ** -0.24 + 0.3 * math.exp(-t / 30)
+        post.observe(loss + 2.1 / math.sqrt(batch * 2048) * rng.standard_normal(), batch, phi)
+    return post
+
+
+def test_effective_fraction_keeps_white_residuals_and_discounts_a_smooth_misfit():
+    rng = np.random.default_rng(0)
+    white = np.mean([effective_fraction(rng.standard_normal(120)) for _ in range(50)])
+    assert white > 0.85
+    assert effective_fraction(np.sin(np.linspace(0, 3, 120))) < 0.05
+
+
+@pytest.mark.parametrize("c_true", [0.5, 4.0])
+def test_a_misspecified_window_counts_its_independent_residuals_not_its_steps(c_true):
+    """§6.23, the cause of 3B lr-tuned R = 0.5 seed 2 (first window read c = 13.5 at truth 0.5):
+    one early window whose best fit leaves smooth residuals. Counted as n independent steps, its
+    90 % interval excludes the truth; counted as n·(1 − ρ)/(1 + ρ), it holds it."""
+    for seed in (0, 1, 2):
+        naive = _early_window(CalibrationPosterior(effective_n=False), c_true, seed).summary()
+        honest = _early_window(CalibrationPosterior(), c_true, seed).summary()
+        assert naive["experiments"] == honest["experiments"] == 1
+        assert not naive["p05"] <= c_true <= naive["p95"]
+        assert honest["p05"] <= c_true <= honest["p95"]
+
+
+def test_a_noise_limited_window_keeps_its_full_weight():
+    """White residuals (the synthetic run of `_run`, loss noise dominating): the correction
+    changes nothing."""
+    for c_true in (0.5, 2.0):
+        a = _run(c_true, 0).summary()
+        b = _run(c_true, 0, post=CalibrationPosterior(effective_n=False)).summary()
+        assert a["median"] == pytest.approx(b["median"], rel=0.05)
+        assert a["p95"] / a["p05"] == pytest.approx(b["p95"] / b["p05"], rel=0.1)

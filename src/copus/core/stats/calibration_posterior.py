@@ -114,6 +114,10 @@ class CalibrationPosterior:
     # parameter priced as in BIC): the power law's evidence where it fits, the quadratic's
     # where the estimator's lag bends the curve (~3 nats a window on the 7B sqrt-lr truth)
     average_quadratic: bool = True
+    # each window's log-likelihood × n_eff/n, n_eff from the lag-1 autocorrelation of its best
+    # fit's residuals (`window_fit.effective_fraction`): a smooth misfit, e.g. the first steps'
+    # curve that no power law in E follows, is not n independent readings (docs §6.23)
+    effective_n: bool = True
     # exponents γ of an LR factor B^γ on the progress per sample: 0 = E(B) alone (LR re-tuned
     # for every B; docs/statistics.md §4), ½ = COPUS's LR-aware Eq. 8 (an LR below its optimum,
     # e.g. in warm-up, that the sqrt rule raises with B); the evidence weighs them too
@@ -417,7 +421,13 @@ class CalibrationPosterior:
     def _close(self) -> dict | None:
         steps, self._buffer, self._since_change = self._buffer, [], None
         loglik = window_log_likelihood(
-            steps, self.log2_grid, self.min_fit_steps, self.lr_exponents, self.loss_exponents, self.average_quadratic
+            steps,
+            self.log2_grid,
+            self.min_fit_steps,
+            self.lr_exponents,
+            self.loss_exponents,
+            self.average_quadratic,
+            self.effective_n,
         )
         if loglik is None:
             return None

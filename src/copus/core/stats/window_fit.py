@@ -35,6 +35,7 @@ def window_log_likelihood(
     lr_exponents: tuple[float, ...] = (0.0,),
     loss_exponents: tuple[float, ...] = (),
     with_quadratic: bool = False,
+    effective_n: bool = True,
 ) -> np.ndarray | None:
     """log p(losses | γ, α, c) on the grid, shape (len(lr_exponents), max(len(loss_exponents), 1),
     len(log2_grid)) (module docstring); None if too few fitted steps or no change of batch.
@@ -44,6 +45,9 @@ def window_log_likelihood(
     (Ē the window's geometric mean clock), or with `loss_exponents` empty L_i ≈ a + b·x_i + q·x_i²,
     x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`: both, averaged per window,
     p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
+    `effective_n`: the log-likelihood × n_eff/n (`effective_fraction` of the best fit's
+    residuals): a window whose best fit leaves smooth, correlated residuals is misspecified and
+    counts as the few independent residuals it has, not as n (docs/robust-goodput.md §6.23).
     """
     fit = np.array([s.fit for s in steps])
     n = int(fit.sum())
@@ -58,12 +62,53 @@ def window_log_likelihood(
         wrss = _quadratic_wrss(loss, logs.reshape(n, -1), w).reshape(logs.shape[1], 1, logs.shape[2])
         quad = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
     if not loss_exponents:
-        return quad - np.max(quad)
+        out = quad
+    else:
+        out = _power_or_average(loss, logs, w, n, loss_exponents, quad)
+    if effective_n:
+        out = out * effective_fraction(_best_residuals(loss, logs, w, out, loss_exponents))
+    return out - np.max(out)
+
+
+def _power_or_average(
+    loss: np.ndarray, logs: np.ndarray, w: np.ndarray, n: int, loss_exponents: tuple[float, ...], quad
+) -> np.ndarray:
+    """The power law's −(n/2)·log WRSS per (γ, α, c), averaged with the quadratic's if given."""
     wrss = np.stack([_power_law_wrss(loss, logs, w, a) for a in loss_exponents], axis=1)  # (K, A, G)
     out = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
     if quad is not None:  # the two fits averaged, the quadratic's extra parameter priced (BIC)
         out = np.logaddexp(out, quad - 0.5 * math.log(n))
-    return out - np.max(out)
+    return out
+
+
+def _best_residuals(
+    loss: np.ndarray, logs: np.ndarray, w: np.ndarray, out: np.ndarray, loss_exponents: tuple[float, ...]
+) -> np.ndarray:
+    """Weighted residuals of the most likely (γ, α, c): its power law, or its quadratic."""
+    k, a, g = np.unravel_index(int(np.argmax(out)), out.shape)
+    if loss_exponents:
+        return _power_law_residuals(loss, logs[:, k, g], w, loss_exponents[a])
+    return _quadratic_residuals(loss, logs[:, k, g], w)
+
+
+def effective_fraction(resid: np.ndarray) -> float:
+    """n_eff / n = (1 − ρ)/(1 + ρ), ρ ∈ [0, 0.98] the lag-1 autocorrelation of the best fit's
+    residuals: the number of independent residuals of an AR(1) sequence (Bartlett 1946). White
+    residuals (noise-limited window) keep their full weight; a smooth misfit counts as few."""
+    r = resid - resid.mean()
+    den = float(r @ r)
+    rho = float(r[1:] @ r[:-1]) / den if den > 0 else 0.0
+    rho = min(max(rho, 0.0), 0.98)
+    return (1.0 - rho) / (1.0 + rho)
+
+
+def _power_law_residuals(loss: np.ndarray, log_clock: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
+    """Weighted residuals √w·(L − a − b·u) of one column's power-law fit (`_power_law_wrss`)."""
+    u = np.exp(-alpha * (log_clock - log_clock.mean()))
+    sw = np.sqrt(w)
+    design = np.stack([np.ones_like(u), u], axis=1) * sw[:, None]
+    coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
+    return loss * sw - design @ coef
 
 
 def _power_law_wrss(loss: np.ndarray, logs: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
@@ -80,13 +125,18 @@ def _power_law_wrss(loss: np.ndarray, logs: np.ndarray, w: np.ndarray, alpha: fl
 
 def _quadratic_wrss(loss: np.ndarray, clocks: np.ndarray, w: np.ndarray) -> np.ndarray:
     """WRSS of L ≈ a + b·x + q·x², x = log E centred and scaled, per column of `clocks` (n, M)."""
-    sw, n = np.sqrt(w), len(loss)
     out = np.empty(clocks.shape[1])
     for k in range(clocks.shape[1]):
-        x = clocks[:, k] - clocks[:, k].mean()
-        x = x / max(float(np.ptp(x)), 1e-12)
-        design = np.stack([np.ones(n), x, x * x], axis=1) * sw[:, None]
-        coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
-        resid = loss * sw - design @ coef
+        resid = _quadratic_residuals(loss, clocks[:, k], w)
         out[k] = float(resid @ resid)
     return out
+
+
+def _quadratic_residuals(loss: np.ndarray, log_clock: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted residuals √w·(L − a − b·x − q·x²) of one column's quadratic fit in x = log E."""
+    sw = np.sqrt(w)
+    x = log_clock - log_clock.mean()
+    x = x / max(float(np.ptp(x)), 1e-12)
+    design = np.stack([np.ones_like(x), x, x * x], axis=1) * sw[:, None]
+    coef, *_ = np.linalg.lstsq(design, loss * sw, rcond=None)
+    return loss * sw - design @ coef

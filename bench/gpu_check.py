@@ -305,11 +305,14 @@ def _na(x: float) -> float | None:
     return None if x is None or x < 0 else x
 
 
-def _injected(leg: str) -> None:
-    """The failure / hang a test asks for through FAIL_ENV / HANG_ENV (every rank)."""
+def _injected(leg: str, run_dir: str) -> None:
+    """The failure / hang a test asks for through FAIL_ENV / HANG_ENV (every rank). A hanging
+    rank first writes RUN_DIR/hanging-rank<RANK>: the test's proof that the ranks were up (and
+    so were killed by the leg's timeout, not never started)."""
     if leg in os.environ.get(FAIL_ENV, "").split(","):
         raise RuntimeError(f"injected failure ({FAIL_ENV}={leg})")
     if leg in os.environ.get(HANG_ENV, "").split(","):
+        Path(run_dir, f"hanging-rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         time.sleep(3600)
 
 
@@ -325,7 +328,7 @@ def worker(cfg, run_dir: str, resume: bool = False) -> dict:
     from copus.runtime.train.trainer import Trainer
 
     opts = json.loads(Path(run_dir, "leg.json").read_text())
-    _injected(opts["leg"])
+    _injected(opts["leg"], run_dir)
     device = init_distributed(backend=cfg.parallel.backend, timeout_s=cfg.train.nccl_timeout_s)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, run_dir, device)
@@ -361,7 +364,7 @@ def titan_worker(cfg, run_dir: str, resume: bool = False) -> dict:
     """Every rank of the torchtitan leg (bench/gpu_check_titan.py)."""
     import gpu_check_titan
 
-    _injected("torchtitan")
+    _injected("torchtitan", run_dir)
     return gpu_check_titan.worker(cfg, run_dir, resume)
 
 

@@ -272,7 +272,7 @@ class Trainer:
         if self.rank == 0:
             self.writer.console(f"copus: {message}")
 
-    def warn_blind(self, plan, num_small: int) -> None:
+    def warn_blind(self, plan: ParallelPlan, num_small: int) -> None:
         """Say once per plan that it measures no noise scale: J = num_small < 2 small gradients
         (dp = 1 and one micro-batch), so b_noise holds its last value while the plan runs."""
         if num_small >= 2 or plan in self.blind_plans:

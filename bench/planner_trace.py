@@ -6,6 +6,8 @@ experiment (docs/robust-goodput.md §6.9).
 
 TRUE_PHI=1 in the environment: every record carries the truth's noise scale instead of the
 estimator's (a diagnostic: is a misread window the noise-scale estimate or the loss fit?).
+KNOWN_C=1: c fixed at the value the estimator needs, R·1.3, as `bench/planner_grid.py --settings
+'{"calibration_mode": "fixed", "calibration": "R*1.3"}'` runs it (docs/robust-goodput.md §6.26).
 """
 
 import argparse
@@ -42,6 +44,11 @@ def _decide(self, record, plan, why, purpose):
 
 
 pm.PlanningController._decide = _decide
+if os.environ.get("KNOWN_C") == "1":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import planner_grid
+
+    planner_grid._override_default({"calibration_mode": "fixed", "calibration": "R*1.3"}, ratio)
 sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)
 sc = _preset(get_preset(preset), sim_args, truth, ratio, 0)
 if os.environ.get("TRUE_PHI") == "1":

@@ -134,3 +134,33 @@ def test_oom_on_one_rank_stops_all_and_resume_avoids_the_plan(tmp_path, capfd):
     assert [r["step"] for r in after] == [3, 4, 5]
     assert {(r["micro_batch_size"], r["num_microbatches"], r["global_batch_size"]) for r in after} == {(1, 4, 8)}
     assert "ran out of memory earlier in this run" in capfd.readouterr().out
+
+
+def test_the_oom_line_is_out_before_the_record_that_ends_the_peers(tmp_path, capsys, monkeypatch):
+    """The record is what ends the other ranks (OomWatch) and then the agent kills this one, so
+    the one-line explanation must be on stderr before the record exists (seen in CI under load:
+    the line was lost when the record went first)."""
+    from copus.runtime.train import memory_guard
+
+    guard = memory_guard.MemoryGuard.__new__(memory_guard.MemoryGuard)
+    guard.model = perf.runtime_memory_model(load_config(None, []), get_model_shape("tiny"), "cpu")
+    guard.capacity, guard.run_dir, guard.rank, guard.world = 2.0**30, tmp_path, 1, 2
+    seen: list[str] = []
+    record = infeasible.record
+
+    def spy(*args, **kwargs):
+        seen.append(capsys.readouterr().err)  # what stderr holds when the peers learn of it
+        return record(*args, **kwargs)
+
+    def no_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(memory_guard.infeasible, "record", spy)
+    monkeypatch.setattr(memory_guard.os, "_exit", no_exit)
+    plan = ParallelPlan(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=2)
+    with pytest.raises(SystemExit) as stop:
+        guard.out_of_memory(plan, 3, torch.OutOfMemoryError("CUDA out of memory (test)"))
+    assert stop.value.code == infeasible.EXIT_CODE
+    assert len(seen) == 1 and "rank 1 ran out of device memory at step 3 under plan dp2.tp1.pp1 mb2x2" in seen[0]
+    (row,) = [json.loads(x) for x in (tmp_path / infeasible.RECORD_FILE).read_text().splitlines()]
+    assert row["rank"] == 1 and row["step"] == 3

@@ -121,8 +121,9 @@ class MemoryGuard:
             raise  # not reached
 
     def out_of_memory(self, plan: ParallelPlan, step: int, err: BaseException) -> None:
-        """Record `plan`, print one line, end this rank (one rank: raise `error`)."""
-        infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
+        """Print one line, record `plan`, end this rank (one rank: raise `error`). The line goes
+        out before the record: the record is what ends the peers (`OomWatch`), and the elastic
+        agent then kills this rank too, which could otherwise happen before the line is out."""
         line = (
             f"copus: rank {self.rank} ran out of device memory at step {step} under plan "
             f"{plan.describe()} (micro-batch {plan.micro_batch_size}, "
@@ -132,7 +133,9 @@ class MemoryGuard:
             f"{self.run_dir / infeasible.RECORD_FILE}, a resume will not pick it again"
         )
         if self.world == 1:
+            infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
             raise self.error(line.removeprefix("copus: ")) from None
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+        infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
         os._exit(infeasible.EXIT_CODE)  # peers are blocked in a collective: OomWatch ends them

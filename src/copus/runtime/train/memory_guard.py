@@ -132,10 +132,10 @@ class MemoryGuard:
             f"{self.capacity / 2**30:.1f} GiB usable); recorded as infeasible in "
             f"{self.run_dir / infeasible.RECORD_FILE}, a resume will not pick it again"
         )
-        if self.world == 1:
-            infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
-            raise self.error(line.removeprefix("copus: ")) from None
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        if self.world > 1:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
         infeasible.record(self.run_dir, plan, step=step, rank=self.rank, message=str(err))
+        if self.world == 1:
+            raise self.error(line.removeprefix("copus: ")) from None
         os._exit(infeasible.EXIT_CODE)  # peers are blocked in a collective: OomWatch ends them

@@ -1,7 +1,9 @@
 """Honest-yardstick grid files side by side: one markdown row per cell, then the goals per column.
 
 Each argument is `PATH[:VARIANT][=LABEL]`: a `bench/planner_grid.py` JSON-lines file or a
-`copus simulate --truth-grid --json` file, the variant to read (default "goodput"), a label.
+`copus simulate --truth-grid --json` file, or several grid files joined by `+` whose seeds are
+pooled per cell (`seeds012.jsonl+seeds34.jsonl`: five seeds), the variant to read (default
+"goodput"), a label.
 Cells present in every file are compared. Summary per column: median capture over the cells
 with an honest ceiling ≥ 2 %, the minimum, cells more than 1 % behind the best baseline, the
 seed spread (max − min of the seeds' speed-ups, percentage points), and the speed-up over the
@@ -22,12 +24,46 @@ UNTUNED = "median static B=128"
 
 
 def load(path: str) -> dict[tuple, dict]:
-    """Cells by (preset, truth, R)."""
+    """Cells by (preset, truth, R); `A+B`: the files' seeds pooled per cell (`pool`)."""
+    if "+" in path:
+        parts = [load(p) for p in path.split("+")]
+        return {k: pool([p[k] for p in parts]) for k in set.intersection(*(set(p) for p in parts))}
     if path.endswith(".jsonl"):
         cells = [json.loads(line) for line in open(path) if line.strip()]
     else:
         cells = json.load(open(path))["cells"]
     return {(c["preset"], c["truth"], float(c["crit_ratio"])): c for c in cells}
+
+
+def pool(cells: list[dict]) -> dict:
+    """One cell from the same cell's runs on disjoint seeds: every variant's speed-up is the mean
+    over all seeds, its capture that over the mean ceiling, its spread max − min over all seeds;
+    the speed-ups over the untuned choices are seed-weighted means."""
+    per_seed_ceiling = [x for c in cells for x in c["honest_ceiling_per_seed_pct"]]
+    ceiling = statistics.fmean(per_seed_ceiling)
+    out = dict(cells[0]) | {
+        "seeds": [s for c in cells for s in c["seeds"]],
+        "honest_ceiling_pct": ceiling,
+        "honest_ceiling_per_seed_pct": per_seed_ceiling,
+        "ceiling_ge_2pct": ceiling >= 2.0,
+        "variants": {},
+    }
+    for name in set.intersection(*(set(c["variants"]) for c in cells)):
+        vs = [c["variants"][name] for c in cells]
+        per_seed = [x for v in vs for x in v["per_seed_pct"]]
+        n = [len(v["per_seed_pct"]) for v in vs]
+        untuned = set.intersection(*(set(v.get("vs_untuned_pct", {})) for v in vs))
+        speedup = statistics.fmean(per_seed)
+        out["variants"][name] = {
+            "speedup_pct": speedup,
+            "capture": speedup / ceiling if ceiling else float("nan"),
+            "per_seed_pct": per_seed,
+            "seed_spread_pct": max(per_seed) - min(per_seed),
+            "vs_untuned_pct": {
+                u: sum(k * v["vs_untuned_pct"][u] for k, v in zip(n, vs)) / sum(n) for u in sorted(untuned)
+            },
+        }
+    return out
 
 
 def summary(cells: list[dict], variant: str) -> dict:

@@ -70,6 +70,10 @@ LOG2_C_RANGE = (-4.0, 8.0)  # c from 1/16 to 256: McCandlish 0.12 … 20, Merril
 GRID_POINTS = 49  # quarter-octave steps
 # the truths fitted to COPUS's rows have loss exponents α = 0.17–0.26; Kaplan's L(D) 0.095
 POWER_LAW_EXPONENTS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
+# offsets E_0 of the power law L ≈ a + b·(E + E_0)^(−α), as fractions of the clock at the first step
+# the posterior read, learnt with α and c (uniform prior): an early window (E within a few E_0)
+# fitted from E = 0 read c 5–13x high (docs/robust-goodput.md §6.27); (0.0,) = no offset
+LOSS_OFFSETS = (0.0, 0.125, 0.25, 0.5, 1.0)
 # the lag, in steps, of the GNS estimator modelled in the clock (`CalibrationPosterior.lag_steps`)
 # when none is given: an EMA with per-step decay a lags a steadily drifting signal by a/(1 − a)
 # steps (99 at COPUS's late decay 0.99; docs/robust-goodput.md §6.13); 0 = off
@@ -110,6 +114,8 @@ class CalibrationPosterior:
     # quadratic's ~1.6, but the GNS estimator's EMA lag, which kinks at a change, reads as a bend
     # too (c ~2x high); () = the quadratic alone (the first version). docs §6.10
     loss_exponents: tuple[float, ...] = POWER_LAW_EXPONENTS
+    # offsets E_0 = f·E_c(first read) of that power law, one per run, learnt with α (`LOSS_OFFSETS`)
+    loss_offsets: tuple[float, ...] = LOSS_OFFSETS
     # average each window's power-law likelihood with the quadratic's (the quadratic's third
     # parameter priced as in BIC): the power law's evidence where it fits, the quadratic's
     # where the estimator's lag bends the curve (~3 nats a window on the 7B sqrt-lr truth)
@@ -153,12 +159,14 @@ class CalibrationPosterior:
     # gain with B looks like a larger c, which the c axis already reads; docs §6.14)
     lr_overshoot_only: bool = True
     log2_grid: np.ndarray = field(default_factory=lambda: np.linspace(*LOG2_C_RANGE, GRID_POINTS))
-    log_post: np.ndarray = field(init=False)  # (len(lr_exponents), max(len(loss_exponents), 1), len(log2_grid))
+    # (len(lr_exponents) + len(lr_fractions), len(loss_exponents)·len(loss_offsets) or 1, len(log2_grid))
+    log_post: np.ndarray = field(init=False)
     experiments: list[dict] = field(default_factory=list)
     _buffer: list[WindowStep] = field(default_factory=list)
     _last_batch: float | None = None
     _since_change: int | None = None  # steps since the last change in the buffer
     _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
+    _first_clock: np.ndarray | None = None  # E_c at the first step read (the loss offsets' unit)
     _pending: deque = field(default_factory=deque)  # (loss, batch, b_noise, usable) awaiting φ(t + lag)
 
     def __post_init__(self) -> None:
@@ -198,7 +206,9 @@ class CalibrationPosterior:
             prior_g = np.concatenate([prior_g * (1.0 - self.prior_lr_fractions), frac])
         if any(not (math.isfinite(a) and a > 0) for a in self.loss_exponents):
             raise ValueError(f"loss_exponents={self.loss_exponents!r} are invalid; allowed: finite numbers > 0")
-        n_alpha = max(len(self.loss_exponents), 1)
+        if not self.loss_offsets or any(not (math.isfinite(f) and f >= 0) for f in self.loss_offsets):
+            raise ValueError(f"loss_offsets={self.loss_offsets!r} are invalid; allowed: finite numbers >= 0")
+        n_alpha = max(len(self.loss_exponents) * len(self.loss_offsets), 1)
         self.log_post = np.log(prior_g)[:, None, None] - 0.5 * (z * z)[None, None, :] + np.zeros((1, n_alpha, 1))
 
     # ---- reading ---------------------------------------------------------------------------
@@ -214,7 +224,16 @@ class CalibrationPosterior:
         if not self.loss_exponents:
             return None
         p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
+        p = p.reshape(len(self.loss_exponents), len(self.loss_offsets)).sum(axis=1)
         return float(self.loss_exponents[int(np.argmax(p))])
+
+    def loss_offset(self) -> float | None:
+        """The most probable offset fraction f (E_0 = f·E_c at the first read; None: the quadratic)."""
+        if not self.loss_exponents:
+            return None
+        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
+        p = p.reshape(len(self.loss_exponents), len(self.loss_offsets)).sum(axis=0)
+        return float(self.loss_offsets[int(np.argmax(p))])
 
     def probabilities(self) -> np.ndarray:
         """p(c), the marginal over the LR exponents."""
@@ -367,6 +386,8 @@ class CalibrationPosterior:
         if not (usable and math.isfinite(loss) and math.isfinite(b_noise) and b_noise > 0):
             self._reset()
             return None
+        if self._first_clock is None:
+            self._first_clock = self._clock.copy()
         changed = (
             self._last_batch is not None
             and batch != self._last_batch
@@ -428,6 +449,8 @@ class CalibrationPosterior:
             self.loss_exponents,
             self.average_quadratic,
             self.effective_n,
+            self.loss_offsets,
+            self._first_clock,
         )
         if loglik is None:
             return None
@@ -454,6 +477,7 @@ class CalibrationPosterior:
             "log2_grid": self.log2_grid.tolist(),
             "experiments": list(self.experiments),
             "clock": None if self._clock is None else self._clock.tolist(),
+            "first_clock": None if self._first_clock is None else self._first_clock.tolist(),
             "pending": [list(p) for p in self._pending],
             "lag_state": [self._ema_w, self._ema_age, self._seen, self._lag_ratio],
         }
@@ -463,6 +487,9 @@ class CalibrationPosterior:
         post = np.asarray(state["log_post"], dtype=float)
         if post.ndim == 2 and post.shape[0] == self.log_post.shape[0]:  # saved before the α axis
             post = np.broadcast_to(post[:, None, :], self.log_post.shape).copy()
+        n_off = len(self.loss_offsets)
+        if post.ndim == 3 and n_off > 1 and post.shape[1] * n_off == self.log_post.shape[1]:
+            post = np.repeat(post, n_off, axis=1)  # saved before the offsets: uniform over them
         if (
             grid.shape != self.log2_grid.shape
             or not np.allclose(grid, self.log2_grid)
@@ -476,6 +503,8 @@ class CalibrationPosterior:
         self.experiments = list(state.get("experiments", []))
         clock = state.get("clock")
         self._clock = None if clock is None else np.asarray(clock, dtype=float)
+        first = state.get("first_clock")
+        self._first_clock = None if first is None else np.asarray(first, dtype=float)
         self._reset()
         self._pending = deque(tuple(p) for p in state.get("pending", []))
         self._ema_w, self._ema_age, seen, self._lag_ratio = state.get("lag_state", [0.0, 0.0, 0, 1.0])

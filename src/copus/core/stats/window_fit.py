@@ -4,8 +4,16 @@ states the model; docs/robust-goodput.md §6.10, §6.12).
 
 For every c on the grid the clock E_c(t) = Σ_{i≤t} ΔE_i(c) puts the window's losses on one
 axis; the right c leaves no bend where the batch changed. The losses are fitted by weighted least
-squares as a power law L ≈ a + b·E_c^(−α) (Kaplan et al. 2020, L(D)) per α, and/or as a quadratic
-in log E_c; the profile likelihood with the noise level unknown is −(n/2)·log WRSS(c).
+squares as a power law L ≈ a + b·(E_c + E_0)^(−α) (Kaplan et al. 2020, L(D), with the offset E_0 of a
+curve that starts from a finite loss) per (α, E_0), and/or as a quadratic in log E_c; the profile
+likelihood with the noise level unknown is −(n/2)·log WRSS(c).
+
+The offset E_0 = f·E_c(t_first), f in `loss_offsets`, a fraction of the clock at the first step the
+posterior read (`first_clock`). A loss curve starts from a finite loss: the simulator's truths fall
+as L_∞ + (L_0 − L_∞)(1 + E/E_0)^(−α) (`core.sim.trajectory`), which an early window (E within a few
+E_0) cannot fit as a power law from E = 0; a clock warped by a wrong c fits it better, and the window
+read c 5–13× high (docs/robust-goodput.md §6.27). E_0 is bounded by the first read's clock: the
+curve's first phase is over by then (the posterior reads after the noise scale's warm-up).
 Pure numpy; no torch.
 """
 
@@ -36,15 +44,19 @@ def window_log_likelihood(
     loss_exponents: tuple[float, ...] = (),
     with_quadratic: bool = False,
     effective_n: bool = True,
+    loss_offsets: tuple[float, ...] = (0.0,),
+    first_clock: np.ndarray | None = None,
 ) -> np.ndarray | None:
-    """log p(losses | γ, α, c) on the grid, shape (len(lr_exponents), max(len(loss_exponents), 1),
-    len(log2_grid)) (module docstring); None if too few fitted steps or no change of batch.
+    """log p(losses | γ, (α, f), c) on the grid, shape (len(lr_exponents), len(loss_exponents) ·
+    len(loss_offsets) (α-major; 1 without exponents), len(log2_grid)) (module docstring); None if
+    too few fitted steps or no change of batch.
 
     Clock: E(t) = Σ_{i≤t} B_i^γ · B_i·cφ_i/(cφ_i + B_i) since the run's first step. Fit, weights
-    B_i, over the steps with `fit`: L_i ≈ a + b·(E_i/Ē)^(−α) for each α in `loss_exponents`
-    (Ē the window's geometric mean clock), or with `loss_exponents` empty L_i ≈ a + b·x_i + q·x_i²,
-    x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`: both, averaged per window,
-    p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
+    B_i, over the steps with `fit`: L_i ≈ a + b·((E_i + E_0)/Ē)^(−α) for each α in `loss_exponents`
+    and E_0 = f·`first_clock` (per γ, c) for each f in `loss_offsets` (Ē the window's geometric
+    mean of E + E_0; f = 0 or no `first_clock`: no offset), or with `loss_exponents` empty
+    L_i ≈ a + b·x_i + q·x_i², x = log E centred and scaled; −(n/2)·log WRSS. `with_quadratic`:
+    both, averaged per window, p = p_power(α) + p_quadratic/sqrt(n) (the quadratic's third parameter priced as in BIC).
     `effective_n`: the log-likelihood × n_eff/n (`effective_fraction` of the best fit's
     residuals): a window whose best fit leaves smooth, correlated residuals is misspecified and
     counts as the few independent residuals it has, not as n (docs/robust-goodput.md §6.23).
@@ -61,20 +73,30 @@ def window_log_likelihood(
     if with_quadratic or not loss_exponents:
         wrss = _quadratic_wrss(loss, logs.reshape(n, -1), w).reshape(logs.shape[1], 1, logs.shape[2])
         quad = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
+    shifted = [_offset_log_clock(logs, f, first_clock) for f in loss_offsets] if loss_exponents else []
     if not loss_exponents:
         out = quad
     else:
-        out = _power_or_average(loss, logs, w, n, loss_exponents, quad)
+        out = _power_or_average(loss, shifted, w, n, loss_exponents, quad)
     if effective_n:
-        out = out * effective_fraction(_best_residuals(loss, logs, w, out, loss_exponents))
+        out = out * effective_fraction(_best_residuals(loss, logs, w, out, loss_exponents, shifted))
     return out - np.max(out)
 
 
+def _offset_log_clock(logs: np.ndarray, fraction: float, first_clock: np.ndarray | None) -> np.ndarray:
+    """log(E + E_0), E_0 = fraction·first_clock per (γ, c) column; `logs` (n, K, G) unchanged
+    for fraction 0 or no first clock."""
+    if fraction <= 0 or first_clock is None:
+        return logs
+    return np.logaddexp(logs, np.log(np.maximum(fraction * first_clock, 1e-12))[None])
+
+
 def _power_or_average(
-    loss: np.ndarray, logs: np.ndarray, w: np.ndarray, n: int, loss_exponents: tuple[float, ...], quad
+    loss: np.ndarray, shifted: list[np.ndarray], w: np.ndarray, n: int, loss_exponents: tuple[float, ...], quad
 ) -> np.ndarray:
-    """The power law's −(n/2)·log WRSS per (γ, α, c), averaged with the quadratic's if given."""
-    wrss = np.stack([_power_law_wrss(loss, logs, w, a) for a in loss_exponents], axis=1)  # (K, A, G)
+    """The power law's −(n/2)·log WRSS per (γ, (α, E_0), c), α-major over `shifted` (one
+    log(E + E_0) per offset), averaged with the quadratic's if given."""
+    wrss = np.stack([_power_law_wrss(loss, s, w, a) for a in loss_exponents for s in shifted], axis=1)
     out = -0.5 * n * np.log(np.maximum(wrss, 1e-300))
     if quad is not None:  # the two fits averaged, the quadratic's extra parameter priced (BIC)
         out = np.logaddexp(out, quad - 0.5 * math.log(n))
@@ -82,12 +104,18 @@ def _power_or_average(
 
 
 def _best_residuals(
-    loss: np.ndarray, logs: np.ndarray, w: np.ndarray, out: np.ndarray, loss_exponents: tuple[float, ...]
+    loss: np.ndarray,
+    logs: np.ndarray,
+    w: np.ndarray,
+    out: np.ndarray,
+    loss_exponents: tuple[float, ...],
+    shifted: list[np.ndarray],
 ) -> np.ndarray:
-    """Weighted residuals of the most likely (γ, α, c): its power law, or its quadratic."""
-    k, a, g = np.unravel_index(int(np.argmax(out)), out.shape)
+    """Weighted residuals of the most likely (γ, (α, E_0), c): its power law, or its quadratic."""
+    k, j, g = np.unravel_index(int(np.argmax(out)), out.shape)
     if loss_exponents:
-        return _power_law_residuals(loss, logs[:, k, g], w, loss_exponents[a])
+        a, f = divmod(int(j), len(shifted))
+        return _power_law_residuals(loss, shifted[f][:, k, g], w, loss_exponents[a])
     return _quadratic_residuals(loss, logs[:, k, g], w)
 
 

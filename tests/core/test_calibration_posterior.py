@@ -189,7 +189,7 @@ def test_the_power_law_and_the_average_keep_the_grid_shape():
     post = CalibrationPosterior(prior_c=4.0, min_ratio=1.3, loss_exponents=POWER_LAW_EXPONENTS, average_quadratic=True)
     post = _sqrt_lr_run(0, post, noise=0.0)
     assert post.loss_exponent() in POWER_LAW_EXPONENTS and len(post.experiments) == 3
-    assert post.log_post.shape == (1, len(POWER_LAW_EXPONENTS) * len(LOSS_OFFSETS), len(post.log2_grid))
+    assert post.log_post.shape == (1, len(POWER_LAW_EXPONENTS), len(post.log2_grid))
     assert CalibrationPosterior(loss_exponents=()).loss_exponent() is None
 
 
@@ -198,7 +198,7 @@ def test_a_state_saved_before_the_loss_exponent_axis_loads():
     old = post.state_dict() | {"log_post": post.log_post[:, 0, :].tolist()}  # (K, G), as main saved it
     other = CalibrationPosterior()
     other.load_state_dict(old)
-    assert other.log_post.shape == (1, len(POWER_LAW_EXPONENTS) * len(LOSS_OFFSETS), len(other.log2_grid))
+    assert other.log_post.shape == (1, len(POWER_LAW_EXPONENTS), len(other.log2_grid))
     assert other.quantile_c(0.5) == pytest.approx(post.quantile_c(0.5), rel=1e-6)
 
 
@@ -350,8 +350,8 @@ def test_an_early_window_on_a_curve_with_an_offset_reads_c(c_true):
     the curve's start better); with E_0 learnt as a fraction of the first read's clock it is
     within 1.5x."""
     kw = {"min_ratio": 1.3, "tempering": 0.5}
-    old = _offset_early_window(CalibrationPosterior(loss_offsets=(0.0,), **kw), c_true).experiments
-    new = _offset_early_window(CalibrationPosterior(**kw), c_true).experiments
+    old = _offset_early_window(CalibrationPosterior(**kw), c_true).experiments  # the default: no offset
+    new = _offset_early_window(CalibrationPosterior(loss_offsets=LOSS_OFFSETS, **kw), c_true).experiments
     assert len(old) == len(new) == 1
     assert old[0]["c_ml"] / c_true > 4.0
     assert abs(math.log2(new[0]["c_ml"] / c_true)) < math.log2(1.5)
@@ -366,15 +366,15 @@ def test_no_offset_is_the_posterior_without_the_offsets():
 
 
 def test_the_first_clock_and_a_state_saved_before_the_offsets_load():
-    post = _run(2.0, 0)
+    post = _run(2.0, 0, post=CalibrationPosterior(loss_offsets=LOSS_OFFSETS))
     assert post.loss_offset() in LOSS_OFFSETS
-    other = CalibrationPosterior()
+    other = CalibrationPosterior(loss_offsets=LOSS_OFFSETS)
     other.load_state_dict(post.state_dict())
     assert np.array_equal(other.log_post, post.log_post) and other.value() == post.value()
-    old_post = _run(2.0, 0, post=CalibrationPosterior(loss_offsets=(0.0,)))
+    old_post = _run(2.0, 0)
     old = old_post.state_dict()
     del old["first_clock"]  # as main saved it before the offsets
-    other = CalibrationPosterior()
+    other = CalibrationPosterior(loss_offsets=LOSS_OFFSETS)
     other.load_state_dict(old)
     assert other.log_post.shape == (1, len(POWER_LAW_EXPONENTS) * len(LOSS_OFFSETS), len(other.log2_grid))
     assert other.quantile_c(0.5) == pytest.approx(old_post.quantile_c(0.5), rel=1e-9)

@@ -223,21 +223,22 @@ class CalibrationPosterior:
         p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=1)
         return p / p.sum()
 
+    def _curve_marginal(self) -> np.ndarray:
+        """Unnormalised p(α, f), shape (len(loss_exponents), len(loss_offsets))."""
+        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
+        return p.reshape(len(self.loss_exponents), len(self.loss_offsets))
+
     def loss_exponent(self) -> float | None:
         """The most probable loss exponent α (None: the quadratic fit)."""
         if not self.loss_exponents:
             return None
-        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
-        p = p.reshape(len(self.loss_exponents), len(self.loss_offsets)).sum(axis=1)
-        return float(self.loss_exponents[int(np.argmax(p))])
+        return float(self.loss_exponents[int(np.argmax(self._curve_marginal().sum(axis=1)))])
 
     def loss_offset(self) -> float | None:
         """The most probable offset fraction f (E_0 = f·E_c at the first read; None: the quadratic)."""
         if not self.loss_exponents:
             return None
-        p = np.exp(self.log_post - np.max(self.log_post)).sum(axis=(0, 2))
-        p = p.reshape(len(self.loss_exponents), len(self.loss_offsets)).sum(axis=0)
-        return float(self.loss_offsets[int(np.argmax(p))])
+        return float(self.loss_offsets[int(np.argmax(self._curve_marginal().sum(axis=0)))])
 
     def probabilities(self) -> np.ndarray:
         """p(c), the marginal over the LR exponents."""

@@ -8,8 +8,8 @@ squares as a power law L ≈ a + b·(E_c + E_0)^(−α) (Kaplan et al. 2020, L(D
 curve that starts from a finite loss) per (α, E_0), and/or as a quadratic in log E_c; the profile
 likelihood with the noise level unknown is −(n/2)·log WRSS(c).
 
-The offset E_0 = f·E_c(t_first), f in `loss_offsets`, a fraction of the clock at the first step the
-posterior read (`first_clock`). A loss curve starts from a finite loss: the simulator's truths fall
+With `loss_offsets` (a variant, none by default: §6.27) the offset is E_0 = f·E_c(t_first), a
+fraction of the clock at the first step the posterior read (`first_clock`). A loss curve starts from a finite loss: the simulator's truths fall
 as L_∞ + (L_0 − L_∞)(1 + E/E_0)^(−α) (`core.sim.trajectory`), which an early window (E within a few
 E_0) cannot fit as a power law from E = 0; a clock warped by a wrong c fits it better, and the window
 read c 5–13× high (docs/robust-goodput.md §6.27). E_0 is bounded by the first read's clock: the

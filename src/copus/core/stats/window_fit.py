@@ -9,11 +9,12 @@ curve that starts from a finite loss) per (α, E_0), and/or as a quadratic in lo
 likelihood with the noise level unknown is −(n/2)·log WRSS(c).
 
 With `loss_offsets` (a variant, none by default: §6.27) the offset is E_0 = f·E_c(t_first), a
-fraction of the clock at the first step the posterior read (`first_clock`). A loss curve starts from a finite loss: the simulator's truths fall
-as L_∞ + (L_0 − L_∞)(1 + E/E_0)^(−α) (`core.sim.trajectory`), which an early window (E within a few
-E_0) cannot fit as a power law from E = 0; a clock warped by a wrong c fits it better, and the window
-read c 5–13× high (docs/robust-goodput.md §6.27). E_0 is bounded by the first read's clock: the
-curve's first phase is over by then (the posterior reads after the noise scale's warm-up).
+fraction of the clock at the first step the posterior read (`first_clock`). A loss curve starts
+from a finite loss: the simulator's truths fall as L_∞ + (L_0 − L_∞)(1 + E/E_0)^(−α)
+(`core.sim.trajectory`), which an early window (E within a few E_0) cannot fit as a power law
+from E = 0; a clock warped by a wrong c fits it better, and the window read c 5–13× high
+(docs/robust-goodput.md §6.27). E_0 is bounded by the first read's clock: the curve's first phase
+is over by then (the posterior reads after the noise scale's warm-up).
 Pure numpy; no torch.
 """
 

@@ -399,6 +399,36 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     assert exp["value_s"] > exp["cost_s"] and exp["instead_of"] == 16
 
 
+def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it(monkeypatch):
+    """docs/robust-goodput.md §6.28: an experiment is a measurement, not a commitment. The truth
+    B_crit = 20 (c = 16 on the reported φ): a window at B = 32 (the experiment at step 120) tells
+    that B = 16 has the higher expected rate; once it is read the plan goes back to 16. Without
+    the return the experiment's batch is the floor (a smaller batch only where it is best at the
+    posterior's 95 % quantile of c) and the run stays at 32. The pending return survives a
+    checkpoint."""
+    import copus.core.control.planner as planner_module
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
+    runs = {}
+    for back in (False, True):
+        monkeypatch.setattr(planner_module, "RETURN_AFTER_EXPERIMENT", back)
+        rng = np.random.default_rng(1)
+        curve = lambda e, rng=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + 0.012 * rng.standard_normal()  # noqa: E731
+        ctrl = _planner(settings=auto, horizon_tokens=4e9)
+        moves, _, _ = _drive(ctrl, 400, c=16.0, bcrit=lambda e: 20.0, loss=curve)
+        runs[back] = (ctrl, [(d.step, d.plan.global_batch_size) for d in moves])
+    assert runs[False][1] == [(120, 32)]  # the experiment's batch became the floor
+    assert runs[False][0].experiment_from == 16.0
+    ctrl, moves = runs[True]
+    assert moves[0] == (120, 32) and moves[1][1] == 16 and moves[1][0] > 120, moves
+    assert ctrl.experiment_from is None  # the return was the plan's own move
+    held = runs[False][0]
+    twin = _planner(settings=auto, horizon_tokens=4e9)
+    twin.load_state_dict(json.loads(json.dumps(held.state_dict())))
+    assert twin.experiment_from == 16.0
+
+
 def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch):
     """docs/robust-goodput.md §6.14: told the run scales the LR by sqrt(B/B_ref), the plan's rate
     at batch B is ΔE·(2x − x²)/step_s under the posterior's x0 rows; all mass on the LR re-tuned

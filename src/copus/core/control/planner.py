@@ -65,7 +65,9 @@ probes none (docs/robust-goodput.md §6.19).
   information exceeds its cost (`core.control.experiment_value`: the expected time the batch
   choice would save over the rest of the run if the posterior were updated by the bend the move
   would show, against the expected time lost over the window at that batch); the batch does not
-  fall until that window has been read.
+  fall until that window has been read, and may then fall back to the batch before the
+  experiment without further evidence (`RETURN_AFTER_EXPERIMENT`, §6.28: an experiment is a
+  measurement, not a commitment).
 - **Record**: each decision point leaves one decisions.jsonl row (`"event": "considered"`):
   the plan taken, and the best layout and batch refused with what they were predicted to gain
   and what they had to clear (the switch cost; for a batch, the chosen batch's rate).
@@ -97,6 +99,10 @@ SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile
 # value of information exceeds its cost; off by default (measured: helps the 3B/13B cells, costs
 # the 32B/7B ones); `bench/planner_grid.py --voi-experiments` turns it on
 EXPERIMENTS = False
+# after an experiment's window has closed the batch may fall back to the batch before the
+# experiment without evidence about c (docs/robust-goodput.md §6.28): without it an experiment's
+# batch became the floor and VoI experiments cost every low-c cell (§6.25)
+RETURN_AFTER_EXPERIMENT = True
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -150,6 +156,9 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         # `copus profile`'s measured medians (controller.profile): plan -> step seconds
         self.profile = {p: float(t) for p, t in profile if math.isfinite(t) and t > 0}
         self.experiment_batch: float | None = None  # the batch of the experiment being read
+        # the batch before the first of a chain of experiments: the plan may return to it once the
+        # experiment's window has closed (an experiment is a measurement, not a commitment)
+        self.experiment_from: float | None = None
         self.readable_from = 0  # the first step past the LR warm-up
         self._layouts()
 
@@ -318,10 +327,14 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         `SHRINK_QUANTILE` of c and the highest noise-scale reading of the last `interval_steps`
         stretches (with c fixed: never). The forecast of φ never falls (slope ≥ 0), so a
         smaller batch is never planned for a reading of φ alone: a gradient spike, which
-        moves the online φ for many steps, does not shrink the batch."""
+        moves the online φ for many steps, does not shrink the batch. After an experiment's
+        window has been read, "the current one" is the batch before the experiment
+        (`experiment_from`, with `RETURN_AFTER_EXPERIMENT`)."""
         cur = float(self.plan.global_batch_size)
         if self.posterior is None or not len(self.chunks) or self._in_experiment():
             return cur
+        if self.experiment_from is not None and RETURN_AFTER_EXPERIMENT:
+            cur = min(cur, self.experiment_from)  # an experiment's batch is no floor once read
         recent = [c[2] / c[3] for c in self.chunks[-self.interval_steps :] if c[3] > 0]
         phi = max([float(np.max(phi_now))] + recent)
         r = self.rates(np.array([self.posterior.quantile_c(SHRINK_QUANTILE) * phi]), step_s)[0]
@@ -410,6 +423,10 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             return None
         if plan.get("experiment") is not None:
             self.experiment_batch = float(target.global_batch_size)
+            if self.experiment_from is None:
+                self.experiment_from = float(record.plan.global_batch_size)
+        elif target.global_batch_size != record.plan.global_batch_size:
+            self.experiment_from = None  # the plan's own batch move: no return is owed
         return self._decide(record, target, self.events[-1]["why"], "decide")
 
     def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
@@ -553,6 +570,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             "step_misses": list(self.step_misses),
             "window_base": self.window_base,
             "experiment_batch": self.experiment_batch,
+            "experiment_from": self.experiment_from,
             "readable_from": self.readable_from,
         }
 
@@ -564,4 +582,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.window_base = None if base is None else float(base)
         exp = state.get("experiment_batch")
         self.experiment_batch = None if exp is None else float(exp)
+        start = state.get("experiment_from")
+        self.experiment_from = None if start is None else float(start)
         self.readable_from = int(state.get("readable_from", 0))

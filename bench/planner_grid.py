@@ -46,6 +46,18 @@ def main() -> int:
         "information (docs/robust-goodput.md §6.9)",
     )
     ap.add_argument(
+        "--no-return",
+        action="store_true",
+        help="with --voi-experiments: an experiment's batch stays the floor once read (before "
+        "docs/robust-goodput.md §6.28; the return to the batch before it is the default since)",
+    )
+    ap.add_argument(
+        "--loss-offsets",
+        action="store_true",
+        help="the posterior's off-by-default variant: the window's power law carries the loss curve's "
+        "offset E0 = f x the first read's clock (LOSS_OFFSETS; docs/robust-goodput.md §6.27)",
+    )
+    ap.add_argument(
         "--no-lag-model",
         action="store_true",
         help="the posterior over c does not model the noise-scale EMA's lag in its clock (the default "
@@ -93,6 +105,15 @@ def main() -> int:
         import copus.core.control.planner as planner_module
 
         planner_module.EXPERIMENTS = True
+        planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
+    if args.loss_offsets:
+        import functools
+
+        import copus.core.control.controller as controller_module
+        from copus.core.stats.calibration_posterior import LOSS_OFFSETS
+
+        posterior_class = controller_module.CalibrationPosterior
+        controller_module.CalibrationPosterior = functools.partial(posterior_class, loss_offsets=LOSS_OFFSETS)
     if args.warmup_hold is not None:
         import copus.core.control.planner as planner_module
 

@@ -42,20 +42,24 @@ def main() -> int:
     ap.add_argument(
         "--voi-experiments",
         action="store_true",
-        help="the planner's off-by-default variant: upward batch experiments priced by their value of "
-        "information (docs/robust-goodput.md §6.9)",
+        help="upward batch experiments priced by their value of information (docs/robust-goodput.md "
+        "§6.9); the default since §6.28, so the flag changes nothing (kept for the older sections' commands)",
+    )
+    ap.add_argument(
+        "--no-voi-experiments",
+        action="store_true",
+        help="the planner without its VoI experiments (the default before docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
         "--no-return",
         action="store_true",
-        help="with --voi-experiments: an experiment's batch stays the floor once read (before "
-        "docs/robust-goodput.md §6.28; the return to the batch before it is the default since)",
+        help="an experiment's batch stays the floor once read (before docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
-        "--loss-offsets",
+        "--no-loss-offsets",
         action="store_true",
-        help="the posterior's off-by-default variant: the window's power law carries the loss curve's "
-        "offset E0 = f x the first read's clock (LOSS_OFFSETS; docs/robust-goodput.md §6.27)",
+        help="the planner's window fit without the loss curve's offset (the default before "
+        "docs/robust-goodput.md §6.28; LOSS_OFFSETS, §6.27)",
     )
     ap.add_argument(
         "--no-lag-model",
@@ -101,19 +105,15 @@ def main() -> int:
 
         controller_module.LR_RULE_FACTOR = True
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
-    if args.voi_experiments:
+    if args.no_voi_experiments or args.no_return:
         import copus.core.control.planner as planner_module
 
-        planner_module.EXPERIMENTS = True
+        planner_module.EXPERIMENTS = not args.no_voi_experiments
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
-    if args.loss_offsets:
-        import functools
-
+    if args.no_loss_offsets:
         import copus.core.control.controller as controller_module
-        from copus.core.stats.calibration_posterior import LOSS_OFFSETS
 
-        posterior_class = controller_module.CalibrationPosterior
-        controller_module.CalibrationPosterior = functools.partial(posterior_class, loss_offsets=LOSS_OFFSETS)
+        controller_module.PLANNER_LOSS_OFFSETS = (0.0,)
     if args.warmup_hold is not None:
         import copus.core.control.planner as planner_module
 

@@ -42,24 +42,20 @@ def main() -> int:
     ap.add_argument(
         "--voi-experiments",
         action="store_true",
-        help="upward batch experiments priced by their value of information (docs/robust-goodput.md "
-        "§6.9); the default since §6.28, so the flag changes nothing (kept for the older sections' commands)",
-    )
-    ap.add_argument(
-        "--no-voi-experiments",
-        action="store_true",
-        help="the planner without its VoI experiments (the default before docs/robust-goodput.md §6.28)",
+        help="the planner's off-by-default variant: upward batch experiments priced by their value of "
+        "information (docs/robust-goodput.md §6.9); since §6.28 the batch may return after one is read",
     )
     ap.add_argument(
         "--no-return",
         action="store_true",
-        help="an experiment's batch stays the floor once read (before docs/robust-goodput.md §6.28)",
+        help="with --voi-experiments: an experiment's batch stays the floor once read (before "
+        "docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
-        "--no-loss-offsets",
+        "--loss-offsets",
         action="store_true",
-        help="the planner's window fit without the loss curve's offset (the default before "
-        "docs/robust-goodput.md §6.28; LOSS_OFFSETS, §6.27)",
+        help="the planner's off-by-default variant: its window fit carries the loss curve's offset "
+        "E0 = f x the first read's clock (LOSS_OFFSETS; docs/robust-goodput.md §6.27, §6.28)",
     )
     ap.add_argument(
         "--no-lag-model",
@@ -105,15 +101,16 @@ def main() -> int:
 
         controller_module.LR_RULE_FACTOR = True
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
-    if args.no_voi_experiments or args.no_return:
+    if args.voi_experiments:
         import copus.core.control.planner as planner_module
 
-        planner_module.EXPERIMENTS = not args.no_voi_experiments
+        planner_module.EXPERIMENTS = True
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
-    if args.no_loss_offsets:
+    if args.loss_offsets:
         import copus.core.control.controller as controller_module
+        from copus.core.stats.calibration_posterior import LOSS_OFFSETS
 
-        controller_module.PLANNER_LOSS_OFFSETS = (0.0,)
+        controller_module.PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
     if args.warmup_hold is not None:
         import copus.core.control.planner as planner_module
 

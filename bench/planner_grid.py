@@ -52,6 +52,14 @@ def main() -> int:
         "docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
+        "--repeat-growth",
+        type=float,
+        default=None,
+        help="with --voi-experiments: the same experiment is taken again only once the noise scale has grown "
+        "this many-fold (default: the planner's REPEAT_PHI_GROWTH; 0: any time, as docs/robust-goodput.md "
+        "§6.28's grid ran)",
+    )
+    ap.add_argument(
         "--loss-offsets",
         action="store_true",
         help="the planner's off-by-default variant: its window fit carries the loss curve's offset "
@@ -106,6 +114,8 @@ def main() -> int:
 
         planner_module.EXPERIMENTS = True
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
+        if args.repeat_growth is not None:
+            planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
     if args.loss_offsets:
         import copus.core.control.controller as controller_module
         from copus.core.stats.calibration_posterior import LOSS_OFFSETS

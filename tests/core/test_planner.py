@@ -429,6 +429,28 @@ def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it
     assert twin.experiment_from == 16.0
 
 
+def test_an_experiment_is_repeated_only_once_the_noise_scale_has_grown(monkeypatch):
+    """docs/robust-goodput.md §6.28: at the same cφ/B a second window at the same pair of batches
+    would read what the first read; on the long pre-training truth, where cφ ≪ B, the VoI priced
+    the same experiment again and again (51–132 round trips 256 → 512 → 256). The pair is taken
+    again only once φ has grown `REPEAT_PHI_GROWTH`-fold; the record survives a checkpoint."""
+    import copus.core.control.planner as planner_module
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    ctrl = _planner(settings=auto, horizon_tokens=4e9)
+    ctrl.experiment_phi["16>32"] = 1.0
+    for phi, again in ((1.0, False), (1.9, False), (2.0, True)):
+        ctrl.chunks = [[16.0, 10.0, 10.0 * phi, 10.0, 1.0]]  # [batch, steps, Σφ, steps with φ, first step]
+        assert ctrl._may_repeat(16.0, 32.0) is again, phi
+    assert ctrl._may_repeat(16.0, 22.0)  # another pair: never taken
+    monkeypatch.setattr(planner_module, "REPEAT_PHI_GROWTH", 0.0)
+    ctrl.chunks = [[16.0, 10.0, 10.0, 10.0, 1.0]]
+    assert ctrl._may_repeat(16.0, 32.0)  # 0: any time (as measured before the rule)
+    twin = _planner(settings=auto, horizon_tokens=4e9)
+    twin.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
+    assert twin.experiment_phi == {"16>32": 1.0}
+
+
 def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch):
     """docs/robust-goodput.md §6.14: told the run scales the LR by sqrt(B/B_ref), the plan's rate
     at batch B is ΔE·(2x − x²)/step_s under the posterior's x0 rows; all mass on the LR re-tuned

@@ -105,6 +105,9 @@ EXPERIMENTS = False
 # experiment without evidence about c (docs/robust-goodput.md §6.28): without it an experiment's
 # batch became the floor and VoI experiments cost every low-c cell (§6.25)
 RETURN_AFTER_EXPERIMENT = True
+# the same experiment (B_now → B_x) is taken again only once φ has grown this many-fold since it
+# was (0: any time, as measured in §6.28's grid; docs/robust-goodput.md §6.28)
+REPEAT_PHI_GROWTH = 2.0
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -161,6 +164,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         # the batch before the first of a chain of experiments: the plan may return to it once the
         # experiment's window has closed (an experiment is a measurement, not a commitment)
         self.experiment_from: float | None = None
+        self.experiment_phi: dict[str, float] = {}  # "B_now>B_x" -> φ when that experiment was taken
         self.readable_from = 0  # the first step past the LR warm-up
         self._layouts()
 
@@ -316,12 +320,28 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         steps = post.skip_steps + post.window_steps
         best = None
         for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
+            if not self._may_repeat(b_now, float(b[x])):
+                continue
             z2 = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
             value = experiment_value.value(grid[0], grid[1], w, z2)
             cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
             if value > cost and (best is None or value - cost > best["net"]):
                 best = {"index": int(x), "value_s": value, "cost_s": cost, "net": value - cost, "instead_of": b[i]}
         return best
+
+    def _phi_last(self) -> float:
+        """The last stretch's mean noise-scale reading (nan before any)."""
+        for c in reversed(self.chunks):
+            if c[3] > 0:
+                return c[2] / c[3]
+        return float("nan")
+
+    def _may_repeat(self, b_now: float, b_x: float) -> bool:
+        """Whether the experiment B_now → B_x may be taken (again): never taken, or φ has grown
+        `REPEAT_PHI_GROWTH`-fold since it was (docs/robust-goodput.md §6.28: at the same cφ/B the
+        window would read what the last one read; on the long run the return made it a loop)."""
+        last = self.experiment_phi.get(f"{b_now:g}>{b_x:g}")
+        return last is None or not REPEAT_PHI_GROWTH or self._phi_last() >= REPEAT_PHI_GROWTH * last
 
     def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
         """The smallest batch the plan may take: the current one, unless the evidence about c
@@ -427,6 +447,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             self.experiment_batch = float(target.global_batch_size)
             if self.experiment_from is None:
                 self.experiment_from = float(record.plan.global_batch_size)
+            pair = f"{float(record.plan.global_batch_size):g}>{float(target.global_batch_size):g}"
+            self.experiment_phi[pair] = self._phi_last()
         elif target.global_batch_size != record.plan.global_batch_size:
             self.experiment_from = None  # the plan's own batch move: no return is owed
         return self._decide(record, target, self.events[-1]["why"], "decide")
@@ -573,6 +595,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             "window_base": self.window_base,
             "experiment_batch": self.experiment_batch,
             "experiment_from": self.experiment_from,
+            "experiment_phi": dict(self.experiment_phi),
             "readable_from": self.readable_from,
         }
 
@@ -586,4 +609,5 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.experiment_batch = None if exp is None else float(exp)
         start = state.get("experiment_from")
         self.experiment_from = None if start is None else float(start)
+        self.experiment_phi = {str(k): float(v) for k, v in state.get("experiment_phi", {}).items()}
         self.readable_from = int(state.get("readable_from", 0))

@@ -56,8 +56,7 @@ def main() -> int:
         type=float,
         default=None,
         help="with --voi-experiments: the same experiment is taken again only once the noise scale has grown "
-        "this many-fold (default: the planner's REPEAT_PHI_GROWTH; 0: any time, as docs/robust-goodput.md "
-        "§6.28's grid ran)",
+        "this many-fold (default: the planner's REPEAT_PHI_GROWTH, 0: any time; docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
         "--loss-offsets",

@@ -432,11 +432,13 @@ def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it
 def test_an_experiment_is_repeated_only_once_the_noise_scale_has_grown(monkeypatch):
     """docs/robust-goodput.md §6.28: at the same cφ/B a second window at the same pair of batches
     would read what the first read; on the long pre-training truth, where cφ ≪ B, the VoI priced
-    the same experiment again and again (51–132 round trips 256 → 512 → 256). The pair is taken
-    again only once φ has grown `REPEAT_PHI_GROWTH`-fold; the record survives a checkpoint."""
+    the same experiment again and again (51–132 round trips 256 → 512 → 256). With
+    `REPEAT_PHI_GROWTH` = 2 the pair is taken again only once φ has doubled (0, the default: any
+    time); the record survives a checkpoint."""
     import copus.core.control.planner as planner_module
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    monkeypatch.setattr(planner_module, "REPEAT_PHI_GROWTH", 2.0)
     ctrl = _planner(settings=auto, horizon_tokens=4e9)
     ctrl.experiment_phi["16>32"] = 1.0
     for phi, again in ((1.0, False), (1.9, False), (2.0, True)):

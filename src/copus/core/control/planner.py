@@ -106,8 +106,9 @@ EXPERIMENTS = False
 # batch became the floor and VoI experiments cost every low-c cell (§6.25)
 RETURN_AFTER_EXPERIMENT = True
 # the same experiment (B_now → B_x) is taken again only once φ has grown this many-fold since it
-# was (0: any time, as measured in §6.28's grid; docs/robust-goodput.md §6.28)
-REPEAT_PHI_GROWTH = 2.0
+# was; 0: any time (docs/robust-goodput.md §6.28: 2 broke the variant's loop on the long
+# pre-training truth but grew its batch far too early there, 826–893 min against 681–726 at 0)
+REPEAT_PHI_GROWTH = 0.0
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out

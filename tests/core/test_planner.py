@@ -371,6 +371,12 @@ def test_with_a_profile_the_load_scales_every_plan_alike():
     assert sb[j] / sb[i] < s[j] / s[i]
 
 
+def _noisy_power_law(seed: int = 1):
+    """A power law in E with the per-step loss noise of B = 16 sequences (σ ≈ 2.1/sqrt(tokens))."""
+    rng = np.random.default_rng(seed)
+    return lambda e: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + 0.012 * rng.standard_normal()
+
+
 def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its_cost(monkeypatch):
     """c far above the prior (the truth 32, the prior median 4) and B ≪ cφ: the expected-rate
     rule keeps B = 16; the hypotheses disagree on E(B_x)/E(16) for a larger B_x, the plan under
@@ -385,9 +391,7 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(planner_module, "EXPERIMENTS", on)
-        rng = np.random.default_rng(1)
-        # a power law in E with the per-step loss noise of B = 16 sequences (σ ≈ 2.1/sqrt(tokens))
-        curve = lambda e, rng=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + 0.012 * rng.standard_normal()  # noqa: E731
+        curve = _noisy_power_law()
         ctrl = _planner(settings=auto, horizon_tokens=4e9)
         runs[on] = (ctrl, _drive(ctrl, 170, c=32.0, bcrit=flat, loss=curve)[0])
     assert runs[False][1] == []  # the expected-rate rule alone: no move
@@ -413,8 +417,7 @@ def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it
     runs = {}
     for back in (False, True):
         monkeypatch.setattr(planner_module, "RETURN_AFTER_EXPERIMENT", back)
-        rng = np.random.default_rng(1)
-        curve = lambda e, rng=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + 0.012 * rng.standard_normal()  # noqa: E731
+        curve = _noisy_power_law()
         ctrl = _planner(settings=auto, horizon_tokens=4e9)
         moves, _, _ = _drive(ctrl, 400, c=16.0, bcrit=lambda e: 20.0, loss=curve)
         runs[back] = (ctrl, [(d.step, d.plan.global_batch_size) for d in moves])

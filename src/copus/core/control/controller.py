@@ -212,10 +212,12 @@ def make_controller(
     if getattr(settings, "calibration_mode", "fixed") == "auto":
         # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
         # (docs/robust-goodput.md §6)
-        opts = {}
-        if policy == "goodput":
-            opts = {"min_ratio": PLANNER_EXPERIMENT_RATIO, "tempering": PLANNER_TEMPERING}
-            opts["loss_offsets"] = PLANNER_LOSS_OFFSETS
+        planner_opts = {
+            "min_ratio": PLANNER_EXPERIMENT_RATIO,
+            "tempering": PLANNER_TEMPERING,
+            "loss_offsets": PLANNER_LOSS_OFFSETS,
+        }
+        opts = planner_opts if policy == "goodput" else {}
         if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:
             opts |= {
                 "lr_fractions": SQRT_LR_FRACTIONS,

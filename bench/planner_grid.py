@@ -59,12 +59,6 @@ def main() -> int:
         "this many-fold (default: the planner's REPEAT_PHI_GROWTH, 0: any time; docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
-        "--no-realised-info",
-        action="store_true",
-        help="with --voi-experiments: the VoI's information from the bend model alone, not scaled by what "
-        "the read windows of the same pair realised (before docs/robust-goodput.md §6.29)",
-    )
-    ap.add_argument(
         "--loss-offsets",
         action="store_true",
         help="the planner's off-by-default variant: its window fit carries the loss curve's offset "
@@ -119,7 +113,6 @@ def main() -> int:
 
         planner_module.EXPERIMENTS = True
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
-        planner_module.REALISED_INFO = not args.no_realised_info
         if args.repeat_growth is not None:
             planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
     if args.loss_offsets:

@@ -531,32 +531,3 @@ def test_by_default_only_batch_moves_are_taken_in_the_lr_warmup():
     late = [d for t, d in seen if d is not None and t >= warm]
     assert early and all(d.kind == "batch" and d.plan.layout == INIT.layout for d in early)
     assert any(d.kind == "reconfigure" for d in late)
-
-
-def test_an_experiment_whose_windows_taught_nothing_is_not_bought_again(monkeypatch):
-    """docs/robust-goodput.md §6.29: the VoI's information is scaled by what the read windows of
-    the same pair realised. The scenario of the first experiment test (c = 32, the prior's
-    median 4) takes 16 → 32 at step 120; after windows at 16 → 32 that moved the posterior by
-    nothing (η = 0) that pair is priced at no information: the plan takes 16 → 22 instead, and
-    nothing once 16 → 22 taught nothing either. The ledger of a real run records both sides, and
-    survives a checkpoint."""
-    import copus.core.control.planner as planner_module
-
-    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
-    flat = lambda e: 40.0  # noqa: E731
-    monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
-    moves = []
-    for spent in ((), ("16>32",), ("16>32", "16>22")):
-        ctrl = _planner(settings=auto, horizon_tokens=4e9)
-        for pair in spent:
-            ctrl.information.totals[pair] = [0.0, 1.2]
-        run = _drive(ctrl, 170, c=32.0, bcrit=flat, loss=_noisy_power_law())[0]
-        moves.append([(d.step, d.plan.global_batch_size) for d in run])
-    assert moves == [[(120, 32)], [(120, 22)], []], moves
-    ctrl = _planner(settings=auto, horizon_tokens=4e9)
-    _drive(ctrl, 400, c=32.0, bcrit=flat, loss=_noisy_power_law())
-    real, predicted = ctrl.information.totals["16>32"]
-    assert predicted > 0 and real >= 0 and ctrl.information.pending is None
-    twin = _planner(settings=auto, horizon_tokens=4e9)
-    twin.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
-    assert twin.information.totals == ctrl.information.totals

@@ -27,14 +27,6 @@ batch (`CalibrationPosterior.loss_trend`).
 plan after the experiment is the batch choice at every later point, without later
 experiments); C = the expected time lost over the experiment's window (n_w = skip + read steps)
 at B_x instead of the chosen B_i: C = n_w · s_x · Σ_k p_k (1 − r_k(B_x)/r_k(B_i)).
-
-**Calibrated by what the windows read** (`InformationLedger`, docs/robust-goodput.md §6.29). The
-bend model predicts the information an experiment yields, I = Σ_k p_k KL(p(· | k) ‖ p) nats on the
-plan's grid; what a read window yielded is KL(q ‖ p), q the posterior's mass after the window in
-the cells the plan's equal-mass hypotheses stood for before it. On the long pre-training truth the
-windows at one pair read far less than the model predicted (§6.28: their best c at the grid's
-ends, the interval as wide as before), so the same experiment was bought again and again. Once a
-pair has been read, its z² is scaled by η = min(1, Σ realised / Σ predicted) over its windows.
 """
 
 from __future__ import annotations
@@ -78,62 +70,3 @@ def window_cost(r_x: np.ndarray, r_i: np.ndarray, step_s: float, steps: int, w: 
     """C: `steps` steps of `step_s` at rates `r_x` instead of `r_i` (per c_k), expected."""
     lost = 1.0 - r_x / np.maximum(r_i, 1e-300)
     return float(steps * step_s * (w @ lost))
-
-
-def expected_information(w: np.ndarray, z2: np.ndarray) -> float:
-    """I = Σ_k p_k KL(p(· | k) ‖ p) (nats): what the experiment is expected to teach."""
-    info = 0.0
-    for k in range(len(w)):
-        post = w * np.exp(-0.5 * (z2[:, k] - z2[:, k].min()))
-        post = post / post.sum()
-        info += w[k] * float(np.sum(post * np.log(np.maximum(post, 1e-300) / np.maximum(w, 1e-300))))
-    return info
-
-
-def cell_edges(c_hypotheses: np.ndarray) -> list[float]:
-    """The borders between the plan's equal-mass hypotheses (geometric midpoints)."""
-    c = np.asarray(c_hypotheses, dtype=float)
-    return [float(x) for x in np.sqrt(c[1:] * c[:-1])]
-
-
-class InformationLedger:
-    """Predicted and realised information of the experiments, per pair "B_now>B_x" (module
-    docstring): `opened` when an experiment is taken, `closed` once its window has been read,
-    `scale(pair)` = η for the next pricing of that pair."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, list[float]] = {}  # pair -> [Σ realised, Σ predicted]
-        self.pending: dict | None = None  # the experiment whose window is being read
-
-    def opened(self, pair: str, predicted: float, edges: list[float], rows: int) -> None:
-        """An experiment at `pair` expected to teach `predicted` nats; `edges`: the hypotheses'
-        cell borders now; `rows`: the posterior's windows read so far."""
-        self.pending = {"pair": pair, "predicted": float(predicted), "edges": list(edges), "rows": int(rows)}
-
-    def closed(self, cdf, rows: int) -> float | None:
-        """The window has closed: the realised information KL(q ‖ p) from `cdf(c)` (the
-        posterior's CDF now), counted when the posterior read a new window (else dropped)."""
-        exp, self.pending = self.pending, None
-        if exp is None or rows <= exp["rows"] or exp["predicted"] <= 0:
-            return None
-        inner = [cdf(e) for e in exp["edges"]]
-        q = np.maximum(np.diff([0.0, *inner, 1.0]), 0.0)
-        q = q / max(float(q.sum()), 1e-300)
-        p = 1.0 / len(q)
-        real = max(float(np.sum(q * np.log(np.maximum(q, 1e-300) / p))), 0.0)
-        tot = self.totals.setdefault(exp["pair"], [0.0, 0.0])
-        tot[0] += real
-        tot[1] += exp["predicted"]
-        return real
-
-    def scale(self, pair: str) -> float:
-        """η = min(1, Σ realised / Σ predicted) of the pair's read windows (1 before any)."""
-        tot = self.totals.get(pair)
-        return 1.0 if tot is None or tot[1] <= 0 else min(1.0, tot[0] / tot[1])
-
-    def state_dict(self) -> dict:
-        return {"totals": {k: list(v) for k, v in self.totals.items()}, "pending": self.pending}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.totals = {str(k): [float(x) for x in v] for k, v in state.get("totals", {}).items()}
-        self.pending = state.get("pending")

@@ -109,9 +109,6 @@ RETURN_AFTER_EXPERIMENT = True
 # was; 0: any time (docs/robust-goodput.md §6.28: 2 broke the variant's loop on the long
 # pre-training truth but grew its batch far too early there, 826–893 min against 681–726 at 0)
 REPEAT_PHI_GROWTH = 0.0
-# an experiment's predicted information is scaled by what the read windows of the same pair
-# realised (`experiment_value.InformationLedger`, docs/robust-goodput.md §6.29)
-REALISED_INFO = True
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -169,7 +166,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         # experiment's window has closed (an experiment is a measurement, not a commitment)
         self.experiment_from: float | None = None
         self.experiment_phi: dict[str, float] = {}  # "B_now>B_x" -> φ when that experiment was taken
-        self.information = experiment_value.InformationLedger()
         self.readable_from = 0  # the first step past the LR warm-up
         self._layouts()
 
@@ -328,13 +324,10 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             if not self._may_repeat(b_now, float(b[x])):
                 continue
             z2 = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
-            if REALISED_INFO:
-                z2 = z2 * self.information.scale(f"{b_now:g}>{b[x]:g}")
             value = experiment_value.value(grid[0], grid[1], w, z2)
             cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
             if value > cost and (best is None or value - cost > best["net"]):
                 best = {"index": int(x), "value_s": value, "cost_s": cost, "net": value - cost, "instead_of": b[i]}
-                best["info_nats"] = experiment_value.expected_information(w, z2)
         return best
 
     def _phi_last(self) -> float:
@@ -430,8 +423,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         if self.posterior is not None and not self.posterior.window_open:
             self.window_base = float(record.plan.global_batch_size)
             self.experiment_batch = None
-            if self.information.pending is not None:
-                self.information.closed(self.posterior.cdf_c, len(self.posterior.experiments))
         self._note_new_layout(record)
         self._add_chunk(record)
         why = self._gate(record)
@@ -459,8 +450,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
                 self.experiment_from = float(record.plan.global_batch_size)
             pair = f"{float(record.plan.global_batch_size):g}>{float(target.global_batch_size):g}"
             self.experiment_phi[pair] = self._phi_last()
-            edges = experiment_value.cell_edges(np.asarray(plan["c"]))
-            self.information.opened(pair, plan["experiment"]["info_nats"], edges, len(self.posterior.experiments))
         elif target.global_batch_size != record.plan.global_batch_size:
             self.experiment_from = None  # the plan's own batch move: no return is owed
         return self._decide(record, target, self.events[-1]["why"], "decide")
@@ -608,7 +597,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             "experiment_batch": self.experiment_batch,
             "experiment_from": self.experiment_from,
             "experiment_phi": dict(self.experiment_phi),
-            "information": self.information.state_dict(),
             "readable_from": self.readable_from,
         }
 
@@ -624,4 +612,3 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.experiment_from = None if start is None else float(start)
         self.experiment_phi = {str(k): float(v) for k, v in state.get("experiment_phi", {}).items()}
         self.readable_from = int(state.get("readable_from", 0))
-        self.information.load_state_dict(state.get("information", {}))

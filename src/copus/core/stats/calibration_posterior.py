@@ -271,14 +271,6 @@ class CalibrationPosterior:
         scale = self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0
         return float(2.0 ** np.interp(q, cdf, self.log2_grid)) * scale
 
-    def cdf_c(self, c: float) -> float:
-        """P(c' ≤ c) under the marginal over c: the inverse of `quantile_c` (same interpolation)."""
-        p = self.joint().sum(axis=0)
-        p = p / p.sum()
-        cdf = np.cumsum(p) - 0.5 * p
-        scale = self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0
-        return float(np.interp(math.log2(max(c / scale, 1e-300)), self.log2_grid, cdf, left=0.0, right=1.0))
-
     def value(self) -> float:
         """The c decisions use: the posterior `quantile` (median by default) of c given the
         most probable LR exponent."""

@@ -323,8 +323,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
             if not self._may_repeat(b_now, float(b[x])):
                 continue
-            z2 = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
-            value = experiment_value.value(grid[0], grid[1], w, z2)
+            d = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
+            value = experiment_value.value(grid[0], grid[1], w, d)
             cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
             if value > cost and (best is None or value - cost > best["net"]):
                 best = {"index": int(x), "value_s": value, "cost_s": cost, "net": value - cost, "instead_of": b[i]}

@@ -380,3 +380,22 @@ def test_the_first_clock_and_a_state_saved_before_the_offsets_load():
     assert other.quantile_c(0.5) == pytest.approx(old_post.quantile_c(0.5), rel=1e-9)
     with pytest.raises(ValueError, match="loss_offsets"):
         CalibrationPosterior(loss_offsets=(-1.0,))
+
+
+def test_a_change_holds_the_window_open_for_its_window_span():
+    """docs/robust-goodput.md §6.29: the planner prices an experiment over `window_span` steps
+    (skip + read + the lag line's lag), the steps from the change until its window closes."""
+    for lag in (0, 20):
+        post = CalibrationPosterior(lag_steps=lag, min_ratio=1.3, window_steps=30, skip_steps=5)
+        t = 0
+        for t in range(100):
+            post.observe(5.0 - t * 1e-3, 16, 10.0 + t)
+        assert post.window_span == 5 + 30 + lag
+        held = 0
+        while True:
+            t += 1
+            post.observe(5.0 - t * 1e-3, 32, 10.0 + t)
+            if not post.window_open:
+                break
+            held += 1
+        assert held == post.window_span, (lag, held)

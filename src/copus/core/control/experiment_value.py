@@ -27,17 +27,17 @@ one line, ordered by ρ) and the outcome's standard normal ε,
 
 averaged over ε at `OUTCOME_POINTS` equal-mass points (the normal's quantiles at (q + ½)/Q: the
 choice is a step function of ε, which a Gauss–Hermite rule's few heavy central points resolve
-badly; docs/robust-goodput.md §6.29). Its mean over ε is the expected log-likelihood ratio −z²_jk/2. Taking only that mean
-(`OUTCOME_POINTS = 1`: the expected outcome, §6.9–§6.28) tilts the posterior toward the truth
-for any z > 0: where the plan's choice is a near-tie, a window that carries almost no
-information was priced as if it always broke the tie the right way (on the long pre-training
-truth: 0.0001 nats predicted, 18–79 s of value, a loop of 256 → 512 → 256 experiments).
+badly; docs/robust-goodput.md §6.29). Its mean over ε is the expected log-likelihood ratio
+−z²_jk/2. Taking only that mean (`OUTCOME_POINTS = 1`: the expected outcome, §6.9–§6.28) tilts
+the posterior toward the truth for any z > 0: where the plan's choice is a near-tie, a window
+that carries almost no information was priced as if it always broke the tie the right way.
 g, σ and m from the losses of the steps at the current batch (`CalibrationPosterior.loss_trend`).
 
-**Value and cost.** V = Σ_k p_k [L_k(p) − L_k(p(· | k))] (≥ 0 up to the approximations: the
-plan after the experiment is the batch choice at every later point, without later
-experiments); C = the expected time lost over the experiment's window (n_w = skip + read steps)
-at B_x instead of the chosen B_i: C = n_w · s_x · Σ_k p_k (1 − r_k(B_x)/r_k(B_i)).
+**Value and cost.** V = Σ_k p_k E_ε[L_k(p) − L_k(p(· | k, ε))] (≥ 0 up to the approximations:
+the plan after the experiment is the batch choice at every later point, without later
+experiments); C = the expected time lost over the experiment's window at B_x instead of the
+chosen B_i, C = n_w · s_x · Σ_k p_k (1 − r_k(B_x)/r_k(B_i)), with n_w = skip + read steps + the
+lag line's lag (the batch is held until the window closes, §6.29).
 """
 
 from __future__ import annotations

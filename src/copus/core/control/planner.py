@@ -311,14 +311,14 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
     def _experiment(self, on, i, r, bc_now, w, grid, step_s) -> dict | None:
         """The larger batch of `on` (the ladder, at most one doubling) whose value of
         information most exceeds its cost (`experiment_value`; the window: the posterior's
-        skip + read steps; same layout, no switch), or None when none does."""
+        skip + read steps and the lag line's lag, §6.29; same layout, no switch), or None when none does."""
         post = self.posterior
         trend = post.loss_trend(2 * post.window_steps + post.skip_steps)
         if trend is None:
             return None
         b = self.candidates.global_batch_size.astype(float)
         b_now = float(self.plan.global_batch_size)
-        steps = post.skip_steps + post.window_steps
+        steps = post.window_span  # the batch is held until the window closes, the lag line's too
         best = None
         for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
             if not self._may_repeat(b_now, float(b[x])):

@@ -292,6 +292,12 @@ class CalibrationPosterior:
                 return True
         return False
 
+    @property
+    def window_span(self) -> int:
+        """Steps from a change until its window closes: skip + window steps, and the lag line's
+        current lag (`lag_steps`) on top: the steps an experiment's batch is held."""
+        return self.skip_steps + self.window_steps + self._lag_now
+
     def interval_ratio(self) -> float:
         """p95 / p05 of c: how many-fold the 90 % interval spans."""
         return self.quantile_c(0.95) / self.quantile_c(0.05)

@@ -59,6 +59,21 @@ def main() -> int:
         "this many-fold (default: the planner's REPEAT_PHI_GROWTH, 0: any time; docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
+        "--min-separation",
+        type=float,
+        default=None,
+        help="with --voi-experiments: the least separation (standard deviations) an experiment's window must "
+        "give the plan's most distant hypotheses of c (default: the planner's MIN_SEPARATION; 0 before "
+        "docs/robust-goodput.md §6.29)",
+    )
+    ap.add_argument(
+        "--outcome-points",
+        type=int,
+        default=None,
+        help="with --voi-experiments: points over the window's outcome in the value of information (default: "
+        "experiment_value.OUTCOME_POINTS; 1: the expected outcome only, before docs/robust-goodput.md §6.29)",
+    )
+    ap.add_argument(
         "--loss-offsets",
         action="store_true",
         help="the planner's off-by-default variant: its window fit carries the loss curve's offset "
@@ -113,6 +128,12 @@ def main() -> int:
 
         planner_module.EXPERIMENTS = True
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
+        if args.min_separation is not None:
+            planner_module.MIN_SEPARATION = args.min_separation
+        if args.outcome_points is not None:
+            from copus.core.control import experiment_value
+
+            experiment_value.OUTCOME_POINTS = args.outcome_points
         if args.repeat_growth is not None:
             planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
     if args.loss_offsets:

@@ -531,3 +531,27 @@ def test_by_default_only_batch_moves_are_taken_in_the_lr_warmup():
     late = [d for t, d in seen if d is not None and t >= warm]
     assert early and all(d.kind == "batch" and d.plan.layout == INIT.layout for d in early)
     assert any(d.kind == "reconfigure" for d in late)
+
+
+def test_an_experiment_is_not_taken_where_its_window_cannot_tell_the_hypotheses_apart(monkeypatch):
+    """docs/robust-goodput.md §6.29: the first experiment test's scenario with a loss 17× noisier
+    per step. Its window would separate the plan's most distant hypotheses of c by less than
+    `MIN_SEPARATION` standard deviations: with the floor no experiment is taken (a reading that
+    weak is the fit's misspecification, not c); without it (0) the stakes of a wide posterior
+    still price the window above its cost, and it is taken as in the quiet run."""
+    import copus.core.control.planner as planner_module
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
+    default = planner_module.MIN_SEPARATION
+    assert default > 0
+    moves = {}
+    for noise in (0.012, 0.2):
+        for floor in (0.0, default):
+            monkeypatch.setattr(planner_module, "MIN_SEPARATION", floor)
+            rng = np.random.default_rng(1)
+            curve = lambda e, s=noise, g=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + s * g.standard_normal()  # noqa: E731
+            run = _drive(_planner(settings=auto, horizon_tokens=4e9), 170, c=32.0, bcrit=lambda e: 40.0, loss=curve)[0]
+            moves[noise, floor] = [(d.step, d.plan.global_batch_size) for d in run]
+    assert moves[0.012, 0.0] == moves[0.012, default] == moves[0.2, 0.0] == [(120, 32)], moves
+    assert moves[0.2, default] == [], moves

@@ -109,6 +109,12 @@ RETURN_AFTER_EXPERIMENT = True
 # was; 0: any time (docs/robust-goodput.md §6.28: 2 broke the variant's loop on the long
 # pre-training truth but grew its batch far too early there, 826–893 min against 681–726 at 0)
 REPEAT_PHI_GROWTH = 0.0
+# an experiment is taken only where its window can tell the plan's two most distant hypotheses
+# of c apart by this many standard deviations of its loss noise (max |d_jk|, `experiment_value`);
+# below it a window's reading is the fit's misspecification, not c (docs/robust-goodput.md §6.29:
+# on the long pre-training truth 300 windows at z ≈ 0.04–0.8 drew the posterior's median from 4 to
+# 2.2 and the batch grew 95k steps late; on the grid the experiments taken have z ≈ 2.4–16)
+MIN_SEPARATION = 2.0
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -324,6 +330,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             if not self._may_repeat(b_now, float(b[x])):
                 continue
             d = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
+            if np.abs(d).max() < MIN_SEPARATION:
+                continue
             value = experiment_value.value(grid[0], grid[1], w, d)
             cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
             if value > cost and (best is None or value - cost > best["net"]):

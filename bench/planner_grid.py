@@ -40,29 +40,30 @@ def main() -> int:
         "sqrt(2) rungs (default: the planner's; inf: never, the ablation of docs/robust-goodput.md §6.3)",
     )
     ap.add_argument(
-        "--voi-experiments",
+        "--no-voi-experiments",
         action="store_true",
-        help="the planner's off-by-default variant: upward batch experiments priced by their value of "
-        "information (docs/robust-goodput.md §6.9); since §6.28 the batch may return after one is read",
+        help="the planner without its upward batch experiments priced by their value of information (the "
+        "default since docs/robust-goodput.md §6.29; off before; --voi-experiments: accepted, the default)",
     )
+    ap.add_argument("--voi-experiments", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--no-return",
         action="store_true",
-        help="with --voi-experiments: an experiment's batch stays the floor once read (before "
+        help="with the VoI experiments: an experiment's batch stays the floor once read (before "
         "docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
         "--repeat-growth",
         type=float,
         default=None,
-        help="with --voi-experiments: the same experiment is taken again only once the noise scale has grown "
+        help="with the VoI experiments: the same experiment is taken again only once the noise scale has grown "
         "this many-fold (default: the planner's REPEAT_PHI_GROWTH, 0: any time; docs/robust-goodput.md §6.28)",
     )
     ap.add_argument(
         "--min-separation",
         type=float,
         default=None,
-        help="with --voi-experiments: the least separation (standard deviations) an experiment's window must "
+        help="with the VoI experiments: the least separation (standard deviations) an experiment's window must "
         "give the plan's most distant hypotheses of c (default: the planner's MIN_SEPARATION; 0 before "
         "docs/robust-goodput.md §6.29)",
     )
@@ -70,15 +71,16 @@ def main() -> int:
         "--outcome-points",
         type=int,
         default=None,
-        help="with --voi-experiments: points over the window's outcome in the value of information (default: "
+        help="with the VoI experiments: points over the window's outcome in the value of information (default: "
         "experiment_value.OUTCOME_POINTS; 1: the expected outcome only, before docs/robust-goodput.md §6.29)",
     )
     ap.add_argument(
-        "--loss-offsets",
+        "--no-loss-offsets",
         action="store_true",
-        help="the planner's off-by-default variant: its window fit carries the loss curve's offset "
-        "E0 = f x the first read's clock (LOSS_OFFSETS; docs/robust-goodput.md §6.27, §6.28)",
+        help="the planner's window fit without the loss curve's offset E0 = f x the first read's clock "
+        "(the offsets are the default since docs/robust-goodput.md §6.29; §6.27, §6.28)",
     )
+    ap.add_argument("--loss-offsets", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--no-lag-model",
         action="store_true",
@@ -123,10 +125,10 @@ def main() -> int:
 
         controller_module.LR_RULE_FACTOR = True
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
-    if args.voi_experiments:
-        import copus.core.control.planner as planner_module
+    import copus.core.control.planner as planner_module
 
-        planner_module.EXPERIMENTS = True
+    planner_module.EXPERIMENTS = not args.no_voi_experiments
+    if planner_module.EXPERIMENTS:
         planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
         if args.min_separation is not None:
             planner_module.MIN_SEPARATION = args.min_separation
@@ -136,11 +138,11 @@ def main() -> int:
             experiment_value.OUTCOME_POINTS = args.outcome_points
         if args.repeat_growth is not None:
             planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
-    if args.loss_offsets:
+    if args.no_loss_offsets:
         import copus.core.control.controller as controller_module
-        from copus.core.stats.calibration_posterior import LOSS_OFFSETS
+        from copus.core.stats.calibration_posterior import DEFAULT_LOSS_OFFSETS
 
-        controller_module.PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
+        controller_module.PLANNER_LOSS_OFFSETS = DEFAULT_LOSS_OFFSETS
     if args.warmup_hold is not None:
         import copus.core.control.planner as planner_module
 

@@ -2,7 +2,7 @@
 step, batch before, batch after, plan, posterior median / p05 / p95 of c, "EXP" for a VoI
 experiment (docs/robust-goodput.md §6.9).
 
-    PYTHONPATH=src python bench/planner_trace.py 32b-32xh100 lr-tuned 1 [1]   # last arg 1: VoI experiments on
+    PYTHONPATH=src python bench/planner_trace.py 32b-32xh100 lr-tuned 1 [0]   # last arg 0: VoI experiments off
 
 TRUE_PHI=1 in the environment: every record carries the truth's noise scale instead of the
 estimator's (a diagnostic: is a misread window the noise-scale estimate or the loss fit?).
@@ -23,7 +23,7 @@ from copus.core.sim.simulator import Planner, compare_policies
 from copus.core.sim.trajectory import Trajectory
 
 preset, truth, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])
-pm.EXPERIMENTS = len(sys.argv) > 4 and bool(int(sys.argv[4]))
+pm.EXPERIMENTS = len(sys.argv) <= 4 or bool(int(sys.argv[4]))  # on by default since §6.29
 log = []
 _orig = pm.PlanningController._decide
 

@@ -36,7 +36,7 @@ from copus.core.plan.records import Decision, StepRecord
 from copus.core.plan.search import evaluate
 from copus.core.specs.hardware import HardwareProfile, get_hardware
 from copus.core.specs.models import ModelShape
-from copus.core.stats.calibration_posterior import DEFAULT_LOSS_OFFSETS, CalibrationPosterior
+from copus.core.stats.calibration_posterior import LOSS_OFFSETS, CalibrationPosterior
 
 
 class Controller(ControllerBase):
@@ -94,10 +94,10 @@ PLANNER_EXPERIMENT_RATIO = 1.3
 # window's loss model is misspecified and its first reading ended the ladder on one noisy window;
 # docs/robust-goodput.md §6.17, measured 0.3 / 0.5 / 0.7 / 1)
 PLANNER_TEMPERING = 0.5
-# the planner's window fit: (0.0,) = a power law from E = 0 (the default); `LOSS_OFFSETS` = with the
-# loss curve's offset E0 = f·(the first read's clock), f learnt (docs/robust-goodput.md §6.27, §6.28:
-# a trade alone and with the VoI experiments)
-PLANNER_LOSS_OFFSETS = DEFAULT_LOSS_OFFSETS
+# the planner's window fit: `LOSS_OFFSETS` = with the loss curve's offset E0 = f·(the first read's
+# clock), f learnt (the default since docs/robust-goodput.md §6.29, with the VoI experiments;
+# §6.27: a trade alone); DEFAULT_LOSS_OFFSETS = (0.0,) = a power law from E = 0
+PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
 # the sqrt LR rule's overshoot in the planner's rates (docs/robust-goodput.md §6.14), off by default:
 # with it on and lr_rule "sqrt", the posterior also weighs hypotheses of the base LR's fraction
 # x0 = η0/ε_opt(B_ref) of its optimum (the presets' fitted truths: 0.3–0.85; half the prior mass,

@@ -58,8 +58,8 @@ probes none (docs/robust-goodput.md §6.19).
   the model's measured error (three-point quadrature of a log-normal), against its cost =
   two switches and the probe's slower steps. A probe is an ordinary switch (purpose "probe");
   the next plan keeps or leaves the layout on its measured step time.
-- **Experiments priced by their value of information** (variant, off by default: `EXPERIMENTS`,
-  docs/robust-goodput.md §6.9, §6.28): while the posterior is wide, no calibration window is open and
+- **Experiments priced by their value of information** (`EXPERIMENTS`, on since
+  docs/robust-goodput.md §6.29; §6.9, §6.28): while the posterior is wide, no calibration window is open and
   the window's pre-change steps lie past the noise-scale EMA's and the LR's warm-up, a larger
   batch on the chosen layout's ladder (at most 2× the current) is taken when its value of
   information exceeds its cost (`core.control.experiment_value`: the expected time the batch
@@ -67,7 +67,9 @@ probes none (docs/robust-goodput.md §6.19).
   would show, against the expected time lost over the window at that batch); the batch does not
   fall until that window has been read, and may then fall back to the batch before the
   experiment without further evidence (`RETURN_AFTER_EXPERIMENT`, §6.28: an experiment is a
-  measurement, not a commitment).
+  measurement, not a commitment). No experiment is taken whose window would tell the plan's
+  most distant hypotheses of c apart by less than `MIN_SEPARATION` standard deviations (§6.29:
+  such a reading is the fit's misspecification, and many of them bias the posterior).
 - **Record**: each decision point leaves one decisions.jsonl row (`"event": "considered"`):
   the plan taken, and the best layout and batch refused with what they were predicted to gain
   and what they had to clear (the switch cost; for a batch, the chosen batch's rate).
@@ -95,12 +97,13 @@ QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ:
 # the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
 WIDE_RATIO, WIDE_STEPS = 8.0, 2
 SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
-# the variant "VoI experiments" (docs/robust-goodput.md §6.9): an upward batch experiment when its
-# value of information exceeds its cost; off by default. With the return below and the loss offsets
-# it measured better on the grid (§6.28: 7 seeds, mean speed-up +0.80 -> +1.02 %, worst cell -5.1 ->
-# -2.9 %) but loops on the long pre-training truth (hundreds of 256 -> 512 -> 256 experiments:
-# 669 -> 681-726 min, behind the hand-set schedule); `bench/planner_grid.py --voi-experiments`
-EXPERIMENTS = False
+# "VoI experiments" (docs/robust-goodput.md §6.9): an upward batch experiment when its value of
+# information exceeds its cost. On by default since §6.29, with the return below, the separation
+# floor, the outcome drawn and the window fit's loss offsets (7 seeds: mean speed-up +0.80 -> +1.06 %,
+# worst cell -5.1 -> -2.2 %, minimum capture 0.32 -> 0.52, median 0.755 -> 0.749, cells > 1 % behind
+# 8 -> 11; the long pre-training truth unchanged, 669.5 / 669.6 / 667.3 min; §6.28 looped there
+# before the floor); `bench/planner_grid.py --no-voi-experiments` turns it off
+EXPERIMENTS = True
 # after an experiment's window has closed the batch may fall back to the batch before the
 # experiment without evidence about c (docs/robust-goodput.md §6.28): without it an experiment's
 # batch became the floor and VoI experiments cost every low-c cell (§6.25)

@@ -72,10 +72,9 @@ GRID_POINTS = 49  # quarter-octave steps
 POWER_LAW_EXPONENTS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 # offsets E_0 of the power law L ≈ a + b·(E + E_0)^(−α), as fractions of the clock at the first step
 # the posterior read, learnt with α and c (uniform prior): an early window (E within a few E_0)
-# fitted from E = 0 read c 5–13x high (docs/robust-goodput.md §6.27). A variant, off by default
-# (`loss_offsets=LOSS_OFFSETS`; for the planner `controller.PLANNER_LOSS_OFFSETS`): over 7 seeds it
-# lifts the worst cell 0.32 -> 0.52 and lowers the median capture 0.755 -> 0.730 (§6.27; with the
-# VoI experiments, §6.28); DEFAULT_LOSS_OFFSETS = (0.0,) is the fit without an offset
+# fitted from E = 0 read c 5–13x high (docs/robust-goodput.md §6.27). The planning controller fits
+# them (`controller.PLANNER_LOSS_OFFSETS`, with its VoI experiments since §6.29); the class default
+# DEFAULT_LOSS_OFFSETS = (0.0,) is the fit without an offset
 LOSS_OFFSETS = (0.0, 0.125, 0.25, 0.5, 1.0)
 DEFAULT_LOSS_OFFSETS = (0.0,)
 # the lag, in steps, of the GNS estimator modelled in the clock (`CalibrationPosterior.lag_steps`)

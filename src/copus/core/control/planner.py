@@ -2,14 +2,15 @@
 
 **The rule.** At every decision, forecast the noise scale over the rest of the run under the
 posterior over c, plan batch and layout over the rest of the run by dynamic programming with
-the measured switch cost, take the first step of the plan, and plan again at the next
-decision; probe an unmeasured layout only when the value of what it would tell exceeds what it
-costs. The start layout is the same programme's choice under the prior (`start="plan"`:
-Kaplan et al.'s critical batch for the tokens seen, `core.control.start_prior`; `"fastest"`:
-the fastest plan at the initial batch; docs/robust-goodput.md §6.16). The posterior over c
-reads no step of the first `fit_after_steps` (the noise-scale EMA's warm-up, which the
-forecast leaves out too) nor of the LR warm-up, during which the plan switches no layout and
-probes none (docs/robust-goodput.md §6.19).
+the measured switch cost, take the first step of the plan, and plan again at the next decision;
+take a larger batch as an experiment, and probe an unmeasured layout, only when the value of
+what it would tell exceeds what it costs. The start layout is the same programme's choice under
+the prior (`start="plan"`: Kaplan et al.'s critical batch for the tokens seen,
+`core.control.start_prior`; `"fastest"`: the fastest plan at the initial batch;
+docs/robust-goodput.md §6.16). The posterior over c reads no step of the first
+`fit_after_steps` (the noise-scale EMA's warm-up, which the forecast leaves out too) nor of the
+LR warm-up, during which the plan switches no layout and probes none (docs/robust-goodput.md
+§6.19).
 
 - **Batch moves are experiments** (docs/robust-goodput.md §6): while the posterior's 90 %
   interval of c spans more than `WIDE_RATIO` = 8-fold, the plan moves the batch only between

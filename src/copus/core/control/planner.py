@@ -125,6 +125,11 @@ MIN_SEPARATION = 2.0
 WARMUP_HOLD = "layout"
 
 
+def _pair(b_now: float, b_x: float) -> str:
+    """The key "B_now>B_x" of an experiment pair (`experiment_phi`, saved in the checkpoint)."""
+    return f"{float(b_now):g}>{float(b_x):g}"
+
+
 class PlanningController(PlanTimes, MeasuredStepTimes):
     """observe(record) -> Decision | None by the module docstring's rule."""
 
@@ -353,7 +358,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         """Whether the experiment B_now → B_x may be taken (again): never taken, or φ has grown
         `REPEAT_PHI_GROWTH`-fold since it was (docs/robust-goodput.md §6.28: at the same cφ/B the
         window would read what the last one read; on the long run the return made it a loop)."""
-        last = self.experiment_phi.get(f"{b_now:g}>{b_x:g}")
+        last = self.experiment_phi.get(_pair(b_now, b_x))
         return last is None or not REPEAT_PHI_GROWTH or self._phi_last() >= REPEAT_PHI_GROWTH * last
 
     def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
@@ -460,8 +465,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             self.experiment_batch = float(target.global_batch_size)
             if self.experiment_from is None:
                 self.experiment_from = float(record.plan.global_batch_size)
-            pair = f"{float(record.plan.global_batch_size):g}>{float(target.global_batch_size):g}"
-            self.experiment_phi[pair] = self._phi_last()
+            self.experiment_phi[_pair(record.plan.global_batch_size, target.global_batch_size)] = self._phi_last()
         elif target.global_batch_size != record.plan.global_batch_size:
             self.experiment_from = None  # the plan's own batch move: no return is owed
         return self._decide(record, target, self.events[-1]["why"], "decide")

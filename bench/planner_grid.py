@@ -68,6 +68,14 @@ def main() -> int:
         "docs/robust-goodput.md §6.29)",
     )
     ap.add_argument(
+        "--experiment-wide-ratio",
+        type=float,
+        default=None,
+        help="with the VoI experiments: price them only while the posterior's 90 %% interval of c spans more "
+        "than this many-fold (default: planner.EXPERIMENT_WIDE_RATIO, 1 since docs/robust-goodput.md §6.32: "
+        "whenever no window is open; 8 before)",
+    )
+    ap.add_argument(
         "--outcome-points",
         type=int,
         default=None,
@@ -136,6 +144,8 @@ def main() -> int:
             from copus.core.control import experiment_value
 
             experiment_value.OUTCOME_POINTS = args.outcome_points
+        if args.experiment_wide_ratio is not None:
+            planner_module.EXPERIMENT_WIDE_RATIO = args.experiment_wide_ratio
         if args.repeat_growth is not None:
             planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
     if args.no_loss_offsets:

@@ -403,17 +403,39 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     assert exp["value_s"] > exp["cost_s"] and exp["instead_of"] == 16
 
 
+def test_an_experiment_is_priced_however_narrow_the_posterior(monkeypatch):
+    """docs/robust-goodput.md §6.32: a posterior 3-fold wide (the prior 0.5 octave around c = 4)
+    that is wrong (the truth c = 32) is how one misread window left the held-out runs: with
+    experiments priced only while the interval is wider than 8-fold (`EXPERIMENT_WIDE_RATIO`
+    = `WIDE_RATIO`, before §6.32) none is taken; priced whenever no window is open, the window at
+    B = 32 is worth its cost, taken at step 120 and held until read."""
+    import copus.core.control.planner as planner_module
+
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    runs = {}
+    for ratio in (planner_module.WIDE_RATIO, 1.0):
+        monkeypatch.setattr(planner_module, "EXPERIMENT_WIDE_RATIO", ratio)
+        ctrl = _planner(settings=auto, horizon_tokens=4e9, posterior_options={"prior_octaves": 0.5})
+        assert ctrl.posterior.interval_ratio() < planner_module.WIDE_RATIO
+        moves = _drive(ctrl, 170, c=32.0, bcrit=lambda e: 40.0, loss=_noisy_power_law())[0]
+        runs[ratio] = [(d.step, d.plan.global_batch_size, "experiment" in d.reason) for d in moves]
+    assert not any(x for _, _, x in runs[planner_module.WIDE_RATIO]), runs
+    assert runs[1.0] == [(120, 32, True)], runs
+
+
 def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it(monkeypatch):
     """docs/robust-goodput.md §6.28: an experiment is a measurement, not a commitment. The truth
     B_crit = 20 (c = 16 on the reported φ): a window at B = 32 (the experiment at step 120) tells
     that B = 16 has the higher expected rate; once it is read the plan goes back to 16. Without
     the return the experiment's batch is the floor (a smaller batch only where it is best at the
     posterior's 95 % quantile of c) and the run stays at 32. The pending return survives a
-    checkpoint."""
+    checkpoint. (Experiments priced only while the posterior is wide, as in §6.28: once this one
+    is read the posterior is narrow, and §6.32's later experiments would start a second window.)"""
     import copus.core.control.planner as planner_module
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
+    monkeypatch.setattr(planner_module, "EXPERIMENT_WIDE_RATIO", planner_module.WIDE_RATIO)
     runs = {}
     for back in (False, True):
         monkeypatch.setattr(planner_module, "RETURN_AFTER_EXPERIMENT", back)

@@ -60,7 +60,8 @@ LR warm-up, during which the plan switches no layout and probes none (docs/robus
   two switches and the probe's slower steps. A probe is an ordinary switch (purpose "probe");
   the next plan keeps or leaves the layout on its measured step time.
 - **Experiments priced by their value of information** (`EXPERIMENTS`, on since
-  docs/robust-goodput.md §6.29; §6.9, §6.28): while the posterior is wide, no calibration window is open and
+  docs/robust-goodput.md §6.29; §6.9, §6.28, §6.32): however narrow the posterior (a narrow one
+  can be wrong: §6.32), while no calibration window is open and
   the window's pre-change steps lie past the noise-scale EMA's and the LR's warm-up, a larger
   batch on the chosen layout's ladder (at most 2× the current) is taken when its value of
   information exceeds its cost (`core.control.experiment_value`: the expected time the batch
@@ -119,6 +120,12 @@ REPEAT_PHI_GROWTH = 0.0
 # on the long pre-training truth 300 windows at z ≈ 0.04–0.8 drew the posterior's median from 4 to
 # 2.2 and the batch grew 95k steps late; on the grid the experiments taken have z ≈ 2.4–16)
 MIN_SEPARATION = 2.0
+# experiments are priced only while the posterior's 90 % interval of c spans more than this many-fold;
+# 1.0: whenever no window is open, however narrow the posterior (docs/robust-goodput.md §6.32: one
+# misread first window left the held-out runs 3-fold sure of a c 3–5x off and never priced another
+# experiment; 7 seeds: median capture 0.749 -> 0.787, minimum 0.52 -> 0.54, the long truth unchanged).
+# WIDE_RATIO (8) before §6.32
+EXPERIMENT_WIDE_RATIO = 1.0
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -315,9 +322,10 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         }
 
     def _experiments(self) -> bool:
-        """Whether batch experiments are priced: with the posterior over c, not yet narrow."""
+        """Whether batch experiments are priced: with the posterior over c, no window open (and the
+        interval wider than `EXPERIMENT_WIDE_RATIO`-fold, which 1.0 never refuses)."""
         post = self.posterior
-        if not EXPERIMENTS or post is None or post.window_open or post.interval_ratio() <= WIDE_RATIO:
+        if not EXPERIMENTS or post is None or post.window_open or post.interval_ratio() <= EXPERIMENT_WIDE_RATIO:
             return False
         # the window's pre-change steps must lie past the noise-scale EMA's warm-up (the first
         # `fit_after_steps`) and the LR warm-up (which the posterior does not read)

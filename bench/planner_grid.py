@@ -83,6 +83,14 @@ def main() -> int:
         "experiment_value.OUTCOME_POINTS; 1: the expected outcome only, before docs/robust-goodput.md §6.29)",
     )
     ap.add_argument(
+        "--dither-half-steps",
+        type=int,
+        default=None,
+        help="with the VoI experiments: run each as a square wave between its batch and the batch before it, "
+        "this many steps per half-period (default: planner.DITHER_HALF_STEPS, 0: the batch held; "
+        "docs/robust-goodput.md §6.33)",
+    )
+    ap.add_argument(
         "--no-loss-offsets",
         action="store_true",
         help="the planner's window fit without the loss curve's offset E0 = f x the first read's clock "
@@ -113,6 +121,12 @@ def main() -> int:
         "optimum too, not only the overshoot (docs/robust-goodput.md §6.20)",
     )
     ap.add_argument(
+        "--lr-prior",
+        type=float,
+        default=None,
+        help="with --lr-rule-factor: the x0 rows' prior mass together (default: controller.SQRT_LR_PRIOR, 0.5)",
+    )
+    ap.add_argument(
         "--warmup-hold",
         choices=("all", "layout", "none"),
         default=None,
@@ -133,6 +147,8 @@ def main() -> int:
 
         controller_module.LR_RULE_FACTOR = True
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
+        if args.lr_prior is not None:
+            controller_module.SQRT_LR_PRIOR = args.lr_prior
     import copus.core.control.planner as planner_module
 
     planner_module.EXPERIMENTS = not args.no_voi_experiments
@@ -144,6 +160,8 @@ def main() -> int:
             from copus.core.control import experiment_value
 
             experiment_value.OUTCOME_POINTS = args.outcome_points
+        if args.dither_half_steps is not None:
+            planner_module.DITHER_HALF_STEPS = args.dither_half_steps
         if args.experiment_wide_ratio is not None:
             planner_module.EXPERIMENT_WIDE_RATIO = args.experiment_wide_ratio
         if args.repeat_growth is not None:

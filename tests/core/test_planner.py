@@ -386,6 +386,8 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     holds it until the window has been read."""
     import copus.core.control.planner as planner_module
 
+    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     flat = lambda e: 40.0  # noqa: E731
     runs = {}
@@ -411,6 +413,8 @@ def test_an_experiment_is_priced_however_narrow_the_posterior(monkeypatch):
     B = 32 is worth its cost, taken at step 120 and held until read."""
     import copus.core.control.planner as planner_module
 
+    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     runs = {}
     for ratio in (planner_module.WIDE_RATIO, 1.0):
@@ -432,6 +436,8 @@ def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it
     checkpoint. (Experiments priced only while the posterior is wide, as in §6.28: once this one
     is read the posterior is narrow, and §6.32's later experiments would start a second window.)"""
     import copus.core.control.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
@@ -563,6 +569,8 @@ def test_an_experiment_is_not_taken_where_its_window_cannot_tell_the_hypotheses_
     still price the window above its cost, and it is taken as in the quiet run."""
     import copus.core.control.planner as planner_module
 
+    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
     default = planner_module.MIN_SEPARATION
@@ -577,3 +585,34 @@ def test_an_experiment_is_not_taken_where_its_window_cannot_tell_the_hypotheses_
             moves[noise, floor] = [(d.step, d.plan.global_batch_size) for d in run]
     assert moves[0.012, 0.0] == moves[0.012, default] == moves[0.2, 0.0] == [(120, 32)], moves
     assert moves[0.2, default] == [], moves
+
+
+def test_a_square_wave_experiment_alternates_its_batch_within_one_window(monkeypatch):
+    """docs/robust-goodput.md §6.33 (a variant, off by default): with `DITHER_HALF_STEPS` = 30 the
+    experiment of §6.32's test (B = 32 at step 120) is a square wave: 32, 16, 32 every 30 steps
+    while the posterior's window (skip + window steps after the first change) lasts, then held
+    until the window is read. The changes inside the window do not extend it (`hold_window`):
+    it is read when a held experiment's would be, over both batches. The wave survives a
+    checkpoint."""
+    import copus.core.control.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 30)
+    auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
+    ctrl = _planner(settings=auto, horizon_tokens=4e9, posterior_options={"prior_octaves": 0.5})
+    curve = _noisy_power_law()
+    moves, plan, state = _drive(ctrl, 170, c=32.0, bcrit=lambda e: 40.0, loss=curve)
+    first = [(d.step, d.plan.global_batch_size) for d in moves]
+    assert first == [(120, 32), (150, 16)], first
+    assert ctrl.dither is not None and ctrl.dither[2] == 120 and ctrl.posterior.hold_window
+    twin = _planner(settings=auto, horizon_tokens=4e9, posterior_options={"prior_octaves": 0.5})
+    twin.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
+    assert twin.dither == ctrl.dither
+    moves = _drive(ctrl, 250, c=32.0, bcrit=lambda e: 40.0, loss=curve, start=state, plan=plan, seed=1)[0]
+    seen = first + [(d.step, d.plan.global_batch_size) for d in moves]
+    last = twin.dither[3]  # the step of the experiment + the window's span (skip + window + lag)
+    assert [m for m in seen if m[0] < last] == [(120, 32), (150, 16), (180, 32)], seen
+    assert ctrl.dither is None and not ctrl.posterior.hold_window
+    row = ctrl.posterior.experiments[0]
+    post = ctrl.posterior
+    assert set(row["batches"]) == {16.0, 32.0}
+    assert row["steps"] == 2 * post.window_steps + post.skip_steps + 1, row  # not extended by 150, 180

@@ -111,6 +111,7 @@ PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
 LR_RULE_FACTOR = False
 LR_OVERSHOOT_ONLY = True
 SQRT_LR_FRACTIONS = (0.3, 0.45, 0.6, 0.85)
+SQRT_LR_PRIOR = 0.5  # the x0 rows' prior mass together (docs/robust-goodput.md §6.20; §6.33: 0.2)
 
 
 def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> list[int]:
@@ -223,6 +224,7 @@ def make_controller(
                 "lr_fractions": SQRT_LR_FRACTIONS,
                 "lr_ref_batch": float(settings.initial),
                 "lr_overshoot_only": LR_OVERSHOOT_ONLY,
+                "prior_lr_fractions": SQRT_LR_PRIOR,
             }
         opts |= posterior_options or {}
         posterior = CalibrationPosterior(

@@ -66,8 +66,11 @@ LR warm-up, during which the plan switches no layout and probes none (docs/robus
   batch on the chosen layout's ladder (at most 2× the current) is taken when its value of
   information exceeds its cost (`core.control.experiment_value`: the expected time the batch
   choice would save over the rest of the run if the posterior were updated by the bend the move
-  would show, against the expected time lost over the window at that batch); the batch does not
-  fall until that window has been read, and may then fall back to the batch before the
+  would show, against the expected time lost over the window at that batch). The experiment is a
+  square wave (`DITHER_HALF_STEPS`, §6.33): the larger batch and the batch before it in turn
+  every 30 steps while the window lasts, its last half-period held until the window is read
+  (priced over its steps at the larger batch); the batch does not fall until that window has
+  been read, and may then fall back to the batch before the
   experiment without further evidence (`RETURN_AFTER_EXPERIMENT`, §6.28: an experiment is a
   measurement, not a commitment). No experiment is taken whose window would tell the plan's
   most distant hypotheses of c apart by less than `MIN_SEPARATION` standard deviations (§6.29:
@@ -126,6 +129,15 @@ MIN_SEPARATION = 2.0
 # experiment; 7 seeds: median capture 0.749 -> 0.787, minimum 0.52 -> 0.54, the long truth unchanged).
 # WIDE_RATIO (8) before §6.32
 EXPERIMENT_WIDE_RATIO = 1.0
+# a VoI experiment as a square wave (docs/robust-goodput.md §6.33; default since then): while the
+# posterior's window lasts (skip + window steps after the first change) the batch alternates between
+# the experiment's batch and the batch before it every DITHER_HALF_STEPS steps, and the changes
+# inside the window do not extend it (`CalibrationPosterior.hold_window`); the last half-period is
+# held until the window is read, then the plan decides. At 30: 32 of the window's 70 steps at the
+# batch before it. 7 seeds: cells > 1 % behind 11 -> 6 (every 7B lr-tuned cell within 1 %), median
+# capture 0.787 -> 0.81, mean +1.09 -> +1.12 %, but 32B sqrt-lr deeper (worst -2.15 -> -3.02 %);
+# the long truth unchanged. 0: the batch held over the window (§6.9–§6.32)
+DITHER_HALF_STEPS = 30
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
@@ -189,6 +201,9 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.experiment_from: float | None = None
         self.experiment_phi: dict[str, float] = {}  # "B_now>B_x" -> φ when that experiment was taken
         self.readable_from = 0  # the first step past the LR warm-up
+        # a square-wave experiment under way (`DITHER_HALF_STEPS`): (the batch before it, the
+        # experiment's batch) as candidate indices, its first step, the step it ends
+        self.dither: tuple[int, int, int, int] | None = None
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -350,9 +365,17 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             if np.abs(d).max() < MIN_SEPARATION:
                 continue
             value = experiment_value.value(grid[0], grid[1], w, d)
-            cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), steps, w)
+            wave = DITHER_HALF_STEPS > 0
+            held = self._wave_high_steps(steps) if wave else steps
+            cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), held, w)
             if value > cost and (best is None or value - cost > best["net"]):
-                best = {"index": int(x), "value_s": value, "cost_s": cost, "net": value - cost, "instead_of": b[i]}
+                best = {
+                    "index": int(x),
+                    "value_s": value,
+                    "cost_s": cost,
+                    "net": value - cost,
+                    "instead_of": b[i],
+                }
         return best
 
     def _phi_last(self) -> float:
@@ -456,6 +479,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             return None
         self._maybe_refit()
         self.last_decision_step = record.step
+        if self.dither is not None:
+            return self._dither_step(record)
         step_s = self.predicted_step_s()
         plan = self.plan_now(float(record.samples), step_s)
         if plan is None:
@@ -474,9 +499,37 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             if self.experiment_from is None:
                 self.experiment_from = float(record.plan.global_batch_size)
             self.experiment_phi[_pair(record.plan.global_batch_size, target.global_batch_size)] = self._phi_last()
+            lo = self.candidates.index_of(record.plan)
+            if DITHER_HALF_STEPS > 0 and lo is not None:
+                self.dither = (int(lo), int(plan["index"]), record.step, record.step + self.posterior.window_span)
+                self.posterior.hold_window = True
         elif target.global_batch_size != record.plan.global_batch_size:
             self.experiment_from = None  # the plan's own batch move: no return is owed
         return self._decide(record, target, self.events[-1]["why"], "decide")
+
+    def _dither_step(self, record: StepRecord) -> Decision | None:
+        """The square-wave experiment at this decision point (`DITHER_HALF_STEPS`): the experiment's
+        batch in even half-periods, the batch before it in odd ones; once its span is over, the
+        batch before it, held as an experiment's batch until the posterior's window closes."""
+        lo, hi, first, last = self.dither
+        if record.step >= last and not self.posterior.window_open:
+            self.dither = self.experiment_batch = None  # read: the plan decides with it
+            return None
+        target = self.candidates.plan(hi if self._wave_phase(record.step - first) % 2 == 0 else lo)
+        if target == record.plan:
+            return None
+        why = f"square-wave experiment: B={target.global_batch_size} (steps {first}-{last})"
+        return self._decide(record, target, why, "decide")
+
+    def _wave_phase(self, since: int) -> int:
+        """The square wave's half-period `since` steps after it began: no change past the
+        window's first skip + window steps (the posterior reads the window then, `hold_window`)."""
+        post = self.posterior
+        return min(since, post.skip_steps + post.window_steps - 1) // DITHER_HALF_STEPS
+
+    def _wave_high_steps(self, span: int) -> int:
+        """Steps of a square wave over `span` at the experiment's batch (even half-periods)."""
+        return sum(self._wave_phase(t) % 2 == 0 for t in range(span))
 
     def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
         kind = decision_kind(record.plan, plan)
@@ -622,6 +675,7 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             "experiment_from": self.experiment_from,
             "experiment_phi": dict(self.experiment_phi),
             "readable_from": self.readable_from,
+            "dither": None if self.dither is None else list(self.dither),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -636,3 +690,5 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.experiment_from = None if start is None else float(start)
         self.experiment_phi = {str(k): float(v) for k, v in state.get("experiment_phi", {}).items()}
         self.readable_from = int(state.get("readable_from", 0))
+        dither = state.get("dither")
+        self.dither = None if dither is None else tuple(int(x) for x in dither)

@@ -172,6 +172,10 @@ class CalibrationPosterior:
     _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
     _first_clock: np.ndarray | None = None  # E_c at the first step read (the loss offsets' unit)
     _pending: deque = field(default_factory=deque)  # (loss, batch, b_noise, usable) awaiting φ(t + lag)
+    # a square-wave experiment (the planner's `DITHER_HALF_STEPS`, docs/robust-goodput.md §6.33):
+    # the changes inside an open window do not extend it; each one's transient is still skipped
+    hold_window: bool = False
+    _since_last: int = 0  # steps since the last change (its transient)
 
     def __post_init__(self) -> None:
         if self.lag_steps is None:
@@ -406,11 +410,12 @@ class CalibrationPosterior:
         )
         if self._last_batch is None or changed:
             self._last_batch = float(batch)
-        if changed:
+        self._since_last = 0 if changed else self._since_last + 1
+        if changed and not (self.hold_window and self._since_change is not None):
             self._since_change = 0
         elif self._since_change is not None:
             self._since_change += 1
-        in_transient = self._since_change is not None and self._since_change < self.skip_steps
+        in_transient = self._since_change is not None and self._since_last < self.skip_steps
         self._buffer.append(WindowStep(float(loss), float(batch), float(b_noise), not in_transient, self._clock.copy()))
         if self._since_change is None:
             del self._buffer[: -self.window_steps]  # only the pre-window is kept
@@ -448,10 +453,10 @@ class CalibrationPosterior:
         )
 
     def _reset(self) -> None:
-        self._buffer, self._since_change = [], None
+        self._buffer, self._since_change, self.hold_window = [], None, False
 
     def _close(self) -> dict | None:
-        steps, self._buffer, self._since_change = self._buffer, [], None
+        steps, self._buffer, self._since_change, self.hold_window = self._buffer, [], None, False
         loglik = window_log_likelihood(
             steps,
             self.log2_grid,

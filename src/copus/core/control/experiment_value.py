@@ -97,4 +97,3 @@ def window_cost(r_x: np.ndarray, r_i: np.ndarray, step_s: float, steps: int, w: 
     """C: `steps` steps of `step_s` at rates `r_x` instead of `r_i` (per c_k), expected."""
     lost = 1.0 - r_x / np.maximum(r_i, 1e-300)
     return float(steps * step_s * (w @ lost))
-

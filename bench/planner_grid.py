@@ -72,7 +72,7 @@ def main() -> int:
         type=float,
         default=None,
         help="with the VoI experiments: price them only while the posterior's 90 %% interval of c spans more "
-        "than this many-fold (default: planner.EXPERIMENT_WIDE_RATIO, 1 since docs/robust-goodput.md §6.32: "
+        "than this many-fold (default: experiments.EXPERIMENT_WIDE_RATIO, 1 since docs/robust-goodput.md §6.32: "
         "whenever no window is open; 8 before)",
     )
     ap.add_argument(
@@ -87,7 +87,7 @@ def main() -> int:
         type=int,
         default=None,
         help="with the VoI experiments: run each as a square wave between its batch and the batch before it, "
-        "this many steps per half-period (default: planner.DITHER_HALF_STEPS, 0: the batch held; "
+        "this many steps per half-period (default: experiments.DITHER_HALF_STEPS, 0: the batch held; "
         "docs/robust-goodput.md §6.33)",
     )
     ap.add_argument(
@@ -149,23 +149,23 @@ def main() -> int:
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
         if args.lr_prior is not None:
             controller_module.SQRT_LR_PRIOR = args.lr_prior
-    import copus.core.control.planner as planner_module
+    import copus.core.control.experiments as experiments_module
 
-    planner_module.EXPERIMENTS = not args.no_voi_experiments
-    if planner_module.EXPERIMENTS:
-        planner_module.RETURN_AFTER_EXPERIMENT = not args.no_return
+    experiments_module.EXPERIMENTS = not args.no_voi_experiments
+    if experiments_module.EXPERIMENTS:
+        experiments_module.RETURN_AFTER_EXPERIMENT = not args.no_return
         if args.min_separation is not None:
-            planner_module.MIN_SEPARATION = args.min_separation
+            experiments_module.MIN_SEPARATION = args.min_separation
         if args.outcome_points is not None:
             from copus.core.control import experiment_value
 
             experiment_value.OUTCOME_POINTS = args.outcome_points
         if args.dither_half_steps is not None:
-            planner_module.DITHER_HALF_STEPS = args.dither_half_steps
+            experiments_module.DITHER_HALF_STEPS = args.dither_half_steps
         if args.experiment_wide_ratio is not None:
-            planner_module.EXPERIMENT_WIDE_RATIO = args.experiment_wide_ratio
+            experiments_module.EXPERIMENT_WIDE_RATIO = args.experiment_wide_ratio
         if args.repeat_growth is not None:
-            planner_module.REPEAT_PHI_GROWTH = args.repeat_growth
+            experiments_module.REPEAT_PHI_GROWTH = args.repeat_growth
     if args.no_loss_offsets:
         import copus.core.control.controller as controller_module
         from copus.core.stats.calibration_posterior import DEFAULT_LOSS_OFFSETS

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from copus.core.control.controller import make_controller
+from copus.core.control import experiments as experiments_module
 from copus.core.control.planner import PlanningController
 from copus.core.control.policies import PolicySettings
 from copus.core.cost.throughput import StepTimeModel
@@ -384,15 +385,14 @@ def test_an_upward_experiment_is_taken_when_its_value_of_information_exceeds_its
     seconds: the plan takes the larger batch as an experiment (docs/robust-goodput.md §6.9),
     only once the noise-scale EMA's warm-up lies behind the window's pre-change steps, and
     holds it until the window has been read."""
-    import copus.core.control.planner as planner_module
 
-    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+    monkeypatch.setattr(experiments_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     flat = lambda e: 40.0  # noqa: E731
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(planner_module, "EXPERIMENTS", on)
+        monkeypatch.setattr(experiments_module, "EXPERIMENTS", on)
         curve = _noisy_power_law()
         ctrl = _planner(settings=auto, horizon_tokens=4e9)
         runs[on] = (ctrl, _drive(ctrl, 170, c=32.0, bcrit=flat, loss=curve)[0])
@@ -413,12 +413,12 @@ def test_an_experiment_is_priced_however_narrow_the_posterior(monkeypatch):
     B = 32 is worth its cost, taken at step 120 and held until read."""
     import copus.core.control.planner as planner_module
 
-    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+    monkeypatch.setattr(experiments_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     runs = {}
     for ratio in (planner_module.WIDE_RATIO, 1.0):
-        monkeypatch.setattr(planner_module, "EXPERIMENT_WIDE_RATIO", ratio)
+        monkeypatch.setattr(experiments_module, "EXPERIMENT_WIDE_RATIO", ratio)
         ctrl = _planner(settings=auto, horizon_tokens=4e9, posterior_options={"prior_octaves": 0.5})
         assert ctrl.posterior.interval_ratio() < planner_module.WIDE_RATIO
         moves = _drive(ctrl, 170, c=32.0, bcrit=lambda e: 40.0, loss=_noisy_power_law())[0]
@@ -437,14 +437,14 @@ def test_after_an_experiment_is_read_the_batch_may_return_to_the_batch_before_it
     is read the posterior is narrow, and §6.32's later experiments would start a second window.)"""
     import copus.core.control.planner as planner_module
 
-    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+    monkeypatch.setattr(experiments_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
-    monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
-    monkeypatch.setattr(planner_module, "EXPERIMENT_WIDE_RATIO", planner_module.WIDE_RATIO)
+    monkeypatch.setattr(experiments_module, "EXPERIMENTS", True)
+    monkeypatch.setattr(experiments_module, "EXPERIMENT_WIDE_RATIO", planner_module.WIDE_RATIO)
     runs = {}
     for back in (False, True):
-        monkeypatch.setattr(planner_module, "RETURN_AFTER_EXPERIMENT", back)
+        monkeypatch.setattr(experiments_module, "RETURN_AFTER_EXPERIMENT", back)
         curve = _noisy_power_law()
         ctrl = _planner(settings=auto, horizon_tokens=4e9)
         moves, _, _ = _drive(ctrl, 400, c=16.0, bcrit=lambda e: 20.0, loss=curve)
@@ -466,17 +466,16 @@ def test_an_experiment_is_repeated_only_once_the_noise_scale_has_grown(monkeypat
     the same experiment again and again (51–132 round trips 256 → 512 → 256). With
     `REPEAT_PHI_GROWTH` = 2 the pair is taken again only once φ has doubled (0, the default: any
     time); the record survives a checkpoint."""
-    import copus.core.control.planner as planner_module
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
-    monkeypatch.setattr(planner_module, "REPEAT_PHI_GROWTH", 2.0)
+    monkeypatch.setattr(experiments_module, "REPEAT_PHI_GROWTH", 2.0)
     ctrl = _planner(settings=auto, horizon_tokens=4e9)
     ctrl.experiment_phi["16>32"] = 1.0
     for phi, again in ((1.0, False), (1.9, False), (2.0, True)):
         ctrl.chunks = [[16.0, 10.0, 10.0 * phi, 10.0, 1.0]]  # [batch, steps, Σφ, steps with φ, first step]
         assert ctrl._may_repeat(16.0, 32.0) is again, phi
     assert ctrl._may_repeat(16.0, 22.0)  # another pair: never taken
-    monkeypatch.setattr(planner_module, "REPEAT_PHI_GROWTH", 0.0)
+    monkeypatch.setattr(experiments_module, "REPEAT_PHI_GROWTH", 0.0)
     ctrl.chunks = [[16.0, 10.0, 10.0, 10.0, 1.0]]
     assert ctrl._may_repeat(16.0, 32.0)  # 0: any time (as measured before the rule)
     twin = _planner(settings=auto, horizon_tokens=4e9)
@@ -567,18 +566,17 @@ def test_an_experiment_is_not_taken_where_its_window_cannot_tell_the_hypotheses_
     `MIN_SEPARATION` standard deviations: with the floor no experiment is taken (a reading that
     weak is the fit's misspecification, not c); without it (0) the stakes of a wide posterior
     still price the window above its cost, and it is taken as in the quiet run."""
-    import copus.core.control.planner as planner_module
 
-    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
+    monkeypatch.setattr(experiments_module, "DITHER_HALF_STEPS", 0)  # the batch held, as measured then (§6.33)
 
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
-    monkeypatch.setattr(planner_module, "EXPERIMENTS", True)
-    default = planner_module.MIN_SEPARATION
+    monkeypatch.setattr(experiments_module, "EXPERIMENTS", True)
+    default = experiments_module.MIN_SEPARATION
     assert default > 0
     moves = {}
     for noise in (0.012, 0.2):
         for floor in (0.0, default):
-            monkeypatch.setattr(planner_module, "MIN_SEPARATION", floor)
+            monkeypatch.setattr(experiments_module, "MIN_SEPARATION", floor)
             rng = np.random.default_rng(1)
             curve = lambda e, s=noise, g=rng: 2.0 + 9.0 * (1.0 + e / 50.0) ** -0.24 + s * g.standard_normal()  # noqa: E731
             run = _drive(_planner(settings=auto, horizon_tokens=4e9), 170, c=32.0, bcrit=lambda e: 40.0, loss=curve)[0]
@@ -594,9 +592,8 @@ def test_a_square_wave_experiment_alternates_its_batch_within_one_window(monkeyp
     until the window is read. The changes inside the window do not extend it (`hold_window`):
     it is read when a held experiment's would be, over both batches. The wave survives a
     checkpoint."""
-    import copus.core.control.planner as planner_module
 
-    monkeypatch.setattr(planner_module, "DITHER_HALF_STEPS", 30)
+    monkeypatch.setattr(experiments_module, "DITHER_HALF_STEPS", 30)
     auto = PolicySettings(initial=16, min=16, max=512, calibration=4.0, calibration_mode="auto")
     ctrl = _planner(settings=auto, horizon_tokens=4e9, posterior_options={"prior_octaves": 0.5})
     curve = _noisy_power_law()

@@ -54,27 +54,11 @@ LR warm-up, during which the plan switches no layout and probes none (docs/robus
   (`controller.profile`), a profiled plan's measured median instead, every time in the
   profile's units (the run's own medians divided by the load factor k; `_profiled_model`),
   and a profiled layout is never probed.
-- **Exploration** (with measured step times only): for each layout never measured, the value
-  of measuring it = the expected time it would save if its step time were the model's ±
-  the model's measured error (three-point quadrature of a log-normal), against its cost =
-  two switches and the probe's slower steps. A probe is an ordinary switch (purpose "probe");
-  the next plan keeps or leaves the layout on its measured step time.
-- **Experiments priced by their value of information** (`EXPERIMENTS`, on since
-  docs/robust-goodput.md §6.29; §6.9, §6.28, §6.32): however narrow the posterior (a narrow one
-  can be wrong: §6.32), while no calibration window is open and
-  the window's pre-change steps lie past the noise-scale EMA's and the LR's warm-up, a larger
-  batch on the chosen layout's ladder (at most 2× the current) is taken when its value of
-  information exceeds its cost (`core.control.experiment_value`: the expected time the batch
-  choice would save over the rest of the run if the posterior were updated by the bend the move
-  would show, against the expected time lost over the window at that batch). The experiment is a
-  square wave (`DITHER_HALF_STEPS`, §6.33): the larger batch and the batch before it in turn
-  every 30 steps while the window lasts, its last half-period held until the window is read
-  (priced over its steps at the larger batch); the batch does not fall until that window has
-  been read, and may then fall back to the batch before the
-  experiment without further evidence (`RETURN_AFTER_EXPERIMENT`, §6.28: an experiment is a
-  measurement, not a commitment). No experiment is taken whose window would tell the plan's
-  most distant hypotheses of c apart by less than `MIN_SEPARATION` standard deviations (§6.29:
-  such a reading is the fit's misspecification, and many of them bias the posterior).
+- **Exploration** (`core.control.probes`): a layout never measured is probed when the value
+  of measuring it exceeds its cost (two switches and the probe's slower steps).
+- **Experiments priced by their value of information** (`core.control.experiments`): while no
+  calibration window is open, a larger batch (at most 2× the current) is taken as a square-wave
+  experiment when the value of what its window would tell about c exceeds its cost.
 - **Record**: each decision point leaves one decisions.jsonl row (`"event": "considered"`):
   the plan taken, and the best layout and batch refused with what they were predicted to gain
   and what they had to clear (the switch cost; for a batch, the chosen batch's rate).
@@ -88,68 +72,28 @@ from typing import Any
 
 import numpy as np
 
-from copus.core.control import experiment_value, start_prior
+from copus.core.control import experiments, start_prior
 from copus.core.control.considered import considered_row
+from copus.core.control.experiments import BatchExperiments
 from copus.core.control.plan_times import PlanTimes
+from copus.core.control.probes import LayoutProbes
 from copus.core.control.step_estimates import MeasuredStepTimes
 from copus.core.plan.plan import ParallelPlan
 from copus.core.plan.records import Decision, StepRecord, decision_kind
 
 PRIOR_SLOPE = 0.8  # d log φ / d log E before the run has measured it (docstring)
 MAX_SLOPE = 1.5
-QUADRATURE = ((-1.2247, 1 / 6), (0.0, 2 / 3), (1.2247, 1 / 6))  # ±sqrt(3/2)σ: a 3-point Gauss rule
 # while the posterior's 90 % interval of c spans more than WIDE_RATIO-fold, the batch moves on
 # the ladder B0·2^(k/WIDE_STEPS) (√2 rungs): each move is an experiment the posterior can read
 WIDE_RATIO, WIDE_STEPS = 8.0, 2
 SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile of c
-# "VoI experiments" (docs/robust-goodput.md §6.9): an upward batch experiment when its value of
-# information exceeds its cost. On by default since §6.29, with the return below, the separation
-# floor, the outcome drawn and the window fit's loss offsets (7 seeds: mean speed-up +0.80 -> +1.06 %,
-# worst cell -5.1 -> -2.2 %, minimum capture 0.32 -> 0.52, median 0.755 -> 0.749, cells > 1 % behind
-# 8 -> 11; the long pre-training truth unchanged, 669.5 / 669.6 / 667.3 min; §6.28 looped there
-# before the floor); `bench/planner_grid.py --no-voi-experiments` turns it off
-EXPERIMENTS = True
-# after an experiment's window has closed the batch may fall back to the batch before the
-# experiment without evidence about c (docs/robust-goodput.md §6.28): without it an experiment's
-# batch became the floor and VoI experiments cost every low-c cell (§6.25)
-RETURN_AFTER_EXPERIMENT = True
-# the same experiment (B_now → B_x) is taken again only once φ has grown this many-fold since it
-# was; 0: any time (docs/robust-goodput.md §6.28: 2 broke the variant's loop on the long
-# pre-training truth but grew its batch far too early there, 826–893 min against 681–726 at 0)
-REPEAT_PHI_GROWTH = 0.0
-# an experiment is taken only where its window can tell the plan's two most distant hypotheses
-# of c apart by this many standard deviations of its loss noise (max |d_jk|, `experiment_value`);
-# below it a window's reading is the fit's misspecification, not c (docs/robust-goodput.md §6.29:
-# on the long pre-training truth 300 windows at z ≈ 0.04–0.8 drew the posterior's median from 4 to
-# 2.2 and the batch grew 95k steps late; on the grid the experiments taken have z ≈ 2.4–16)
-MIN_SEPARATION = 2.0
-# experiments are priced only while the posterior's 90 % interval of c spans more than this many-fold;
-# 1.0: whenever no window is open, however narrow the posterior (docs/robust-goodput.md §6.32: one
-# misread first window left the held-out runs 3-fold sure of a c 3–5x off and never priced another
-# experiment; 7 seeds: median capture 0.749 -> 0.787, minimum 0.52 -> 0.54, the long truth unchanged).
-# WIDE_RATIO (8) before §6.32
-EXPERIMENT_WIDE_RATIO = 1.0
-# a VoI experiment as a square wave (docs/robust-goodput.md §6.33; default since then): while the
-# posterior's window lasts (skip + window steps after the first change) the batch alternates between
-# the experiment's batch and the batch before it every DITHER_HALF_STEPS steps, and the changes
-# inside the window do not extend it (`CalibrationPosterior.hold_window`); the last half-period is
-# held until the window is read, then the plan decides. At 30: 32 of the window's 70 steps at the
-# batch before it. 7 seeds: cells > 1 % behind 11 -> 6 (every 7B lr-tuned cell within 1 %), median
-# capture 0.787 -> 0.81, mean +1.09 -> +1.12 %, but 32B sqrt-lr deeper (worst -2.15 -> -3.02 %);
-# the long truth unchanged. 0: the batch held over the window (§6.9–§6.32)
-DITHER_HALF_STEPS = 30
 # what waits for the end of the LR warm-up (docs/robust-goodput.md §6.19): "layout" switches and
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
 WARMUP_HOLD = "layout"
 
 
-def _pair(b_now: float, b_x: float) -> str:
-    """The key "B_now>B_x" of an experiment pair (`experiment_phi`, saved in the checkpoint)."""
-    return f"{float(b_now):g}>{float(b_x):g}"
-
-
-class PlanningController(PlanTimes, MeasuredStepTimes):
+class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStepTimes):
     """observe(record) -> Decision | None by the module docstring's rule."""
 
     def __init__(
@@ -195,15 +139,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.window_base: float | None = None  # the batch before the open calibration window
         # `copus profile`'s measured medians (controller.profile): plan -> step seconds
         self.profile = {p: float(t) for p, t in profile if math.isfinite(t) and t > 0}
-        self.experiment_batch: float | None = None  # the batch of the experiment being read
-        # the batch before the first of a chain of experiments: the plan may return to it once the
-        # experiment's window has closed (an experiment is a measurement, not a commitment)
-        self.experiment_from: float | None = None
-        self.experiment_phi: dict[str, float] = {}  # "B_now>B_x" -> φ when that experiment was taken
         self.readable_from = 0  # the first step past the LR warm-up
-        # a square-wave experiment under way (`DITHER_HALF_STEPS`): (the batch before it, the
-        # experiment's batch) as candidate indices, its first step, the step it ends
-        self.dither: tuple[int, int, int, int] | None = None
+        self._init_experiments()
         self._layouts()
 
     # ---- the plan's inputs ---------------------------------------------------------------------
@@ -336,62 +273,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             **extra,
         }
 
-    def _experiments(self) -> bool:
-        """Whether batch experiments are priced: with the posterior over c, no window open (and the
-        interval wider than `EXPERIMENT_WIDE_RATIO`-fold, which 1.0 never refuses)."""
-        post = self.posterior
-        if not EXPERIMENTS or post is None or post.window_open or post.interval_ratio() <= EXPERIMENT_WIDE_RATIO:
-            return False
-        # the window's pre-change steps must lie past the noise-scale EMA's warm-up (the first
-        # `fit_after_steps`) and the LR warm-up (which the posterior does not read)
-        return self.last_decision_step >= max(self.fit_after_steps, self.readable_from) + post.window_steps
-
-    def _experiment(self, on, i, r, bc_now, w, grid, step_s) -> dict | None:
-        """The larger batch of `on` (the ladder, at most one doubling) whose value of
-        information most exceeds its cost (`experiment_value`; the window: the posterior's
-        skip + read steps and the lag line's lag, §6.29; same layout, no switch), or None when none does."""
-        post = self.posterior
-        trend = post.loss_trend(2 * post.window_steps + post.skip_steps)
-        if trend is None:
-            return None
-        b = self.candidates.global_batch_size.astype(float)
-        b_now = float(self.plan.global_batch_size)
-        steps = post.window_span  # the batch is held until the window closes, the lag line's too
-        best = None
-        for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
-            if not self._may_repeat(b_now, float(b[x])):
-                continue
-            d = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
-            if np.abs(d).max() < MIN_SEPARATION:
-                continue
-            value = experiment_value.value(grid[0], grid[1], w, d)
-            wave = DITHER_HALF_STEPS > 0
-            held = self._wave_high_steps(steps) if wave else steps
-            cost = experiment_value.window_cost(r[:, x], r[:, i], float(step_s[x]), held, w)
-            if value > cost and (best is None or value - cost > best["net"]):
-                best = {
-                    "index": int(x),
-                    "value_s": value,
-                    "cost_s": cost,
-                    "net": value - cost,
-                    "instead_of": b[i],
-                }
-        return best
-
-    def _phi_last(self) -> float:
-        """The last stretch's mean noise-scale reading (nan before any)."""
-        for c in reversed(self.chunks):
-            if c[3] > 0:
-                return c[2] / c[3]
-        return float("nan")
-
-    def _may_repeat(self, b_now: float, b_x: float) -> bool:
-        """Whether the experiment B_now → B_x may be taken (again): never taken, or φ has grown
-        `REPEAT_PHI_GROWTH`-fold since it was (docs/robust-goodput.md §6.28: at the same cφ/B the
-        window would read what the last one read; on the long run the return made it a loop)."""
-        last = self.experiment_phi.get(_pair(b_now, b_x))
-        return last is None or not REPEAT_PHI_GROWTH or self._phi_last() >= REPEAT_PHI_GROWTH * last
-
     def floor_batch(self, phi_now: np.ndarray, step_s: np.ndarray) -> float:
         """The smallest batch the plan may take: the current one, unless the evidence about c
         says the current batch is past the best batch even at the posterior's
@@ -400,11 +281,11 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         smaller batch is never planned for a reading of φ alone: a gradient spike, which
         moves the online φ for many steps, does not shrink the batch. After an experiment's
         window has been read, "the current one" is the batch before the experiment
-        (`experiment_from`, with `RETURN_AFTER_EXPERIMENT`)."""
+        (`experiment_from`, with `experiments.RETURN_AFTER_EXPERIMENT`)."""
         cur = float(self.plan.global_batch_size)
         if self.posterior is None or not len(self.chunks) or self._in_experiment():
             return cur
-        if self.experiment_from is not None and RETURN_AFTER_EXPERIMENT:
+        if self.experiment_from is not None and experiments.RETURN_AFTER_EXPERIMENT:
             cur = min(cur, self.experiment_from)  # an experiment's batch is no floor once read
         recent = [c[2] / c[3] for c in self.chunks[-self.interval_steps :] if c[3] > 0]
         phi = max([float(np.max(phi_now))] + recent)
@@ -441,11 +322,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         cur = self.candidates.index_of(self.plan)
         keep = idx[np.isin(b, b[first])]  # every plan (micro-batch, layout) at a rung's batch
         return np.union1d(keep, [cur]) if cur is not None and cur in idx else keep
-
-    def _in_experiment(self) -> bool:
-        """Whether the calibration window opened by an experiment (`_experiment`) is still open:
-        its cost was priced over the whole window, so until then the batch does not fall."""
-        return self.experiment_batch is not None and self.posterior is not None and self.posterior.window_open
 
     def _reading(self) -> bool:
         """Whether batch moves are experiments capped at one doubling: the posterior over c is
@@ -494,42 +370,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         if target == record.plan:
             self.last_explanation = {"step": record.step, "action": "stay", "why": self.events[-1]["why"]}
             return None
-        if plan.get("experiment") is not None:
-            self.experiment_batch = float(target.global_batch_size)
-            if self.experiment_from is None:
-                self.experiment_from = float(record.plan.global_batch_size)
-            self.experiment_phi[_pair(record.plan.global_batch_size, target.global_batch_size)] = self._phi_last()
-            lo = self.candidates.index_of(record.plan)
-            if DITHER_HALF_STEPS > 0 and lo is not None:
-                self.dither = (int(lo), int(plan["index"]), record.step, record.step + self.posterior.window_span)
-                self.posterior.hold_window = True
-        elif target.global_batch_size != record.plan.global_batch_size:
-            self.experiment_from = None  # the plan's own batch move: no return is owed
+        self._note_batch_move(record, plan, target)
         return self._decide(record, target, self.events[-1]["why"], "decide")
-
-    def _dither_step(self, record: StepRecord) -> Decision | None:
-        """The square-wave experiment at this decision point (`DITHER_HALF_STEPS`): the experiment's
-        batch in even half-periods, the batch before it in odd ones; once its span is over, the
-        batch before it, held as an experiment's batch until the posterior's window closes."""
-        lo, hi, first, last = self.dither
-        if record.step >= last and not self.posterior.window_open:
-            self.dither = self.experiment_batch = None  # read: the plan decides with it
-            return None
-        target = self.candidates.plan(hi if self._wave_phase(record.step - first) % 2 == 0 else lo)
-        if target == record.plan:
-            return None
-        why = f"square-wave experiment: B={target.global_batch_size} (steps {first}-{last})"
-        return self._decide(record, target, why, "decide")
-
-    def _wave_phase(self, since: int) -> int:
-        """The square wave's half-period `since` steps after it began: no change past the
-        window's first skip + window steps (the posterior reads the window then, `hold_window`)."""
-        post = self.posterior
-        return min(since, post.skip_steps + post.window_steps - 1) // DITHER_HALF_STEPS
-
-    def _wave_high_steps(self, span: int) -> int:
-        """Steps of a square wave over `span` at the experiment's batch (even half-periods)."""
-        return sum(self._wave_phase(t) % 2 == 0 for t in range(span))
 
     def _decide(self, record: StepRecord, plan: ParallelPlan, why: str, purpose: str) -> Decision:
         kind = decision_kind(record.plan, plan)
@@ -580,56 +422,6 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
 
     # ---- exploration ---------------------------------------------------------------------------
 
-    def _probe(self, record: StepRecord, plan: dict) -> tuple[ParallelPlan, str] | None:
-        """The unmeasured layout whose measurement is worth most, when worth its cost."""
-        f = self.fitter
-        if not self.explore or f is None or not self.search_options["allow_reconfigure"] or self._layout_held():
-            return None
-        measured = {p.layout for p in f.times} | {p.layout for p in self.profile}
-        sigma, c = self.model_spread(), self.reconfig_cost_s
-        cs, w = self.c_hypotheses()
-        e_now, phi_now, beta = self.forecast(cs)
-        e_end = plan["e_end"]
-        base = float(np.min(plan["J"]))
-        step_s = self.predicted_step_s()
-        best = None
-        for lay, key in enumerate(self._keys):
-            if key in measured or not plan["allowed"][lay]:
-                continue
-            value = 0.0
-            for z, q in QUADRATURE:
-                s = np.where(self._ids == lay, step_s * math.exp(sigma * z), step_s)
-                h = w @ self.layout_times(e_now, e_end, phi_now, beta, cs, s)
-                value += q * max(base - (h[lay] + c), 0.0)
-            i = self._probe_plan(lay, plan)
-            cur = self.candidates.index_of(record.plan)
-            slower = max(step_s[i] - (step_s[cur] if cur is not None else step_s[i]), 0.0)
-            cost = 2.0 * c + self.probe_steps * slower
-            if value > cost and (best is None or value - cost > best[1]):
-                best = (self.candidates.plan(i), value - cost, value, cost)
-        if best is None:
-            return None
-        return best[0], (
-            f"probe {best[0].describe()}: the value of measuring it "
-            f"{best[2]:.1f}s > its cost {best[3]:.1f}s (two switches and slower "
-            f"steps; model error σ={sigma:.2f})"
-        )
-
-    def _probe_plan(self, lay: int, plan: dict) -> int:
-        """The plan a probe of layout `lay` runs: at the batch the plan chose (`plan["index"]`,
-        which respects the ladder and the floor), or, where `lay` hosts no plan at that batch,
-        the nearest batch on it (|log2 B − log2 B_plan| least, not below the floor's side);
-        among those the best-scored. A probe measures a layout; it moves no batch the plan
-        did not choose (docs/robust-goodput.md §6.21)."""
-        on = np.flatnonzero(self._ids == lay)
-        b = self.candidates.global_batch_size[on].astype(float)
-        want = float(self.candidates.global_batch_size[plan["index"]])
-        above = b >= want
-        on, b = (on[above], b[above]) if above.any() else (on, b)
-        d = np.abs(np.log2(b / want))
-        near = on[d <= d.min() + 1e-9]
-        return int(near[np.argmax(plan["score"][near])])
-
     # ---- the record ----------------------------------------------------------------------------
 
     def _considered(self, record: StepRecord, plan: dict, probe) -> dict:
@@ -671,11 +463,8 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
             "chunks": [list(c) for c in self.chunks],
             "step_misses": list(self.step_misses),
             "window_base": self.window_base,
-            "experiment_batch": self.experiment_batch,
-            "experiment_from": self.experiment_from,
-            "experiment_phi": dict(self.experiment_phi),
             "readable_from": self.readable_from,
-            "dither": None if self.dither is None else list(self.dither),
+            **self._experiment_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -684,11 +473,5 @@ class PlanningController(PlanTimes, MeasuredStepTimes):
         self.step_misses = [float(x) for x in state.get("step_misses", [])]
         base = state.get("window_base")
         self.window_base = None if base is None else float(base)
-        exp = state.get("experiment_batch")
-        self.experiment_batch = None if exp is None else float(exp)
-        start = state.get("experiment_from")
-        self.experiment_from = None if start is None else float(start)
-        self.experiment_phi = {str(k): float(v) for k, v in state.get("experiment_phi", {}).items()}
         self.readable_from = int(state.get("readable_from", 0))
-        dither = state.get("dither")
-        self.dither = None if dither is None else tuple(int(x) for x in dither)
+        self._load_experiment_state(state)

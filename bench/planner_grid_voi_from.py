@@ -8,9 +8,10 @@ import os
 import runpy
 import sys
 
+import copus.core.control.experiments as em
 import copus.core.control.planner as pm
 
-pm.EXPERIMENTS = True
+em.EXPERIMENTS = True
 _first = int(os.environ["MIN_STEP"])
 _orig = pm.PlanningController._experiments
 pm.PlanningController._experiments = lambda self: _orig(self) and self.last_decision_step >= _first

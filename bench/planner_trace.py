@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+import copus.core.control.experiments as em
 import copus.core.control.planner as pm
 import copus.core.sim.simulator as sim_module
 from copus.commands.simulate import _preset
@@ -23,7 +24,7 @@ from copus.core.sim.simulator import Planner, compare_policies
 from copus.core.sim.trajectory import Trajectory
 
 preset, truth, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])
-pm.EXPERIMENTS = len(sys.argv) <= 4 or bool(int(sys.argv[4]))  # on by default since §6.29
+em.EXPERIMENTS = len(sys.argv) <= 4 or bool(int(sys.argv[4]))  # on by default since §6.29
 log = []
 _orig = pm.PlanningController._decide
 

@@ -172,7 +172,7 @@ class CalibrationPosterior:
     _clock: np.ndarray | None = None  # E_c(t) since the first step, every grid c
     _first_clock: np.ndarray | None = None  # E_c at the first step read (the loss offsets' unit)
     _pending: deque = field(default_factory=deque)  # (loss, batch, b_noise, usable) awaiting φ(t + lag)
-    # a square-wave experiment (the planner's `DITHER_HALF_STEPS`, docs/robust-goodput.md §6.33):
+    # a square-wave experiment (`core.control.experiments.DITHER_HALF_STEPS`, docs/robust-goodput.md §6.33):
     # the changes inside an open window do not extend it; each one's transient is still skipped
     hold_window: bool = False
     _since_last: int = 0  # steps since the last change (its transient)

@@ -121,6 +121,12 @@ def main() -> int:
         "optimum too, not only the overshoot (docs/robust-goodput.md §6.20)",
     )
     ap.add_argument(
+        "--lr-marginal",
+        action="store_true",
+        help="with --lr-rule-factor: the plan over the marginal quantiles of c times the posterior-mean LR factor "
+        "(docs/robust-goodput.md §6.14–§6.20) instead of joint (x0, c) hypotheses (§6.35)",
+    )
+    ap.add_argument(
         "--lr-prior",
         type=float,
         default=None,
@@ -149,6 +155,10 @@ def main() -> int:
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
         if args.lr_prior is not None:
             controller_module.SQRT_LR_PRIOR = args.lr_prior
+        if args.lr_marginal:
+            import copus.core.control.planner as planner_module
+
+            planner_module.LR_JOINT = False
     import copus.core.control.experiments as experiments_module
 
     experiments_module.EXPERIMENTS = not args.no_voi_experiments

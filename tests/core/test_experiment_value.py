@@ -35,3 +35,16 @@ def test_separation_is_antisymmetric_and_zero_for_equal_hypotheses():
     assert np.allclose(d, -d.T) and np.allclose(np.diag(d), 0.0)
     assert d[0, 1] < 0 < d[1, 0]  # ρ rises with cφ
     assert np.all(ev.separation(np.array([4.0, 16.0]), 256.0, 512.0, 1e-3, 0.01, 50, misfit=1.0) == 0.0)
+
+
+def test_hypotheses_whose_lr_factors_cancel_their_bends_are_not_told_apart():
+    """docs/robust-goodput.md §6.35: a move's bend under hypothesis k is E_k(B_x)/E_k(B_now) times its
+    LR factor ratio; two hypotheses (c = 8 re-tuned, c = 1 with an LR gain) that predict the same
+    bend have separation 0, the same pair without the factor is told apart."""
+    bc = np.array([80.0, 10.0])
+    rho = (bc + 16.0) / (bc + 32.0)
+    lr = np.array([1.0, rho[0] / rho[1]])
+    apart = ev.separation(bc, 16.0, 32.0, 0.01, 0.001, 35)
+    same = ev.separation(bc, 16.0, 32.0, 0.01, 0.001, 35, lr_ratio=lr)
+    assert abs(apart[0, 1]) > 1.0
+    np.testing.assert_allclose(same, 0.0, atol=1e-9)

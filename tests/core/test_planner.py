@@ -516,6 +516,50 @@ def test_under_the_sqrt_lr_rule_the_rates_carry_its_overshoot_factor(monkeypatch
     np.testing.assert_allclose(sqrt_rule.rates(np.array([100.0]), step_s), plain.rates(np.array([100.0]), step_s))
 
 
+def test_with_the_sqrt_rule_rows_each_hypothesis_of_c_keeps_its_own_lr_factor(monkeypatch):
+    """docs/robust-goodput.md §6.35: with the x0 rows on, the plan's hypotheses are quantiles of c
+    within each row of the posterior, each priced with its own row's factor: the LR re-tuned row
+    at c = 8 gets factor 1, the x0 = 0.3 row at c = 1 gets 2x − x² at its own c. The marginal
+    variant (`LR_JOINT` False) mixes the rows' c and prices every one with the mean factor."""
+    import copus.core.control.controller as controller_module
+    import copus.core.control.planner as planner_module
+    from copus.core.stats.lr_progress import sqrt_rule_factor
+
+    monkeypatch.setattr(controller_module, "LR_RULE_FACTOR", True)
+    monkeypatch.setattr(controller_module, "LR_OVERSHOOT_ONLY", False)
+    auto = PolicySettings(
+        initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0, calibration_mode="auto"
+    )
+    ctrl = _planner(settings=auto, lr_rule="sqrt")
+    post = ctrl.posterior
+    n_exp, grid = len(post.lr_exponents), post.log2_grid
+    post.log_post[:] = -1e9
+    post.log_post[0, :, int(np.argmin(np.abs(grid - 3.0)))] = 0.0  # re-tuned LR, c = 8
+    post.log_post[n_exp, :, int(np.argmin(np.abs(grid - 0.0)))] = 0.0  # x0 = lr_fractions[0], c = 1
+    cs, w = ctrl.c_hypotheses()
+    x0 = ctrl.hypothesis_x0
+    tuned = np.isnan(x0)
+    assert tuned.sum() == (~tuned).sum() == ctrl.c_points  # 2·c_points in all, by the rows' mass
+    np.testing.assert_allclose(w.sum(), 1.0)
+    np.testing.assert_allclose(cs[tuned], 8.0, rtol=0.2)  # a grid point spread over its cell
+    np.testing.assert_allclose(cs[~tuned], 1.0, rtol=0.2)
+    assert np.all(x0[~tuned] == post.lr_fractions[0])
+    step_s = ctrl.predicted_step_s()
+    bc = cs * 5.0
+    plain = _planner(settings=auto, lr_rule="none").rates(bc, step_s)
+    r = ctrl.rates(bc, step_s)
+    b = ctrl.candidates.global_batch_size.astype(float)
+    ok = plain[0] > 0
+    np.testing.assert_allclose(r[tuned][:, ok], plain[tuned][:, ok], rtol=1e-12)
+    f = sqrt_rule_factor(b[None, :], bc[~tuned][:, None], post.lr_fractions[0], 16.0, post.lr_opt_exponent)
+    np.testing.assert_allclose(r[~tuned][:, ok], (plain[~tuned] * f)[:, ok], rtol=1e-9)
+    monkeypatch.setattr(planner_module, "LR_JOINT", False)
+    cs_m, _ = ctrl.c_hypotheses()
+    assert ctrl.hypothesis_x0 is None and len(cs_m) == ctrl.c_points
+    r_m = ctrl.rates(cs_m * 5.0, step_s)
+    assert not np.allclose(r_m[-1][ok], _planner(settings=auto, lr_rule="none").rates(cs_m * 5.0, step_s)[-1][ok])
+
+
 def test_no_decision_is_taken_and_no_stretch_fitted_during_the_lr_warmup(monkeypatch):
     import copus.core.control.planner as planner_module
 

@@ -64,10 +64,18 @@ def choice_loss(rates: np.ndarray, de: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def separation(
-    bc_now: np.ndarray, b_now: float, b_x: float, slope: float, sigma: float, half: int, misfit: float = 0.0
+    bc_now: np.ndarray,
+    b_now: float,
+    b_x: float,
+    slope: float,
+    sigma: float,
+    half: int,
+    misfit: float = 0.0,
+    lr_ratio: np.ndarray | float = 1.0,
 ) -> np.ndarray:
-    """d_jk (K, K) of the module docstring (d²_jk = z²_jk) for the move B_now → B_x at cφ = `bc_now`."""
-    rho = (bc_now + b_now) / (bc_now + b_x)
+    """d_jk (K, K) of the module docstring (d²_jk = z²_jk) for the move B_now → B_x at cφ = `bc_now`;
+    `lr_ratio`: each hypothesis's LR factor at B_x over B_now (the sqrt rule's rows; 1: re-tuned)."""
+    rho = (bc_now + b_now) / (bc_now + b_x) * lr_ratio
     gap = rho[:, None] - rho[None, :]  # ρ_j − ρ_k
     delta = slope * (b_x / b_now) * np.abs(gap)
     z = np.sqrt(2 * half) * np.maximum(KAPPA * delta * half - misfit, 0.0) / max(sigma, 1e-12)

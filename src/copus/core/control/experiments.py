@@ -127,7 +127,8 @@ class BatchExperiments:
         for x in on[(b[on] > max(b[i], b_now)) & (b[on] <= 2.0 * b_now)]:
             if not self._may_repeat(b_now, float(b[x])):
                 continue
-            d = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2])
+            lr = self._lr_ratio(bc_now, b_now, float(b[x]))
+            d = experiment_value.separation(bc_now, b_now, b[x], *trend[:2], post.window_steps, trend[2], lr)
             if np.abs(d).max() < MIN_SEPARATION:
                 continue
             value = experiment_value.value(grid[0], grid[1], w, d)
@@ -143,6 +144,15 @@ class BatchExperiments:
                     "instead_of": b[i],
                 }
         return best
+
+    def _lr_ratio(self, bc_now: np.ndarray, b_now: float, b_x: float) -> np.ndarray | float:
+        """Each joint hypothesis's LR factor at B_x over B_now (`hypothesis_x0`; 1 without them:
+        every hypothesis's bend is then E(B)'s alone, as before docs/robust-goodput.md §6.35)."""
+        if getattr(self, "hypothesis_x0", None) is None:
+            return 1.0
+        hi = np.asarray(self.lr_factor(bc_now, np.float64(b_x)), dtype=float)
+        lo = np.asarray(self.lr_factor(bc_now, np.float64(b_now)), dtype=float)
+        return hi / np.maximum(lo, 1e-300)
 
     def _phi_last(self) -> float:
         """The last stretch's mean noise-scale reading (nan before any)."""

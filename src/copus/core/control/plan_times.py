@@ -84,6 +84,20 @@ class PlanTimes:
         post = self.posterior
         if self.lr_rule != "sqrt" or post is None or not post.lr_fractions:
             return 1.0
+        x0 = getattr(self, "hypothesis_x0", None)
+        if x0 is not None and np.ndim(bc) >= 1 and np.shape(bc)[0] == len(x0) > 1:
+            # joint hypotheses (`LR_JOINT`): hypothesis k's own row, 1 for the LR re-tuned rows
+            xk = np.reshape(x0, (len(x0),) + (1,) * (np.ndim(bc) - 1))
+            tuned = np.isnan(xk)
+            f = sqrt_rule_factor(
+                b,
+                bc,
+                np.where(tuned, 1.0, xk),
+                post.lr_ref_batch,
+                post.lr_opt_exponent,
+                overshoot_only=post.lr_overshoot_only,
+            )
+            return np.where(tuned, 1.0, f)
         x0s, p = post.lr_fraction_weights()
         ref, expo = post.lr_ref_batch, post.lr_opt_exponent
         out = 1.0 - float(p.sum())

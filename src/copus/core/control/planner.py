@@ -91,6 +91,10 @@ SHRINK_QUANTILE = 0.95  # a shrink must be right even at this posterior quantile
 # probes (the default; batch moves go on), "all" decisions, or "none" (before §6.19); with "layout"
 # or "all" the forecast of φ also leaves the warm-up's stretches out
 WARMUP_HOLD = "layout"
+# with the sqrt rule's x0 rows in the posterior (`controller.LR_RULE_FACTOR`): plan over joint (x0, c)
+# hypotheses, each c quantile paired with its own row's LR factor (docs/robust-goodput.md §6.35);
+# False: the marginal quantiles of c times the posterior-mean factor (§6.14–§6.20)
+LR_JOINT = True
 
 
 class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStepTimes):
@@ -140,6 +144,7 @@ class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStep
         # `copus profile`'s measured medians (controller.profile): plan -> step seconds
         self.profile = {p: float(t) for p, t in profile if math.isfinite(t) and t > 0}
         self.readable_from = 0  # the first step past the LR warm-up
+        self.hypothesis_x0: np.ndarray | None = None  # x0 of each joint hypothesis (`c_hypotheses`)
         self._init_experiments()
         self._layouts()
 
@@ -158,9 +163,15 @@ class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStep
         self._layouts()
 
     def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
-        """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c."""
+        """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c.
+        With the sqrt rule's x0 rows and `LR_JOINT`: `c_points` quantiles within each row, each
+        paired with its row's x0 (`hypothesis_x0`, read by `lr_factor`; docs/robust-goodput.md §6.35)."""
         if self.posterior is None or self.c_points == 1:
             return np.array([self.calibration]), np.array([1.0])
+        if LR_JOINT and self.lr_rule == "sqrt" and self.posterior.lr_fractions:
+            cs, w, self.hypothesis_x0 = self.posterior.row_hypotheses(self.c_points)
+            return cs, w
+        self.hypothesis_x0 = None
         q = (np.arange(self.c_points) + 0.5) / self.c_points
         return (np.array([self.posterior.quantile_c(float(x)) for x in q]), np.full(self.c_points, 1.0 / self.c_points))
 

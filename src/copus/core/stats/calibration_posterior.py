@@ -274,6 +274,29 @@ class CalibrationPosterior:
         scale = self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0
         return float(2.0 ** np.interp(q, cdf, self.log2_grid)) * scale
 
+    def row_hypotheses(self, points: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(c, weight, x0): equal-mass quantiles of c within each row of the joint posterior, about
+        2·`points` in all, each row's count in proportion to its mass (at least one; rows of mass
+        < 1 % left out): the LR exponents' rows with x0 = nan (the LR re-tuned for every B), then
+        one per sqrt-rule x0 (`lr_fractions`). The rows' hypotheses of c stay paired with their own
+        LR factor (docs/robust-goodput.md §6.35)."""
+        joint = self.joint()
+        x0s = [math.nan] * len(self.lr_exponents) + [float(x) for x in self.lr_fractions]
+        scale = self._lag_ratio if self.lag_level and (self.lag_steps or self.lag_decay) else 1.0
+        cs, ws, xs = [], [], []
+        for row, x0 in zip(joint, x0s, strict=True):
+            mass = float(row.sum())
+            if mass < 0.01:
+                continue
+            n = max(int(round(2 * points * mass)), 1)
+            q = (np.arange(n) + 0.5) / n
+            p = row / mass
+            cs.append(2.0 ** np.interp(q, np.cumsum(p) - 0.5 * p, self.log2_grid) * scale)
+            ws.append(np.full(n, mass / n))
+            xs.append(np.full(n, x0))
+        w = np.concatenate(ws)
+        return np.concatenate(cs), w / w.sum(), np.concatenate(xs)
+
     def value(self) -> float:
         """The c decisions use: the posterior `quantile` (median by default) of c given the
         most probable LR exponent."""

@@ -108,6 +108,9 @@ PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
 # `bench/planner_grid.py --lr-rule-factor` turns it on. `LR_OVERSHOOT_ONLY = False` (with it,
 # `--lr-full-factor`) prices the whole factor, the gain below the optimum too: 3 seeds, 40 cells,
 # 9 cells > 1 % behind (default 10) but median capture 0.64 (0.77), 5 cells < 0.5 (2): §6.20.
+# That plan mixed the rows' c; since §6.35 each hypothesis of c keeps its own row's factor
+# (`planner.LR_JOINT`): better on the grid (seeds 0–2), but the long pre-training truth slower
+# (seed 2: 679.9 min against 667.3, behind the tuned Megatron schedule's 678.1), so still off.
 LR_RULE_FACTOR = False
 LR_OVERSHOOT_ONLY = True
 SQRT_LR_FRACTIONS = (0.3, 0.45, 0.6, 0.85)

@@ -148,7 +148,7 @@ class BatchExperiments:
     def _lr_ratio(self, bc_now: np.ndarray, b_now: float, b_x: float) -> np.ndarray | float:
         """Each joint hypothesis's LR factor at B_x over B_now (`hypothesis_x0`; 1 without them:
         every hypothesis's bend is then E(B)'s alone, as before docs/robust-goodput.md §6.35)."""
-        if getattr(self, "hypothesis_x0", None) is None:
+        if self.hypothesis_x0 is None:
             return 1.0
         hi = np.asarray(self.lr_factor(bc_now, np.float64(b_x)), dtype=float)
         lo = np.asarray(self.lr_factor(bc_now, np.float64(b_now)), dtype=float)

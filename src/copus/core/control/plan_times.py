@@ -15,7 +15,8 @@ the run's end on each layout, under each hypothesis c, over the forecast noise s
   measured switch cost.
 
 `PlanTimes` is a mixin of `PlanningController`: it reads the controller's `candidates`, `_ids`,
-`_keys`, `grid_points`, `reconfig_cost_s`, `search_options`, `posterior` and `lr_rule`.
+`_keys`, `grid_points`, `reconfig_cost_s`, `search_options`, `posterior`, `lr_rule` and
+`hypothesis_x0` (the x0 of each joint hypothesis of c, or None).
 Pure numpy; no torch.
 """
 
@@ -84,7 +85,7 @@ class PlanTimes:
         post = self.posterior
         if self.lr_rule != "sqrt" or post is None or not post.lr_fractions:
             return 1.0
-        x0 = getattr(self, "hypothesis_x0", None)
+        x0 = self.hypothesis_x0
         if x0 is not None and np.ndim(bc) >= 1 and np.shape(bc)[0] == len(x0) > 1:
             # joint hypotheses (`LR_JOINT`): hypothesis k's own row, 1 for the LR re-tuned rows
             xk = np.reshape(x0, (len(x0),) + (1,) * (np.ndim(bc) - 1))

@@ -164,14 +164,15 @@ class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStep
 
     def c_hypotheses(self) -> tuple[np.ndarray, np.ndarray]:
         """(c values, weights): `c_points` equal-mass quantiles of the posterior, or the fixed c.
-        With the sqrt rule's x0 rows and `LR_JOINT`: `c_points` quantiles within each row, each
-        paired with its row's x0 (`hypothesis_x0`, read by `lr_factor`; docs/robust-goodput.md §6.35)."""
+        With the sqrt rule's x0 rows and `LR_JOINT`: quantiles within each row (2·`c_points` in
+        all, by the rows' mass), each paired with its row's x0 (`hypothesis_x0`, read by
+        `lr_factor`; docs/robust-goodput.md §6.35)."""
+        self.hypothesis_x0 = None
         if self.posterior is None or self.c_points == 1:
             return np.array([self.calibration]), np.array([1.0])
         if LR_JOINT and self.lr_rule == "sqrt" and self.posterior.lr_fractions:
             cs, w, self.hypothesis_x0 = self.posterior.row_hypotheses(self.c_points)
             return cs, w
-        self.hypothesis_x0 = None
         q = (np.arange(self.c_points) + 0.5) / self.c_points
         return (np.array([self.posterior.quantile_c(float(x)) for x in q]), np.full(self.c_points, 1.0 / self.c_points))
 
@@ -455,6 +456,7 @@ class PlanningController(BatchExperiments, LayoutProbes, PlanTimes, MeasuredStep
         if idx is None:
             return self.plan
         level, weights = start_prior.level_hypotheses(self.c_points)
+        self.hypothesis_x0 = None  # the prior's levels are not the posterior's joint hypotheses
         cs, w = np.array(level), np.array(weights)  # B_crit,k = prior · m_k: cφ with φ = prior
         b0 = float(self.plan.global_batch_size)
         step_s = self.predicted_step_s()

@@ -133,6 +133,20 @@ def main() -> int:
         help="with --lr-rule-factor: the x0 rows' prior mass together (default: controller.SQRT_LR_PRIOR, 0.5)",
     )
     ap.add_argument(
+        "--lr-x0",
+        default="",
+        help="with --lr-rule-factor: the x0 rows, comma-separated (default: controller.SQRT_LR_FRACTIONS); one "
+        "value with --lr-prior 0.999 is the x0 known (docs/robust-goodput.md §6.36)",
+    )
+    ap.add_argument(
+        "--prior-octaves",
+        type=float,
+        default=None,
+        help="the planner's prior width over c, octaves (default: controller.PLANNER_PRIOR_OCTAVES, 2); 0.05 with "
+        '--settings \'{"calibration": "R*1.3"}\' is c known, the posterior\'s LR rows still priced (§6.36)',
+    )
+    ap.add_argument("--truths", default="", help="comma-separated truths (default: all of the grid's)")
+    ap.add_argument(
         "--warmup-hold",
         choices=("all", "layout", "none"),
         default=None,
@@ -155,6 +169,8 @@ def main() -> int:
         controller_module.LR_OVERSHOOT_ONLY = not args.lr_full_factor
         if args.lr_prior is not None:
             controller_module.SQRT_LR_PRIOR = args.lr_prior
+        if args.lr_x0:
+            controller_module.SQRT_LR_FRACTIONS = tuple(float(x) for x in args.lr_x0.split(","))
         if args.lr_marginal:
             import copus.core.control.planner as planner_module
 
@@ -181,6 +197,10 @@ def main() -> int:
         from copus.core.stats.calibration_posterior import DEFAULT_LOSS_OFFSETS
 
         controller_module.PLANNER_LOSS_OFFSETS = DEFAULT_LOSS_OFFSETS
+    if args.prior_octaves is not None:
+        import copus.core.control.controller as controller_module
+
+        controller_module.PLANNER_PRIOR_OCTAVES = args.prior_octaves
     if args.warmup_hold is not None:
         import copus.core.control.planner as planner_module
 
@@ -190,7 +210,8 @@ def main() -> int:
 
         planner_module.WIDE_RATIO = args.wide_ratio
     seeds = [int(s) for s in args.seeds.split(",")]
-    cells = tg.grid_cells(args.presets.split(","), tg.GRID_TRUTHS, [float(r) for r in args.ratios.split(",")])
+    truths = args.truths.split(",") if args.truths else tg.GRID_TRUTHS
+    cells = tg.grid_cells(args.presets.split(","), truths, [float(r) for r in args.ratios.split(",")])
     sim_args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)
     policies = ("static", "cbs", "doubling", "goodput")
     out = []

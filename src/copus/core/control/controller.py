@@ -98,6 +98,10 @@ PLANNER_TEMPERING = 0.5
 # clock), f learnt (the default since docs/robust-goodput.md §6.29, with the VoI experiments;
 # §6.27: a trade alone); DEFAULT_LOSS_OFFSETS = (0.0,) = a power law from E = 0
 PLANNER_LOSS_OFFSETS = LOSS_OFFSETS
+# the planner's prior width over c, in octaves (the sd of log2 c): 2 (docs/robust-goodput.md
+# §6.26: 3 is a trade); `bench/planner_grid.py --prior-octaves 0.05` with the median at the
+# value the estimator needs is "c known" with the posterior's LR rows still priced (§6.36)
+PLANNER_PRIOR_OCTAVES = 2.0
 # the sqrt LR rule's overshoot in the planner's rates (docs/robust-goodput.md §6.14), off by default:
 # with it on and lr_rule "sqrt", the posterior also weighs hypotheses of the base LR's fraction
 # x0 = η0/ε_opt(B_ref) of its optimum (the presets' fitted truths: 0.3–0.85; half the prior mass,
@@ -220,6 +224,7 @@ def make_controller(
             "min_ratio": PLANNER_EXPERIMENT_RATIO,
             "tempering": PLANNER_TEMPERING,
             "loss_offsets": PLANNER_LOSS_OFFSETS,
+            "prior_octaves": PLANNER_PRIOR_OCTAVES,
         }
         opts = planner_opts if policy == "goodput" else {}
         if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:

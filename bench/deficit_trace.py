@@ -17,7 +17,9 @@ import numpy as np
 
 from copus.commands.simulate import _preset
 from copus.core.sim.presets import get_preset
-from copus.core.sim.simulator import Planner, SimResult, compare_policies, default_policy_factory, simulate
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import Planner, default_policy_factory
+from copus.core.sim.simulator import SimResult, simulate
 
 
 def time_at(res: SimResult, loss: float) -> tuple[float, int]:

@@ -43,7 +43,8 @@ def run_cell(job) -> dict:
     from copus.core.sim.gap import run_gap
     from copus.core.sim.oracle import scenario_oracle_minutes
     from copus.core.sim.presets import PRESETS
-    from copus.core.sim.simulator import Planner, compare_policies, preset_scenario
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import Planner, preset_scenario
 
     pname, truth, ratio, seed = job
     preset = PRESETS[pname]

@@ -33,7 +33,7 @@ def _rescore(run: dict) -> dict:
     from copus.commands.simulate import _preset
     from copus.core.sim import yardstick as ys
     from copus.core.sim.presets import get_preset
-    from copus.core.sim.simulator import Planner
+    from copus.core.sim.scenario import Planner
 
     old = run["yardstick"]
     preset = get_preset(run["preset"])

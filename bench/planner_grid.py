@@ -19,7 +19,8 @@ def main() -> int:
     from copus.core.sim import truth_grid as tg
     from copus.core.sim import yardstick as ys
     from copus.core.sim.presets import COPUS_PRESETS, get_preset
-    from copus.core.sim.simulator import Planner, compare_policies
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import Planner
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seeds", default="0,1,2")

@@ -132,7 +132,8 @@ def _run_cell(cell, knobs) -> dict:
     import copus.core.control.controller as ctl
     from copus.commands.simulate import default_variant, yardstick_score
     from copus.core.sim.presets import PRESETS
-    from copus.core.sim.simulator import Planner, compare_policies, preset_scenario
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import Planner, preset_scenario
 
     ctl.PlanningController = knob_planner()
     pname, truth, ratio, seed = cell

@@ -20,7 +20,8 @@ import copus.core.sim.simulator as sim_module
 from copus.commands.simulate import _preset
 from copus.core.plan.records import StepRecord
 from copus.core.sim.presets import get_preset
-from copus.core.sim.simulator import Planner, compare_policies
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import Planner
 from copus.core.sim.trajectory import Trajectory
 
 preset, truth, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])

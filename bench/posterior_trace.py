@@ -27,7 +27,8 @@ def trace(preset_name: str, truth: str, ratio: float, seed: int, posterior_optio
 
     from copus.commands.simulate import _preset
     from copus.core.sim.presets import get_preset
-    from copus.core.sim.simulator import Planner, default_policy_factory, simulate
+    from copus.core.sim.scenario import Planner, default_policy_factory
+    from copus.core.sim.simulator import simulate
     from copus.core.sim.trajectory import Trajectory
 
     args = argparse.Namespace(truth="fitted", crit_ratio=None, seed=0, reconfig="online", no_lr_aware=False)

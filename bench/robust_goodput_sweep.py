@@ -71,7 +71,7 @@ def _variants(spec: str, ratio: float, budget: float = 0.0):
     """The variants of one cell: a value "R*k" (a string) becomes the cell's ratio times k,
     "BUDGET*k" the preset's published token budget times k."""
     from copus.commands.simulate import default_variant
-    from copus.core.sim.simulator import COPUS_FAITHFUL
+    from copus.core.sim.scenario import COPUS_FAITHFUL
 
     def value(v):
         if isinstance(v, str) and v.startswith("R*"):
@@ -100,7 +100,8 @@ def _variants(spec: str, ratio: float, budget: float = 0.0):
 def _run_cell(job) -> dict:
     from copus.commands.simulate import _mean, oracle_speedups
     from copus.core.sim.presets import PRESETS
-    from copus.core.sim.simulator import compare_policies, preset_scenario
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import preset_scenario
 
     (pname, truth, ratio, seed), spec, planner_start = job
     preset = PRESETS[pname]

@@ -22,14 +22,9 @@ import numpy as np
 
 from copus.core.specs.resolve import get_model_shape
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import (
-    COPUS_FAITHFUL,
-    POLICY_FAMILIES,
-    Scenario,
-    SimSettings,
-    compare_policies,
-    preset_scenario,
-)
+from copus.core.sim.compare import POLICY_FAMILIES, compare_policies
+from copus.core.sim.scenario import COPUS_FAITHFUL, Scenario, preset_scenario
+from copus.core.sim.simulator import SimSettings
 from copus.core.sim.trajectory import TrajectoryParams
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_scale.json"

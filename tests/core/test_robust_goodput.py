@@ -110,7 +110,7 @@ def test_a_fixed_calibration_has_no_posterior():
 
 
 def test_goodput_copus_is_the_papers_algorithm_alone():
-    from copus.core.sim.simulator import COPUS_FAITHFUL
+    from copus.core.sim.scenario import COPUS_FAITHFUL
 
     s = dict(COPUS_FAITHFUL.settings)
     c = dict(COPUS_FAITHFUL.controller)

@@ -11,14 +11,9 @@ from copus.core.plan.plan import ParallelPlan
 from copus.core.sim.gap import decompose, run_gap
 from copus.core.sim.oracle import scenario_oracle_minutes
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import (
-    GoodputVariant,
-    Planner,
-    compare_policies,
-    default_policy_factory,
-    preset_scenario,
-    simulate,
-)
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import GoodputVariant, Planner, default_policy_factory, preset_scenario
+from copus.core.sim.simulator import simulate
 from copus.core.sim.trajectory import LR_TUNED
 
 

@@ -11,7 +11,8 @@ from copus.core.sim import yardstick as ys
 from copus.core.sim.egrid import Menu, ceiling_minutes, fixed_runs_minutes
 from copus.core.sim.oracle import oracle_minutes
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import Planner, compare_policies
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import Planner
 
 
 def _scenario(name="3b-8xh100", truth="lr-tuned", ratio=None):
@@ -148,7 +149,7 @@ def test_olmo_long_truth_grows_the_critical_batch_from_near_zero_to_thousands():
     """Merrill et al. 2025's shape: near zero at the start, thousands of sequences by the last
     target, on a cluster the smallest batch fills to less than half."""
     from copus.core.sim.presets import PRESETS, get_preset
-    from copus.core.sim.simulator import preset_scenario
+    from copus.core.sim.scenario import preset_scenario
     from copus.core.sim.trajectory import Trajectory
 
     p = get_preset("olmo-long")

@@ -7,16 +7,9 @@ import pytest
 from copus.core.specs.resolve import get_model_shape
 from copus.core.plan.plan import ParallelPlan
 from copus.core.sim.presets import PRESETS
-from copus.core.sim.simulator import (
-    Planner,
-    Scenario,
-    SimSettings,
-    compare_policies,
-    default_policy_factory,
-    preset_scenario,
-    reconfig_cost_s,
-    simulate,
-)
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import Planner, Scenario, default_policy_factory, preset_scenario
+from copus.core.sim.simulator import SimSettings, reconfig_cost_s, simulate
 from copus.core.sim.trajectory import TrajectoryParams
 
 SHAPE = get_model_shape("llama-3.2-3b")

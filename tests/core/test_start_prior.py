@@ -9,7 +9,7 @@ import pytest
 from copus.commands.simulate import _preset
 from copus.core.control import start_prior
 from copus.core.sim.presets import get_preset
-from copus.core.sim.simulator import Planner, default_policy_factory
+from copus.core.sim.scenario import Planner, default_policy_factory
 
 
 def test_the_prior_critical_batch_grows_as_kaplans_data_law_says():

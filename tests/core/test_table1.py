@@ -6,7 +6,8 @@ import pytest
 
 from copus.cli import main
 from copus.core.sim.presets import Preset
-from copus.core.sim.simulator import COPUS_FAITHFUL, GoodputVariant, compare_policies, preset_scenario
+from copus.core.sim.compare import compare_policies
+from copus.core.sim.scenario import COPUS_FAITHFUL, GoodputVariant, preset_scenario
 from copus.core.sim.table1 import table1_rows, timeline_rows
 from copus.core.sim.trajectory import TrajectoryParams
 

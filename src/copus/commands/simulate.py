@@ -1,11 +1,11 @@
 """`copus simulate`: how much would copus save on my model and cluster? (no GPUs, no torch)
 
-Runs every chosen policy on a simulated cluster (`copus.core.sim.simulator`) and prints the time to
+Runs every chosen policy on a simulated cluster (`copus.core.sim.compare`) and prints the time to
 each target loss, the speed-up of goodput over the fastest baseline at each target (COPUS
 Table 1 metric), and the plan timeline. `--preset NAME|all` runs COPUS's own configurations and
 prints the published numbers next to the simulated ones: Table 1's minutes (published |
 simulated) for every static, CBS and COPUS row, the COPUS-faithful goodput ("goodput-copus",
-`core.simulator.COPUS_FAITHFUL`) and copus's default goodput (the config defaults) side by
+`core.sim.scenario.COPUS_FAITHFUL`) and copus's default goodput (the config defaults) side by
 side, and each switch beside Table 2's.
 """
 
@@ -17,7 +17,7 @@ import math
 import sys
 
 from copus.commands.config_defaults import TRAIN_KEYS, add_config_argument, fill_from_config
-from copus.core.sim.simulator import POLICY_FAMILIES
+from copus.core.sim.compare import POLICY_FAMILIES
 
 
 SIMULATE_DEFAULTS = {
@@ -99,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from copus.core.sim.presets import COPUS_PRESETS, get_preset
-    from copus.core.sim.simulator import Planner, compare_policies
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import Planner
 
     fill_from_config(args, TRAIN_KEYS, SIMULATE_DEFAULTS)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -145,7 +146,7 @@ def default_variant(no_lr_aware: bool = False):
     keys (copus.config), as `copus train --policy goodput` runs it."""
     from copus.config import load_config
     from copus.core.control.policies import PolicySettings
-    from copus.core.sim.simulator import GoodputVariant
+    from copus.core.sim.scenario import GoodputVariant
 
     cfg = load_config()
     s, c = PolicySettings.from_config(cfg), cfg.controller
@@ -161,7 +162,7 @@ def default_variant(no_lr_aware: bool = False):
 
 
 def _preset(preset, args, truth: str | None = None, crit_ratio: float | None = None, seed: int | None = None):
-    from copus.core.sim.simulator import COPUS_FAITHFUL, preset_scenario
+    from copus.core.sim.scenario import COPUS_FAITHFUL, preset_scenario
 
     traj = preset.truth(truth or args.truth)
     ratio = crit_ratio if crit_ratio is not None else args.crit_ratio
@@ -190,7 +191,8 @@ def _numbers(text: str, flag: str, kind=float) -> list:
 
 def _custom(args):
     from copus.core.specs.resolve import get_model_shape
-    from copus.core.sim.simulator import Scenario, SimSettings
+    from copus.core.sim.scenario import Scenario
+    from copus.core.sim.simulator import SimSettings
     from copus.core.sim.trajectory import TrajectoryParams
 
     shape = get_model_shape(args.model, args.seq_len)
@@ -402,7 +404,8 @@ def yardstick_score(preset, cmp_, planner=None, yard=None) -> dict:
     """The honest yardstick of a preset's comparison (`core.sim.yardstick.score`): the best
     baseline, the honest ceiling and every goodput run's speed-ups on time to the final target."""
     from copus.core.sim import yardstick as ys
-    from copus.core.sim.simulator import BASELINE_FAMILIES, Planner
+    from copus.core.sim.compare import BASELINE_FAMILIES
+    from copus.core.sim.scenario import Planner
 
     sc = cmp_.scenario
     if yard is None:
@@ -475,7 +478,7 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     """--truth-grid: the capture table (`core.sim.truth_grid`), as a table or JSON."""
     from copus.core.sim import truth_grid as tg
     from copus.core.sim.presets import COPUS_PRESETS, get_preset
-    from copus.core.sim.simulator import compare_policies
+    from copus.core.sim.compare import compare_policies
 
     if "goodput" not in policies or not {"static", "cbs"} & set(policies):
         raise ValueError(
@@ -491,7 +494,7 @@ def _run_grid(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
 
     def run_one(cell: tg.Cell, seed: int) -> dict:
         from copus.core.sim import yardstick as ys
-        from copus.core.sim.simulator import Planner
+        from copus.core.sim.scenario import Planner
 
         preset = get_preset(cell.preset)
         sc = _preset(preset, args, cell.truth, cell.crit_ratio, seed)

@@ -104,7 +104,7 @@ def run_gap(scenario, result, planner=None, stop_loss: float | None = None) -> G
     """`decompose` for a `core.sim.simulator.SimResult` simulated with `keep_records` on
     `scenario`, against the oracle's menu (every memory-feasible candidate of the scenario,
     as `core.sim.oracle.scenario_oracle_minutes`); `stop_loss` default: the last target."""
-    from copus.core.sim.simulator import Planner
+    from copus.core.sim.scenario import Planner
 
     if not result.records:
         raise ValueError(

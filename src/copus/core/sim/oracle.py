@@ -75,10 +75,10 @@ def speedup_pct(baseline_min: float | None, run_min: float | None) -> float | No
 def scenario_oracle_minutes(
     scenario, params: TrajectoryParams | None = None, planner=None, layout: tuple[int, int, int] | None = None
 ) -> list[float | None]:
-    """`oracle_minutes` over every memory-feasible plan of a `core.simulator.Scenario` (the
+    """`oracle_minutes` over every memory-feasible plan of a `core.sim.scenario.Scenario` (the
     controller's own candidate grid), under `params` (default: the scenario's truth).
     `layout` (dp, tp, pp): only that layout's plans, i.e. the batch schedule's own ceiling."""
-    from copus.core.sim.simulator import Planner
+    from copus.core.sim.scenario import Planner
 
     cands, step_s = (planner or Planner(scenario)).menu()
     ok = np.isfinite(step_s) & (step_s > 0)
@@ -176,12 +176,12 @@ def layout_ids(candidates) -> np.ndarray:
 
 
 def scenario_switch_aware_minutes(scenario, params: TrajectoryParams | None = None, planner=None) -> list[float | None]:
-    """The switch-aware ceiling of a `core.simulator.Scenario`: `scenario_oracle_minutes` plus
+    """The switch-aware ceiling of a `core.sim.scenario.Scenario`: `scenario_oracle_minutes` plus
     what paying the scenario's switch cost adds in `switch_aware_minutes` (its result at the
     cost minus at zero cost). The difference form keeps the greedy oracle's exact sqrt-LR
     warm-up; under the lr-tuned truth it equals `switch_aware_minutes` itself (the programme at
     zero cost reproduces the greedy oracle within 0.1 %, tested to 0.5 %)."""
-    from copus.core.sim.simulator import Planner
+    from copus.core.sim.scenario import Planner
 
     planner = planner or Planner(scenario)
     cands, step_s = planner.menu()

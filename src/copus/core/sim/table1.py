@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from copus.core.sim.simulator import Comparison, SimResult
+from copus.core.sim.compare import Comparison
+from copus.core.sim.simulator import SimResult
 from copus.core.plan.layout_names import parse_layout
 
 

@@ -169,7 +169,7 @@ def fit_truth(
 
 def preset_static_rows(preset, planner=None) -> list[StaticRow]:
     """Static rows of a `core.presets.Preset`, each batch on its fastest plan (COPUS §6.1)."""
-    from copus.core.sim.simulator import Planner, preset_scenario
+    from copus.core.sim.scenario import Planner, preset_scenario
 
     planner = planner or Planner(preset_scenario(preset))
     rows = []
@@ -194,7 +194,8 @@ def preset_static_rows(preset, planner=None) -> list[StaticRow]:
 def preset_cbs_errors(preset, seed: int = 0) -> Callable[[TrajectoryParams], list[float]]:
     """params -> log(simulated/published) minutes of the preset's two CBS rows (simulated with
     `params` as the truth, same seed and settings as `copus simulate --preset`)."""
-    from copus.core.sim.simulator import Planner, compare_policies, preset_scenario
+    from copus.core.sim.compare import compare_policies
+    from copus.core.sim.scenario import Planner, preset_scenario
     from copus.core.sim.table1 import simulated_run_for
 
     def errors(params: TrajectoryParams) -> list[float]:

@@ -70,7 +70,7 @@ def _minutes_list(row: np.ndarray) -> list[float | None]:
 
 
 def build(scenario, planner, *, horizon_tokens: float) -> Yardstick:
-    """The deterministic yardstick of `scenario` (a `core.sim.simulator.Scenario`)."""
+    """The deterministic yardstick of `scenario` (a `core.sim.scenario.Scenario`)."""
     cands, step_s = planner.menu()
     menu = Menu.from_candidates(cands, step_s)
     truth, seq, targets = scenario.sim.trajectory, scenario.shape.seq_len, list(scenario.sim.target_losses)

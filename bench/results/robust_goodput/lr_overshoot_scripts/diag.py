@@ -3,8 +3,7 @@ import sys
 import numpy as np
 from copus.commands.simulate import _preset
 from copus.core.sim.presets import get_preset
-from copus.core.sim.compare import compare_policies
-from copus.core.sim.scenario import Planner
+from copus.core.sim.simulator import Planner, compare_policies
 import copus.core.stats.calibration_posterior as cp
 
 preset, truth, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])

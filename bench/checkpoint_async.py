@@ -1,7 +1,7 @@
 """Benchmark: training step time while a checkpoint is being written, synchronous vs asynchronous.
 
 Hypothesis: with `checkpoint.save` every rank stops training for the whole write (plus, before,
-a read-back to hash the files); with `checkpoint.AsyncCheckpointer` (DCP `async_save`, hashes
+a read-back to hash the files); with `async_checkpoint.AsyncCheckpointer` (DCP `async_save`, hashes
 computed while writing) a step only pays for staging the state to host memory, and the steps
 that overlap the background write run at ≤ 1.1 × a normal step.
 
@@ -11,7 +11,7 @@ steps, then a save started at a step boundary followed by steps until it has fin
 or one synchronous save followed by the same steps (sync); the two modes alternate between
 repeats. Reported: the median normal step, the median step overlapping an asynchronous write,
 the time the training loop is blocked by the save call (staging for async; the whole save for
-sync), and the write's duration. Bytes re-read for hashing are counted (`checkpoint._sha256`).
+sync), and the write's duration. Bytes re-read for hashing are counted (`checkpoint_integrity._sha256`).
 
 Writes bench/results/checkpoint_async_<kind>.json and .md.
 Run: python bench/checkpoint_async.py [--model small] [--repeats 5] [--steps 8] [--nice 0]
@@ -33,6 +33,8 @@ import torch
 from copus.core.specs.resolve import get_model_shape
 from copus.runtime.engine.model import build_model, materialize
 from copus.runtime.state import checkpoint as ckpt
+from copus.runtime.state import checkpoint_integrity as ci
+from copus.runtime.state.async_checkpoint import AsyncCheckpointer
 
 OUT = Path(__file__).resolve().parent / "results" / "checkpoint_async"
 COUNTING = [True]  # off while the bench itself verifies a finished checkpoint
@@ -76,7 +78,7 @@ def one_repeat(mode: str, model, opt, tokens, root: Path, k: int, steps: int) ->
         return {"normal": normal, "during": during, "blocked_s": blocked, "write_s": blocked, "overlapped_steps": 0}
     reuse = mode == "async"  # "async_fresh": new staging tensors at every save (the former way)
     if (KIND[0], reuse) not in SAVERS:
-        SAVERS[KIND[0], reuse] = ckpt.AsyncCheckpointer(nice=NICE[0], kind=KIND[0], reuse_staging=reuse)
+        SAVERS[KIND[0], reuse] = AsyncCheckpointer(nice=NICE[0], kind=KIND[0], reuse_staging=reuse)
     saver = SAVERS[KIND[0], reuse]
     saver.save(root, k, state(model, opt), {"step": k})
     blocked = time.perf_counter() - t0
@@ -114,8 +116,8 @@ def main() -> None:
     for _ in range(3):
         step(model, opt, tokens)  # warm-up, AdamW state allocated
     hashed: list[int] = []
-    real = ckpt._sha256
-    ckpt._sha256 = lambda p: (COUNTING[0] and hashed.append(Path(p).stat().st_size)) or real(p)
+    real = ci._sha256
+    ci._sha256 = lambda p: (COUNTING[0] and hashed.append(Path(p).stat().st_size)) or real(p)
     root = Path(tempfile.mkdtemp(prefix="copus-ckpt-bench-"))
     modes = ["async", "async_fresh", "sync"]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -126,7 +128,7 @@ def main() -> None:
                 k += 1
                 runs[mode].append(one_repeat(mode, model, opt, tokens, root, k, args.steps))
     finally:
-        ckpt._sha256 = real
+        ci._sha256 = real
         shutil.rmtree(root, ignore_errors=True)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     result = {

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from copus.runtime.state import checkpoint as ckpt
+from copus.runtime.state import checkpoint_integrity as ci
 from tests.runtime._workers import run_ranks
 
 
@@ -25,20 +26,21 @@ def _save_and_count(root: str) -> dict:
     import torch.distributed as dist
 
     from copus.runtime.state import checkpoint as ck
+    from copus.runtime.state import checkpoint_integrity as ci
 
     ck.save(root, 1, _state(1), {"step": 1})
     hashed: list[str] = []
-    original = ck._sha256
+    original = ci._sha256
 
     def counting(path):
         hashed.append(Path(path).name)
         return original(path)
 
-    ck._sha256 = counting
+    ci._sha256 = counting
     try:
         ck.save(root, 2, _state(2), {"step": 2})
     finally:
-        ck._sha256 = original
+        ci._sha256 = original
     return {"rank": dist.get_rank(), "hashed": hashed}
 
 
@@ -46,20 +48,21 @@ def _agree(root: str) -> dict:
     import torch.distributed as dist
 
     from copus.runtime.state import checkpoint as ck
+    from copus.runtime.state import checkpoint_integrity as ci
 
     hashed: list[str] = []
-    original = ck._sha256
+    original = ci._sha256
 
     def counting(path):
         hashed.append(Path(path).name)
         return original(path)
 
-    ck._sha256 = counting
+    ci._sha256 = counting
     logged: list[str] = []
     try:
         found = ck.agree_on_latest(root, logged.append)
     finally:
-        ck._sha256 = original
+        ci._sha256 = original
     return {"rank": dist.get_rank(), "found": str(found), "hashed": hashed, "logged": logged}
 
 
@@ -106,22 +109,23 @@ def _agree_bytes(root: str) -> dict:
     """`agree_on_latest` with the bytes this rank hashed per checkpoint and the problems."""
 
     from copus.runtime.state import checkpoint as ck
+    from copus.runtime.state import checkpoint_integrity as ci
 
     hashed: dict[str, int] = {}
-    original = ck._sha256
+    original = ci._sha256
 
     def counting(path):
         key = Path(path).parent.name
         hashed[key] = hashed.get(key, 0) + Path(path).stat().st_size
         return original(path)
 
-    ck._sha256 = counting
+    ci._sha256 = counting
     logged: list[str] = []
     problems: list[str] = []
     try:
         found = ck.agree_on_latest(root, logged.append, problems)
     finally:
-        ck._sha256 = original
+        ci._sha256 = original
     return {"found": str(found), "hashed": hashed, "logged": logged, "problems": problems}
 
 
@@ -178,8 +182,8 @@ def test_the_launcher_checks_the_structure_and_hashes_nothing(tmp_path, monkeypa
     root = tmp_path / "run" / "checkpoints"
     ckpt.save(root, 1, _state(1), {"step": 1})
     calls: list[Path] = []
-    original = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda p: calls.append(p) or original(p))
+    original = ci._sha256
+    monkeypatch.setattr(ci, "_sha256", lambda p: calls.append(p) or original(p))
     _flip(root / "step-1" / "__0_0.distcp")  # corrupt but complete: the workers will find it
     assert has_complete_checkpoint(tmp_path / "run") and calls == []
     with open(root / "step-1" / "__0_0.distcp", "ab") as f:
@@ -350,11 +354,13 @@ def _async_saves(root: str) -> dict:
     """2 ranks: an asynchronous save, the tensors changed at once (training goes on), a second
     save that waits for the first; nothing is read back for hashing."""
     from copus.runtime.state import checkpoint as ck
+    from copus.runtime.state import checkpoint_integrity as ci
+    from copus.runtime.state.async_checkpoint import AsyncCheckpointer
 
     hashed: list[str] = []
-    original = ck._sha256
-    ck._sha256 = lambda p: hashed.append(Path(p).name) or original(p)
-    saver = ck.AsyncCheckpointer()
+    original = ci._sha256
+    ci._sha256 = lambda p: hashed.append(Path(p).name) or original(p)
+    saver = AsyncCheckpointer()
     state = _state(10)  # replicated: rank 0 writes it
     snapshot = {k: v.clone() for k, v in state["model"].items()}
     try:
@@ -365,7 +371,7 @@ def _async_saves(root: str) -> dict:
         second = saver.save(root, 2, state, {"step": 2})  # waits for step 1 first
         saver.close()
     finally:
-        ck._sha256 = original
+        ci._sha256 = original
     loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     ck.load(first, loaded, check=False)
     same = all(torch.equal(loaded["model"][k], snapshot[k]) for k in snapshot)

@@ -52,7 +52,7 @@ def _checkpoint(root: Path, step: int = 1) -> Path:
 
 def _reseal(path: Path, step: int) -> None:
     """Rewrite the manifest so checksums match the tampered files (as an attacker could)."""
-    ckpt._write_manifest(path, step)
+    ckpt.write_manifest(path, step)
     assert ckpt.verify(path) is None or "metadata" in ckpt.verify(path)
 
 

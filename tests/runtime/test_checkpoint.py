@@ -61,7 +61,7 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def boom(folder, step, known=None):
         raise OSError("simulated crash while writing the manifest")
 
-    monkeypatch.setattr(ckpt, "_write_manifest", boom)
+    monkeypatch.setattr(ckpt, "write_manifest", boom)  # read by checkpoint.finalize
     with pytest.raises(ckpt.CheckpointError, match="step-2 not saved .OSError: simulated crash"):
         _save(tmp_path, 2)
     assert not (tmp_path / "tmp-step-2").exists()  # the half-written one was removed
@@ -122,7 +122,9 @@ def test_rng_state_roundtrip_is_json():
 def test_background_saves_reuse_the_staged_host_tensors_until_the_structure_changes(tmp_path):
     """The second background save copies into the first one's staged tensors (one allocation)
     and still holds its own values; another structure (a layout switch) is staged afresh."""
-    saver = ckpt.AsyncCheckpointer()
+    from copus.runtime.state.async_checkpoint import AsyncCheckpointer
+
+    saver = AsyncCheckpointer()
     model, opt = _model_and_opt(0)
     try:
         saver.save(tmp_path, 1, _state(model, opt), {"step": 1})

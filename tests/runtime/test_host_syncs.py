@@ -126,12 +126,12 @@ def test_at_most_two_host_syncs_per_step(tmp_path, policy):
 HOT_PATH = {
     "runtime/engine/grad_stats.py": None,
     "runtime/engine/engine.py": {"Engine.train_step", "Engine._forward_backward"},
-    "runtime/train/trainer.py": {
-        "Trainer.step_once",
-        "Trainer.step_end",
-        "Trainer.train_step",
-        "Trainer.batch_to_device",
-        "Trainer.decide",
+    "runtime/train/step.py": {  # the trainer's step (`StepMixin`, a base of `Trainer`)
+        "StepMixin.step_once",
+        "StepMixin.step_end",
+        "StepMixin.train_step",
+        "StepMixin.batch_to_device",
+        "StepMixin.decide",
     },
     "adapt.py": {
         "AdaptiveBatch.end_step",
@@ -145,7 +145,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 # a factory whose result is on the right device without device=: documented exceptions
 ALLOWED = {
     ("runtime/engine/grad_stats.py", "weighted_sqnorm"),  # the empty list's zero (no device)
-    ("runtime/train/trainer.py", "Trainer.batch_to_device"),  # host rows, then pinned + copied
+    ("runtime/train/step.py", "StepMixin.batch_to_device"),  # host rows, then pinned + copied
     ("adapt.py", "AdaptiveBatch._statistics"),  # torch.tensor(..., device=device)
 }
 

@@ -11,7 +11,7 @@ as `.metadata.tmp` then renamed: its digest is filed under `.metadata`.
 After the write each rank files its own digests as `__<rank>.hashes.json` in the checkpoint
 folder (written and fsync'ed inside `write_data`, so before DCP's coordinator gathers the write
 results); the coordinator reads them all in `finish`, once every rank's data is on disk. This
-lets an asynchronous save (`checkpoint.AsyncCheckpointer`) be finished by rank 0 alone, without
+lets an asynchronous save (`async_checkpoint.AsyncCheckpointer`) be finished by rank 0 alone, without
 a collective outside DCP's own.
 """
 

@@ -1,5 +1,6 @@
-"""Where a run is (`Progress`) and a plan as the JSON a checkpoint stores: the state that the
-trainer, the branch probes and `copus calibrate` share without importing the trainer.
+"""Where a run is (`Progress`), a plan as the JSON a checkpoint stores, and the error that ends
+a run (`TrainingError`): what the trainer and its parts (step, checkpointing), the branch probes
+and `copus calibrate` share without importing the trainer.
 """
 
 from __future__ import annotations
@@ -7,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from copus.core.plan.plan import ParallelPlan
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 @dataclass(slots=True, kw_only=True)

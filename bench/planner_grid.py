@@ -146,6 +146,12 @@ def main() -> int:
         help="the planner's prior width over c, octaves (default: controller.PLANNER_PRIOR_OCTAVES, 2); 0.05 with "
         '--settings \'{"calibration": "R*1.3"}\' is c known, the posterior\'s LR rows still priced (§6.36)',
     )
+    ap.add_argument(
+        "--fixed-c-rows",
+        action="store_true",
+        help='with c given ("calibration_mode": "fixed") under the sqrt rule: the x0 rows priced around '
+        "that c, the off-by-default variant controller.FIXED_C_LR_ROWS (docs/robust-goodput.md §6.36)",
+    )
     ap.add_argument("--truths", default="", help="comma-separated truths (default: all of the grid's)")
     ap.add_argument(
         "--warmup-hold",
@@ -198,6 +204,10 @@ def main() -> int:
         from copus.core.stats.calibration_posterior import DEFAULT_LOSS_OFFSETS
 
         controller_module.PLANNER_LOSS_OFFSETS = DEFAULT_LOSS_OFFSETS
+    if args.fixed_c_rows:
+        import copus.core.control.controller as controller_module
+
+        controller_module.FIXED_C_LR_ROWS = True
     if args.prior_octaves is not None:
         import copus.core.control.controller as controller_module
 

@@ -657,3 +657,25 @@ def test_a_square_wave_experiment_alternates_its_batch_within_one_window(monkeyp
     post = ctrl.posterior
     assert set(row["batches"]) == {16.0, 32.0}
     assert row["steps"] == 2 * post.window_steps + post.skip_steps + 1, row  # not extended by 150, 180
+
+
+def test_with_c_given_under_the_sqrt_rule_the_variant_learns_only_the_rules_x0(monkeypatch):
+    """docs/robust-goodput.md §6.36: c given (`calibration_mode` "fixed", e.g. from `copus
+    calibrate`) and the sqrt LR rule: the variant `FIXED_C_LR_ROWS` weighs the x0 rows (the whole
+    factor 2x − x²) around a c held FIXED_C_OCTAVES wide, so its hypotheses of c stay at the given
+    c whatever the windows read; by default, or with lr_rule "none", c alone (no posterior)."""
+    import copus.core.control.controller as controller_module
+
+    fixed = PolicySettings(initial=16, min=16, max=512, interval_steps=10, warmup_steps=10, calibration=2.0)
+    assert _planner(settings=fixed, lr_rule="sqrt").posterior is None  # off by default
+    monkeypatch.setattr(controller_module, "FIXED_C_LR_ROWS", True)
+    assert _planner(settings=fixed, lr_rule="none").posterior is None
+    ctrl = _planner(settings=fixed, lr_rule="sqrt", horizon_tokens=2e6 * SEQ)
+    post = ctrl.posterior
+    assert post is not None and post.lr_fractions and not post.lr_overshoot_only
+    assert post.prior_octaves == controller_module.FIXED_C_OCTAVES
+    _drive(ctrl, 400, c=4.0, bcrit=lambda e: 5.0 + 2.0 * e**0.8)  # windows that read a c 2x larger
+    cs, w = ctrl.c_hypotheses()
+    x0 = ctrl.hypothesis_x0
+    assert np.isnan(x0).any() and np.isfinite(x0).any()  # the re-tuned row and the x0 rows
+    np.testing.assert_allclose(cs, 2.0, rtol=0.15)

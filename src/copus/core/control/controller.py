@@ -119,6 +119,14 @@ LR_RULE_FACTOR = False
 LR_OVERSHOOT_ONLY = True
 SQRT_LR_FRACTIONS = (0.3, 0.45, 0.6, 0.85)
 SQRT_LR_PRIOR = 0.5  # the x0 rows' prior mass together (docs/robust-goodput.md §6.20; §6.33: 0.2)
+# with c given (`gns.calibration_mode = "fixed"`, e.g. from `copus calibrate`) and the sqrt rule,
+# the variant prices the x0 rows (the whole factor 2x − x², each c with its own row) around a c
+# held FIXED_C_OCTAVES wide: given c, the rows learn x0 cheaply. Off: 3 seeds, 40 cells, c at
+# 1.4 R, it lifts every sqrt-lr cell (32B −1.9 → −0.7 %, 13B +0.3 → +1.6 %) but costs every
+# lr-tuned cell 0.4–1.6 points (7B −1.5 %, behind), median capture 0.91 → 0.79
+# (docs/robust-goodput.md §6.36; `bench/planner_grid.py --fixed-c-rows`)
+FIXED_C_LR_ROWS = False
+FIXED_C_OCTAVES = 0.05
 
 
 def default_micro_batch_sizes(initial_plan: ParallelPlan, max_batch: int) -> list[int]:
@@ -217,7 +225,11 @@ def make_controller(
         else:
             fixed = prior
     posterior = None
-    if getattr(settings, "calibration_mode", "fixed") == "auto":
+    mode = getattr(settings, "calibration_mode", "fixed")
+    # c given (`copus calibrate`) under the sqrt rule, the variant `FIXED_C_LR_ROWS`: a posterior
+    # FIXED_C_OCTAVES wide at that c whose x0 rows learn the base LR's fraction of its optimum
+    fixed_c_rows = mode == "fixed" and policy == "goodput" and lr_rule == "sqrt" and FIXED_C_LR_ROWS
+    if mode == "auto" or fixed_c_rows:
         # the planner moves the batch in small steps: only moves of >= 1.3x are experiments
         # (docs/robust-goodput.md §6)
         planner_opts = {
@@ -227,13 +239,15 @@ def make_controller(
             "prior_octaves": PLANNER_PRIOR_OCTAVES,
         }
         opts = planner_opts if policy == "goodput" else {}
-        if policy == "goodput" and lr_rule == "sqrt" and LR_RULE_FACTOR:
+        if policy == "goodput" and lr_rule == "sqrt" and (LR_RULE_FACTOR or fixed_c_rows):
             opts |= {
                 "lr_fractions": SQRT_LR_FRACTIONS,
                 "lr_ref_batch": float(settings.initial),
-                "lr_overshoot_only": LR_OVERSHOOT_ONLY,
+                "lr_overshoot_only": LR_OVERSHOOT_ONLY and not fixed_c_rows,
                 "prior_lr_fractions": SQRT_LR_PRIOR,
             }
+        if fixed_c_rows:
+            opts["prior_octaves"] = FIXED_C_OCTAVES
         opts |= posterior_options or {}
         posterior = CalibrationPosterior(
             prior_c=float(settings.calibration), quantile=float(getattr(settings, "calibration_quantile", 0.5)), **opts

@@ -215,16 +215,25 @@ def find_latest(
     One process: the checksums are hashed on `threads` threads (default `verify_threads`);
     `checksums=False` checks the structure only (`verify`). Each rejected checkpoint's problem
     is appended to `problems` when given."""
+    paths = [p for _, p in step_dirs(root)]
+    return _first_good(paths, lambda p: verify(p, threads=threads, checksums=checksums), log, problems)
+
+
+def _first_good(
+    paths: list[Path], problem_of: Callable[[Path], str | None], say: Callable[[str], None], problems: list[str] | None
+) -> Path | None:
+    """The first of `paths` (newest first) whose `problem_of` is None; the rejected newer ones are
+    logged with `say`, and every problem is appended to `problems` (when given) if none is good."""
     bad: list[str] = []
-    for _, path in step_dirs(root):
-        problem = verify(path, threads=threads, checksums=checksums)
+    for path in paths:
+        problem = problem_of(path)
         if problem is None:
             for msg in bad:
-                log(f"checkpoint: {msg}; using {path.name}")
+                say(f"checkpoint: {msg}; using {path.name}")
             return path
         bad.append(problem)
     for msg in bad:
-        log(f"checkpoint: {msg}; no older good checkpoint")
+        say(f"checkpoint: {msg}; no older good checkpoint")
     if problems is not None:
         problems.extend(bad)
     return None
@@ -256,19 +265,7 @@ def agree_on_latest(
     say = log if this_rank() == 0 else _quiet
     names = [[str(p) for _, p in step_dirs(root)] if this_rank() == 0 else None]
     dist.broadcast_object_list(names, src=0)
-    bad: list[str] = []
-    for name in names[0]:
-        problem = agree_on_problem(name)
-        if problem is None:
-            for msg in bad:
-                say(f"checkpoint: {msg}; using {Path(name).name}")
-            return Path(name)
-        bad.append(problem)
-    for msg in bad:
-        say(f"checkpoint: {msg}; no older good checkpoint")
-    if problems is not None:
-        problems.extend(bad)
-    return None
+    return _first_good([Path(n) for n in names[0]], agree_on_problem, say, problems)
 
 
 def _quiet(_: str) -> None:
